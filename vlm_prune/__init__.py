@@ -1,0 +1,11 @@
+"""vlm-prune: drop or merge visual tokens, frames and patches of VLMs without retraining.
+
+    model = vlm_prune.wrap(model, "fastv", keep=0.5)
+    model.vlm_prune.last_stats
+    vlm_prune.unwrap(model)
+"""
+from vlm_prune.api import unwrap, wrap
+from vlm_prune.registry import available_methods, register
+
+__all__ = ["wrap", "unwrap", "available_methods", "register", "__version__"]
+__version__ = "0.1.0"

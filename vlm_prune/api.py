@@ -1,0 +1,132 @@
+"""Public API: wrap / unwrap a model with one or more pruning methods."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+
+from vlm_prune.methods.base import STAGES, Method, validate_budget
+from vlm_prune.registry import make_method
+
+
+
+@dataclass
+class WrapState:
+    """What ``wrap`` attaches to the model as ``model.vlm_prune``."""
+
+    adapter: Any
+    methods: dict[str, Method]
+    processor: Any = None
+    seed: int = 0
+    last_stats: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def pipeline(self) -> list[Method]:
+        """The configured methods in stage order (frames -> vision/vit -> llm)."""
+        return [self.methods[s] for s in STAGES if s in self.methods]
+
+    def __repr__(self) -> str:
+        return f"WrapState(adapter={self.adapter.family!r}, pipeline={self.pipeline!r})"
+
+
+def _as_list(method: Any) -> list[Any]:
+    if method is None:
+        return []
+    if isinstance(method, (list, tuple)):
+        return list(method)
+    return [method]
+
+
+def build_pipeline(
+    method: Any = None,
+    *,
+    frames: Any = None,
+    tokens: Any = None,
+    keep: float | None = None,
+    budget: int | None = None,
+) -> dict[str, Method]:
+    """Resolve names / objects into configured methods keyed by stage, validating budgets."""
+    validate_budget(keep, budget, required=False)
+    specs = _as_list(method) + _as_list(frames) + _as_list(tokens)
+    if not specs:
+        raise ValueError(
+            "no method given: wrap(model, 'fastv', keep=0.5), or see vlm_prune.available_methods()"
+        )
+    by_stage: dict[str, Method] = {}
+    for spec in specs:
+        m = make_method(spec)
+        if m.stage not in STAGES:
+            raise ValueError(f"method {m.name!r} declares unknown stage {m.stage!r}; stages are {STAGES}")
+        if m.stage in by_stage:
+            raise ValueError(
+                f"methods {by_stage[m.stage].name!r} and {m.name!r} both act in the {m.stage!r} "
+                f"stage; a pipeline takes at most one method per stage (frames -> vision -> llm)"
+            )
+        m.configure_budget(keep, budget)
+        by_stage[m.stage] = m
+    if "vision" in by_stage and "vit" in by_stage:
+        raise ValueError(
+            f"methods {by_stage['vit'].name!r} (inside the ViT) and {by_stage['vision'].name!r} "
+            "(after the projector) both reduce image tokens; choose one of them"
+        )
+    return by_stage
+
+
+def wrap(
+    model: torch.nn.Module,
+    method: Any = None,
+    *,
+    keep: float | None = None,
+    budget: int | None = None,
+    frames: Any = None,
+    tokens: Any = None,
+    processor: Any = None,
+    seed: int = 0,
+) -> torch.nn.Module:
+    """Patch ``model`` (this instance only) to prune visual tokens; returns the same object.
+
+    Args:
+        model: a supported Hugging Face VLM or timm ViT (see ``vlm_prune.adapters``).
+        method: a registered name (``"fastv"``), a configured object
+            (``vlm_prune.methods.FastV(layer=2)``), or a list of them, at most one per stage.
+        keep: fraction of visual tokens kept, in (0, 1].
+        budget: visual tokens kept per image (or frame). Give exactly one of keep / budget
+            unless the method defines its own schedule.
+        frames, tokens: the frames-stage and token-stage methods, as an alternative spelling of
+            ``method=[frames, tokens]``.
+        processor: the model's processor (tokenizer, image processor); frame methods that
+            prompt the model (QuoTA) need it.
+        seed: seed of methods that sample (random).
+    """
+    from vlm_prune.adapters import find_adapter
+
+    if getattr(model, "vlm_prune", None) is not None:
+        raise RuntimeError(
+            "this model is already wrapped by vlm_prune; call vlm_prune.unwrap(model) before wrapping it again"
+        )
+    adapter_cls = find_adapter(model)
+    methods = build_pipeline(method, frames=frames, tokens=tokens, keep=keep, budget=budget)
+    state = WrapState(adapter=None, methods=methods, processor=processor, seed=seed)
+    adapter = adapter_cls(model, state)
+    for m in methods.values():
+        m.check_model(adapter)
+    adapter.check_methods()
+    state.adapter = adapter
+    adapter.attach()
+    model.vlm_prune = state
+    return model
+
+
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """Remove every patch ``wrap`` made; the model behaves bit-identically to before."""
+    state = getattr(model, "vlm_prune", None)
+    if state is None:
+        raise ValueError("this model is not wrapped by vlm_prune; nothing to unwrap")
+    state.adapter.detach()
+    del model.vlm_prune
+    return model
+
+
+def is_wrapped(model: torch.nn.Module) -> bool:
+    return getattr(model, "vlm_prune", None) is not None

@@ -1,0 +1,224 @@
+"""Method base classes and the contexts methods receive.
+
+A method never touches model code. It declares its ``stage`` and computes a reduction from
+tensors handed to it in a context object that an adapter fills in:
+
+- ``frames``: choose frames of a video and a token budget for each (QuoTA, KeyScore, uniform).
+- ``vision``: reduce the tokens of one image / frame after the projector (random, pool,
+  DivPrune, CDPruner, VisionZip, ...). Returns a :class:`Reduction` over that image's tokens.
+- ``vit``: prune or merge inside a ViT (AS-ViT, ToMe); patched per block by the adapter.
+- ``llm``: drop or merge hidden states before chosen decoder layers (FastV, PACT, AdaptInfer).
+  Returns one :class:`Reduction` per sample over that sample's current rows.
+
+Budgets: a method is configured with ``keep`` (fraction of visual tokens, in (0, 1]) or
+``budget`` (visual tokens per image). :meth:`Method.n_keep` turns either into a count.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, ClassVar
+
+import torch
+
+STAGES = ("frames", "vision", "vit", "llm")
+
+
+@dataclass
+class Reduction:
+    """What a method keeps of a set of N rows (tokens of one image, or rows of one sample).
+
+    indices: LongTensor [k], ascending, into the N rows. The kept rows stay at these slots, so
+        they keep their original position ids.
+    features: optional [k, D] replacement features (merged / pooled values); None keeps the
+        original rows unchanged.
+    sizes: optional [k] float number of original tokens each kept row stands for (merging);
+        the engine adds log(size) to attention logits for that key (proportional attention).
+    """
+
+    indices: torch.Tensor
+    features: torch.Tensor | None = None
+    sizes: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if self.indices.dim() != 1:
+            raise ValueError(f"Reduction.indices must be 1-D, got shape {tuple(self.indices.shape)}")
+        if self.indices.numel() > 1 and not bool((self.indices[1:] > self.indices[:-1]).all()):
+            order = torch.argsort(self.indices)
+            self.indices = self.indices[order]
+            if self.features is not None:
+                self.features = self.features[order]
+            if self.sizes is not None:
+                self.sizes = self.sizes[order]
+
+    @staticmethod
+    def keep_all(n: int, device: torch.device | str = "cpu") -> "Reduction":
+        return Reduction(torch.arange(n, device=device))
+
+    @staticmethod
+    def top_k(scores: torch.Tensor, k: int) -> "Reduction":
+        """Keep the k highest scores (ties broken by lower index), returned in index order."""
+        k = max(0, min(int(k), scores.numel()))
+        idx = torch.topk(scores.float(), k, sorted=False).indices
+        return Reduction(torch.sort(idx).values)
+
+
+@dataclass
+class VisionContext:
+    """One image (or frame) handed to a vision-stage method.
+
+    features: [N, D] tokens after the projector, in the order they enter the LLM.
+    grid: (rows, cols) when the N tokens form a rectangular grid in row-major order, else None.
+    n_keep: how many tokens to keep for this image (already resolved from keep / budget).
+    text_embeds: [T, D] input embeddings of the sample's text tokens (the instruction), when
+        available, for query-aware methods (CDPruner).
+    tower_attention: optional callable returning (cls_or_mean_attention [N], keys [N, d]) of
+        the vision tower's feature layer, computed on the side (VisionZip).
+    generator: seeded torch.Generator for methods that sample.
+    """
+
+    features: torch.Tensor
+    n_keep: int
+    grid: tuple[int, int] | None = None
+    text_embeds: torch.Tensor | None = None
+    tower_attention: Callable[[], tuple[torch.Tensor, torch.Tensor]] | None = None
+    generator: torch.Generator | None = None
+    image_index: int = 0
+
+
+@dataclass
+class LayerContext:
+    """The batch entering decoder layer ``layer`` as seen by an llm-stage method.
+
+    hidden: [B, S, D] hidden states entering the layer (rows left-padded when ragged).
+    valid: [B, S] bool, False for padding rows.
+    visual: [B, S] bool, True for visual tokens still present.
+    text: [B, S] bool, True for valid text tokens after the last visual token (the question).
+    positions: [B, S] (or [3, B, S] for M-RoPE) original position ids of the rows.
+    sizes: [B, S] float, how many original tokens each row stands for (1 unless merged).
+    n_keep: [B] long, visual tokens to keep per sample at this layer.
+    layer_module: the decoder layer about to run (its input_layernorm, self_attn, ...).
+    project_qk: callable(hidden, positions, rope: bool) -> (q [B, H, S, d], k [B, H, S, d]):
+        the layer's own normalised query/key projections, GQA keys repeated to H heads,
+        rotary embedding applied at ``positions`` when ``rope`` is True.
+    """
+
+    layer: int
+    hidden: torch.Tensor
+    valid: torch.Tensor
+    visual: torch.Tensor
+    text: torch.Tensor
+    positions: torch.Tensor
+    sizes: torch.Tensor
+    n_keep: torch.Tensor
+    layer_module: torch.nn.Module
+    project_qk: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    extras: dict[str, Any] = field(default_factory=dict)
+
+
+class Method:
+    """Base class of every pruning method.
+
+    Subclasses set ``name``, ``stage`` and ``paper`` and implement the stage's hook:
+    ``reduce_image(ctx: VisionContext) -> Reduction`` for the vision stage,
+    ``layers`` and ``select(ctx: LayerContext) -> list[Reduction]`` for the llm stage.
+    """
+
+    name: ClassVar[str] = ""
+    stage: ClassVar[str] = ""
+    paper: ClassVar[str] = ""
+    #: model families (adapter names) the method supports; None means all.
+    supported: ClassVar[tuple[str, ...] | None] = None
+    #: True when the method sets its own budget schedule (keep / budget then optional).
+    own_schedule: ClassVar[bool] = False
+
+    def __init__(self, keep: float | None = None, budget: int | None = None) -> None:
+        self.keep = keep
+        self.budget = budget
+
+    # ---- budgets -------------------------------------------------------------------------
+    def configure_budget(self, keep: float | None, budget: int | None) -> None:
+        """Validate and set keep / budget given to wrap(); values set on the object win."""
+        keep = self.keep if self.keep is not None else keep
+        budget = self.budget if self.budget is not None else budget
+        validate_budget(keep, budget, required=not self.own_schedule, method=self.name)
+        self.keep, self.budget = keep, budget
+
+    def n_keep(self, n_tokens: int, n_images: int = 1) -> int:
+        """Tokens to keep out of ``n_tokens`` visual tokens spread over ``n_images`` images.
+
+        keep: floor(keep * n), at least 1 when n > 0. budget: budget per image, capped at n.
+        """
+        if n_tokens <= 0:
+            return 0
+        if self.budget is not None:
+            return min(n_tokens, int(self.budget) * max(1, n_images))
+        if self.keep is not None:
+            return max(1, min(n_tokens, math.floor(self.keep * n_tokens + 1e-9)))
+        return n_tokens
+
+    def check_model(self, adapter: Any) -> None:
+        """Raise ValueError at wrap time when the model does not meet the method's needs."""
+        if self.supported is not None and adapter.family not in self.supported:
+            raise ValueError(
+                f"method '{self.name}' supports {', '.join(self.supported)} models; "
+                f"this model is handled by the '{adapter.family}' adapter"
+            )
+
+    def describe(self) -> dict[str, Any]:
+        """The configuration as plain values (for stats, results files and plots)."""
+        out = {"method": self.name, "stage": self.stage}
+        out.update({k: v for k, v in vars(self).items() if not k.startswith("_") and _plain(v)})
+        return out
+
+    def __repr__(self) -> str:
+        args = ", ".join(f"{k}={v!r}" for k, v in self.describe().items() if k not in ("method", "stage"))
+        return f"{type(self).__name__}({args})"
+
+
+def _plain(v: Any) -> bool:
+    return v is None or isinstance(v, (bool, int, float, str, tuple, list))
+
+
+def validate_budget(keep: float | None, budget: int | None, *, required: bool, method: str = "") -> None:
+    """The rules every wrap() call obeys: exactly one of keep / budget, each in range."""
+    who = f" for method '{method}'" if method else ""
+    if keep is not None and budget is not None:
+        raise ValueError(f"give either keep= (a fraction) or budget= (tokens per image){who}, not both")
+    if required and keep is None and budget is None:
+        raise ValueError(
+            f"missing budget{who}: pass keep= (fraction of visual tokens kept, e.g. keep=0.25) "
+            "or budget= (visual tokens kept per image, e.g. budget=64)"
+        )
+    if keep is not None:
+        if isinstance(keep, bool) or not isinstance(keep, (int, float)) or not (0 < float(keep) <= 1):
+            raise ValueError(f"keep must be a fraction in (0, 1], got {keep!r}{who}")
+    if budget is not None:
+        if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
+            raise ValueError(f"budget must be a whole number of tokens >= 1, got {budget!r}{who}")
+
+
+class VisionMethod(Method):
+    """A method that reduces the tokens of each image independently (vision stage)."""
+
+    stage: ClassVar[str] = "vision"
+
+    def reduce_image(self, ctx: VisionContext) -> Reduction:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+
+class LLMMethod(Method):
+    """A method that drops or merges rows before some decoder layers (llm stage)."""
+
+    stage: ClassVar[str] = "llm"
+
+    def prune_layers(self, num_layers: int) -> list[int]:  # pragma: no cover - abstract
+        """0-indexed decoder layers before which ``select`` is called."""
+        raise NotImplementedError
+
+    def select(self, ctx: LayerContext) -> list[Reduction]:  # pragma: no cover - abstract
+        """One Reduction per sample over its rows (indices into dim 1 of ctx.hidden).
+
+        Text and padding rows must be kept; only visual rows may be dropped or merged.
+        """
+        raise NotImplementedError
