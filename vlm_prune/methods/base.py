@@ -116,6 +116,50 @@ class LayerContext:
     extras: dict[str, Any] = field(default_factory=dict)
 
 
+@dataclass
+class FramesContext:
+    """One video handed to a frames-stage method (after the vision tower and projector).
+
+    features: [T, N, D] tokens of each sampled frame, as the model would feed them to the LLM.
+    grid: (rows, cols) of each frame's tokens, rows * cols == N.
+    n_total: visual-token budget for the whole video (resolved from keep / budget).
+    query: the user's question text, when the adapter could recover it.
+    score_frames: callable(prompts: list[str]) -> p_yes [T]: asks the scorer (by default the
+        wrapped model itself) one yes/no prompt per frame (prompts has length T or 1) and
+        returns softmax(next-token logits)[id of "A"]. None when no processor was given.
+    generate_text: callable(prompt: str) -> str, text-only generation with the model (QuoTA's
+        query decoupling). None when unavailable.
+    pixels: [T, C, H, W] the frames as the model's processor prepared them, for custom scorers.
+    timestamps: seconds of each sampled frame, when known.
+    """
+
+    features: torch.Tensor
+    grid: tuple[int, int]
+    n_total: int
+    query: str | None = None
+    score_frames: Callable[[list[str]], torch.Tensor] | None = None
+    generate_text: Callable[[str], str] | None = None
+    pixels: torch.Tensor | None = None
+    timestamps: list[float] | None = None
+
+
+@dataclass
+class FramesPlan:
+    """A frames-stage result.
+
+    reduction: over the T * N token slots of the video, in frame-major order. Kept frames'
+        (possibly resized) tokens fill the video's slots in frame order; unused slots are dropped.
+    kept_frames: indices of the frames that keep at least one token.
+    tokens_per_frame: [T] tokens allotted to each frame (0 = dropped).
+    frame_scores: [T] the scores the allocation came from (for stats and plots).
+    """
+
+    reduction: Reduction
+    kept_frames: list[int]
+    tokens_per_frame: list[int]
+    frame_scores: torch.Tensor | None = None
+
+
 class Method:
     """Base class of every pruning method.
 
@@ -196,6 +240,15 @@ def validate_budget(keep: float | None, budget: int | None, *, required: bool, m
     if budget is not None:
         if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
             raise ValueError(f"budget must be a whole number of tokens >= 1, got {budget!r}{who}")
+
+
+class FramesMethod(Method):
+    """A method that chooses frames and their token budgets for a video (frames stage)."""
+
+    stage: ClassVar[str] = "frames"
+
+    def allocate(self, ctx: FramesContext) -> FramesPlan:  # pragma: no cover - abstract
+        raise NotImplementedError
 
 
 class VisionMethod(Method):
