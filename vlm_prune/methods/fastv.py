@@ -1,0 +1,101 @@
+"""FastV: drop visual tokens inside the LLM by the attention they receive."""
+from __future__ import annotations
+
+import torch
+
+from vlm_prune.methods.base import LayerContext, LLMMethod, Reduction
+from vlm_prune.registry import register
+
+
+def last_valid_index(valid: torch.Tensor) -> torch.Tensor:
+    """[B] index of the last True of each row of a [B, S] mask."""
+    s = valid.shape[1]
+    ar = torch.arange(s, device=valid.device).expand_as(valid)
+    return torch.where(valid, ar, -1).max(dim=1).values
+
+
+def attention_received(
+    q: torch.Tensor, k: torch.Tensor, key_mask: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Head-averaged softmax probabilities of query rows over keys, computed on the side.
+
+    q: [B, H, Q, d] the query rows; k: [B, H, S, d]; key_mask: [B, Q, S] bool (keys each row
+    may attend to). Returns [B, Q, S] float32; memory O(B H Q S), never S x S.
+    """
+    from vlm_prune.kernels import attention_to_keys
+
+    return attention_to_keys(q, k, key_mask, scale)
+
+
+@register
+class FastV(LLMMethod):
+    """FastV (Chen et al., ECCV 2024, "An Image is Worth 1/2 Tokens After Layer 2";
+    pkunlp-icler/FastV).
+
+    Before decoder layer ``layer`` (K, default 2) drop visual tokens, ranked by the attention
+    they receive in layer K-1, averaged over heads. Defaults: K=2, keep=0.5 when neither keep
+    nor budget is given (the paper's R=50%). ``query="last"`` uses the last query token (as the
+    official KV-cache implementation does); ``query="text"`` averages over all text queries.
+    The needed attention rows are computed on the side from layer K-1's own q/k projections, so
+    the model keeps SDPA / FlashAttention. Kept tokens keep their original position ids.
+    """
+
+    name = "fastv"
+    paper = "FastV, Chen et al., ECCV 2024 (arXiv 2403.06764)"
+    own_schedule = True
+    scores_from_previous_layer = True
+
+    def __init__(self, layer: int = 2, query: str = "last", keep: float | None = None, budget: int | None = None):
+        super().__init__(keep=keep, budget=budget)
+        if not isinstance(layer, int) or layer < 1:
+            raise ValueError(f"FastV layer K must be an integer >= 1 (scores come from layer K-1), got {layer!r}")
+        if query not in ("last", "text"):
+            raise ValueError(f"FastV query must be 'last' or 'text', got {query!r}")
+        self.layer = layer
+        self.query = query
+
+    def configure_budget(self, keep: float | None, budget: int | None) -> None:
+        super().configure_budget(keep, budget)
+        if self.keep is None and self.budget is None:
+            self.keep = 0.5
+
+    def prune_layers(self, num_layers: int) -> list[int]:
+        if self.layer >= num_layers:
+            raise ValueError(f"FastV layer K={self.layer} but the model has only {num_layers} decoder layers")
+        return [self.layer]
+
+    def scores(self, ctx: LayerContext) -> torch.Tensor:
+        """[B, S] attention received by every row (only visual rows are used)."""
+        q, k = ctx.project_qk(ctx.hidden, ctx.positions, rope=True)
+        b, h, s, d = q.shape
+        scale = getattr(ctx.layer_module.self_attn, "scaling", d**-0.5)
+        if self.query == "last":
+            rows = last_valid_index(ctx.valid)
+            q_rows = q[torch.arange(b), :, rows].unsqueeze(2)  # [B, H, 1, d]
+            key_mask = ctx.valid.unsqueeze(1)  # the last row sees every valid key
+            return attention_received(q_rows, k, key_mask, scale)[:, 0]
+        text_mask = ctx.text
+        n_text = int(text_mask.sum(1).max())
+        order = torch.argsort(text_mask.int(), dim=1, descending=True, stable=True)[:, :n_text]
+        q_rows = torch.gather(q, 2, order[:, None, :, None].expand(b, h, n_text, d))
+        ar = torch.arange(s, device=q.device)
+        key_mask = ctx.valid[:, None, :] & (ar[None, None, :] <= order[:, :, None])
+        probs = attention_received(q_rows, k, key_mask, scale)  # [B, T, S]
+        row_ok = torch.gather(text_mask, 1, order).float()
+        return (probs * row_ok[:, :, None]).sum(1) / row_ok.sum(1).clamp(min=1)[:, None]
+
+    def select(self, ctx: LayerContext) -> list[Reduction]:
+        scores = self.scores(ctx)
+        out = []
+        for b in range(scores.shape[0]):
+            out.append(keep_top_visual(scores[b], ctx.visual[b], ctx.valid[b], int(ctx.n_keep[b])))
+        return out
+
+
+def keep_top_visual(scores: torch.Tensor, visual: torch.Tensor, valid: torch.Tensor, n_keep: int) -> Reduction:
+    """Keep every valid non-visual row plus the ``n_keep`` best-scoring visual rows."""
+    vis_idx = torch.nonzero(visual & valid).squeeze(1)
+    other = torch.nonzero(valid & ~visual).squeeze(1)
+    n_keep = max(0, min(n_keep, vis_idx.numel()))
+    top = vis_idx[torch.topk(scores[vis_idx].float(), n_keep, sorted=False).indices]
+    return Reduction(torch.sort(torch.cat([other, top])).values)
