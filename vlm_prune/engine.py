@@ -1,0 +1,396 @@
+"""The pruned decoder loop.
+
+It replaces the ``forward`` of one language-model instance (LlamaModel, Qwen2Model,
+Qwen2VLTextModel, ...) and runs the same decoder layers, but lets methods remove or merge
+rows between layers:
+
+- rows keep their ORIGINAL position ids (gaps stay), so RoPE sees the same positions;
+- ragged batches are left-padded after a removal, padding rows are masked as keys;
+- merged rows carry a size w; every later layer adds log(w) to attention logits for that key
+  (proportional attention) through an additive float mask (eager / SDPA);
+- each layer's KV cache holds exactly the rows that layer saw; the key-validity and bias of
+  every cache segment are kept on the cache object, so decode steps of ``generate()`` attend
+  to the right keys and continue positions from the unpruned length.
+
+The layers themselves are called unchanged with an explicit 4-D mask (SDPA / eager) or a 2-D
+key-padding mask (FlashAttention-2, where proportional attention is off).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable
+
+import torch
+from transformers.modeling_outputs import BaseModelOutputWithPast
+
+from vlm_prune.methods.base import LayerContext, Reduction
+
+
+@dataclass
+class Rows:
+    """The rows of a batch between two layers."""
+
+    hidden: torch.Tensor  # [B, S, D]
+    pos: torch.Tensor  # [P, B, S]
+    valid: torch.Tensor  # [B, S] bool
+    visual: torch.Tensor  # [B, S] bool
+    sizes: torch.Tensor  # [B, S] float32
+    origin: torch.Tensor  # [B, S] long: index in the model input, -1 for padding
+
+    @property
+    def text(self) -> torch.Tensor:
+        """Valid non-visual rows after the last visual row of each sample (the question)."""
+        s = self.valid.shape[1]
+        ar = torch.arange(s, device=self.valid.device).expand_as(self.valid)
+        last_vis = torch.where(self.visual & self.valid, ar, -1).max(dim=1, keepdim=True).values
+        has_vis = last_vis >= 0
+        return self.valid & ~self.visual & ((ar > last_vis) | ~has_vis)
+
+
+@dataclass
+class Pending:
+    """What the adapter learnt about the next prefill (set before the LM runs, consumed by it)."""
+
+    visual: torch.Tensor  # [B, S] bool
+    keep: torch.Tensor | None = None  # [B, S] bool, vision-stage removal
+    sizes: torch.Tensor | None = None  # [B, S] float, vision-stage merges
+    images_per_sample: list[int] | None = None
+    records: list[dict[str, Any]] = field(default_factory=list)
+    visual_in: list[int] | None = None  # visual tokens per sample before any reduction
+
+
+@dataclass
+class CacheSegments:
+    """Key bookkeeping stored on the KV cache: one segment per run of layers with the same rows."""
+
+    layer_segment: list[int]
+    key_valid: list[torch.Tensor]  # per segment [B, kv]
+    key_bias: list[torch.Tensor]  # per segment [B, kv] float32 (log sizes)
+    next_pos: torch.Tensor  # [P, B] next default position per sample
+
+
+def default_positions(
+    position_ids: torch.Tensor | None, b: int, s: int, past: int | None, device: torch.device,
+    segs: CacheSegments | None, dims: int = 1,
+) -> torch.Tensor:
+    """[P, B, S] positions: the given ones, else continuing after the unpruned prefix.
+
+    Without position ids the unwrapped model counts from the cache length; after a removal
+    the cache is shorter than the prompt, so the count continues from the prompt's own
+    positions instead (kept on the cache by the engine).
+    """
+    if position_ids is not None:
+        pos = position_ids.to(device)
+        if pos.dim() == 1:
+            pos = pos[None]
+        if pos.dim() == 2:
+            pos = pos[None].expand(dims, -1, -1)
+        return pos.expand(pos.shape[0], b, s) if pos.shape[1] == 1 and b > 1 else pos
+    ar = torch.arange(s, device=device)
+    if segs is not None:
+        return segs.next_pos[:, :, None] + ar
+    return (ar + (past or 0)).view(1, 1, s).expand(dims, b, s)
+
+
+@dataclass
+class LMSpec:
+    """What the engine needs to know about one language model (the adapter fills it in).
+
+    rope_positions(pos [P,B,S]) -> what the rotary module takes; layer_position_ids(pos) ->
+    the ``position_ids`` kwarg the decoder layers take; apply_rope(q, k, cos, sin) -> (q, k).
+    default_positions(pos_ids_or_None, B, S, past_len, device) -> [P,B,S] positions exactly as
+    the unwrapped model would build them.
+    """
+
+    lm: torch.nn.Module
+    layers: torch.nn.ModuleList
+    family: str
+    apply_rope: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    default_positions: Callable[..., torch.Tensor] = default_positions
+    rope_positions: Callable[[torch.Tensor], torch.Tensor] = lambda p: p[0]
+    layer_position_ids: Callable[[torch.Tensor], torch.Tensor | None] = lambda p: p[0]
+
+
+def _attr_cache(kwargs: dict[str, Any]) -> tuple[Any, str]:
+    for name in ("cache", "past_key_values"):
+        if kwargs.get(name) is not None:
+            return kwargs.pop(name), name
+    kwargs.pop("cache", None)
+    kwargs.pop("past_key_values", None)
+    return None, "cache"
+
+
+class PrunedDecoder:
+    """The replacement forward of one language model instance."""
+
+    def __init__(self, spec: LMSpec, state: Any, attn_impl: Callable[[], str]) -> None:
+        self.spec = spec
+        self.state = state
+        self.attn_impl = attn_impl
+        self.pending: Pending | None = None
+
+    # ---- helpers ----------------------------------------------------------------------------
+    @property
+    def llm_method(self) -> Any:
+        return self.state.methods.get("llm")
+
+    def prune_points(self) -> list[int]:
+        m = self.llm_method
+        return sorted(set(m.prune_layers(len(self.spec.layers)))) if m is not None else []
+
+    def project_qk(self, layer_idx: int) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+        """The q/k the attention of ``layer_idx`` computes for given hidden states (GQA repeated)."""
+        layer = self.spec.layers[layer_idx]
+        spec = self.spec
+
+        def project(hidden: torch.Tensor, pos: torch.Tensor, rope: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+            attn = layer.self_attn
+            x = layer.input_layernorm(hidden)
+            b, s, _ = x.shape
+            hd = attn.head_dim
+            q = attn.q_proj(x).view(b, s, -1, hd)
+            k = attn.k_proj(x).view(b, s, -1, hd)
+            if hasattr(attn, "q_norm"):
+                q, k = attn.q_norm(q), attn.k_norm(k)
+            q, k = q.transpose(1, 2), k.transpose(1, 2)
+            if rope:
+                pos = pos[None] if pos.dim() == 2 else pos
+                cos, sin = spec.lm.rotary_emb(x, spec.rope_positions(pos))
+                q, k = spec.apply_rope(q, k, cos, sin)
+            rep = q.shape[1] // k.shape[1]
+            if rep > 1:
+                k = k.repeat_interleave(rep, dim=1)
+            return q, k
+
+        return project
+
+    def _n_keep(self, layer: int, rows: Rows) -> torch.Tensor:
+        m = self.llm_method
+        n_vis = (rows.visual & rows.valid).sum(1)
+        n_img = (self.pending.images_per_sample if self.pending and self.pending.images_per_sample else None)
+        out = []
+        for b, n in enumerate(n_vis.tolist()):
+            if hasattr(m, "n_keep_at"):
+                orig = self.pending.visual_in[b] if self.pending and self.pending.visual_in else n
+                out.append(m.n_keep_at(layer, orig, n))
+            else:
+                out.append(m.n_keep(n, n_img[b] if n_img else 1))
+        return torch.tensor(out, dtype=torch.long, device=rows.valid.device)
+
+    def _context(self, layer: int, rows: Rows, prune_before: int) -> LayerContext:
+        return LayerContext(
+            layer=layer,
+            hidden=rows.hidden,
+            valid=rows.valid,
+            visual=rows.visual & rows.valid,
+            text=rows.text,
+            positions=rows.pos if rows.pos.shape[0] > 1 else rows.pos[0],
+            sizes=rows.sizes,
+            n_keep=self._n_keep(prune_before, rows),
+            layer_module=self.spec.layers[layer],
+            project_qk=self.project_qk(layer),
+            extras={"family": self.spec.family, "prune_before": prune_before, "origin": rows.origin},
+        )
+
+    def _select(self, layer: int, rows: Rows, prune_before: int) -> tuple[list[Reduction], float]:
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            reds = self.llm_method.select(self._context(layer, rows, prune_before))
+        return reds, time.perf_counter() - t0
+
+    # ---- masks ------------------------------------------------------------------------------
+    def _mask(self, key_valid: torch.Tensor, key_bias: torch.Tensor, q_valid: torch.Tensor, dtype: torch.dtype) -> Any:
+        """Mask for the newest ``q`` rows against all ``kv`` keys of a segment.
+
+        The new rows are the last q keys; causality is by row order (rows are kept in their
+        original order). Returns a [B, 1, q, kv] additive float mask, or for FlashAttention a
+        [B, kv] key-padding mask (None when nothing is masked).
+        """
+        b, kv = key_valid.shape
+        q = q_valid.shape[1]
+        if "flash" in self.attn_impl():
+            return None if bool(key_valid.all()) else key_valid.long()
+        past = kv - q
+        qi = torch.arange(q, device=key_valid.device)[:, None] + past
+        ki = torch.arange(kv, device=key_valid.device)[None, :]
+        allowed = (ki <= qi)[None] & key_valid[:, None, :]  # [B, q, kv]
+        minv = torch.finfo(dtype).min
+        mask = torch.zeros(b, q, kv, dtype=dtype, device=key_valid.device)
+        mask = mask.masked_fill(~allowed, minv) + key_bias[:, None, :].to(dtype).masked_fill(~allowed, 0.0)
+        return mask[:, None]
+
+    # ---- the forward ------------------------------------------------------------------------
+    def forward(
+        self,
+        input_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        use_cache: bool | None = None,
+        **kwargs: Any,
+    ) -> BaseModelOutputWithPast:
+        spec = self.spec
+        lm = spec.lm
+        cache, cache_name = _attr_cache(kwargs)
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
+        if inputs_embeds is None:
+            inputs_embeds = lm.embed_tokens(input_ids)
+        if use_cache is None:
+            use_cache = lm.config.use_cache
+        if use_cache and cache is None:
+            from transformers import DynamicCache
+
+            cache = DynamicCache(config=lm.config)
+        b, s, _ = inputs_embeds.shape
+        device = inputs_embeds.device
+        segs: CacheSegments | None = getattr(cache, "_vlm_prune", None) if cache is not None else None
+        past = cache.get_seq_length() if cache is not None else 0
+        if attention_mask is not None and attention_mask.dim() == 2:
+            new_valid = attention_mask[:, -s:].bool().to(device)
+        else:
+            new_valid = torch.ones(b, s, dtype=torch.bool, device=device)
+
+        if segs is not None or past > 0:
+            pos = spec.default_positions(position_ids, b, s, past if segs is None else None, device, segs)
+            hidden = self._decode(inputs_embeds, pos, new_valid, cache, segs, kwargs)
+        else:
+            pos = spec.default_positions(position_ids, b, s, 0, device, None)
+            hidden = self._prefill(inputs_embeds, pos, new_valid, cache, use_cache, kwargs)
+        hidden = lm.norm(hidden)
+        return BaseModelOutputWithPast(last_hidden_state=hidden, **{cache_name: cache if use_cache else None})
+
+    def _run_layer(self, idx: int, hidden: torch.Tensor, mask: Any, pe: Any, pos: torch.Tensor, cache: Any, use_cache: bool, kwargs: dict) -> torch.Tensor:
+        out = self.spec.layers[idx](
+            hidden,
+            attention_mask=mask,
+            position_embeddings=pe,
+            position_ids=self.spec.layer_position_ids(pos),
+            cache=cache,
+            use_cache=use_cache,
+            **kwargs,
+        )
+        return out[0] if isinstance(out, tuple) else out
+
+    def _prefill(self, embeds: torch.Tensor, pos: torch.Tensor, valid: torch.Tensor, cache: Any, use_cache: bool, kwargs: dict) -> torch.Tensor:
+        spec, b, s = self.spec, embeds.shape[0], embeds.shape[1]
+        pending = self.pending
+        device = embeds.device
+        visual = pending.visual.to(device) if pending is not None else torch.zeros(b, s, dtype=torch.bool, device=device)
+        sizes = pending.sizes.to(device).float() if pending is not None and pending.sizes is not None else torch.ones(b, s, device=device)
+        origin = torch.arange(s, device=device).expand(b, s).clone()
+        rows = Rows(embeds, pos, valid, visual, sizes, origin)
+        stats_in = (visual & valid).sum(1).tolist()
+        records = list(pending.records) if pending is not None else []
+        if pending is not None and pending.keep is not None:
+            keep = pending.keep.to(device)
+            reds = [Reduction(torch.nonzero(valid[i] & keep[i]).squeeze(1)) for i in range(b)]
+            rows = apply(rows, reds)
+            pending.visual_in = stats_in
+
+        points = self.prune_points()
+        method = self.llm_method
+        early = bool(getattr(method, "scores_from_previous_layer", False))
+        n_layers = len(spec.layers)
+        layer_segment: list[int] = []
+        key_valid: list[torch.Tensor] = []
+        key_bias: list[torch.Tensor] = []
+        planned: dict[int, tuple[list[Reduction], float]] = {}
+        mask = pe = None
+        for idx in range(n_layers):
+            if idx in points and (rows.visual & rows.valid).any():
+                reds, secs = planned.pop(idx) if idx in planned else self._select(idx, rows, idx)
+                before = (rows.visual & rows.valid).sum(1).tolist()
+                rows = apply(rows, reds)
+                records.append({
+                    "stage": "llm", "method": method.name, "layer": idx,
+                    "tokens_in": before, "tokens_out": (rows.visual & rows.valid).sum(1).tolist(), "seconds": secs,
+                })
+                mask = None
+            if mask is None:
+                key_valid.append(rows.valid)
+                key_bias.append(torch.log(rows.sizes.float()).masked_fill(~rows.valid, 0.0))
+                mask = self._mask(rows.valid, key_bias[-1], rows.valid, rows.hidden.dtype)
+                pe = spec.lm.rotary_emb(rows.hidden, spec.rope_positions(rows.pos))
+            layer_segment.append(len(key_valid) - 1)
+            if early and (idx + 1) in points and (rows.visual & rows.valid).any():
+                planned[idx + 1] = self._select(idx, rows, idx + 1)
+            rows = replace(rows, hidden=self._run_layer(idx, rows.hidden, mask, pe, rows.pos, cache, use_cache, kwargs))
+
+        if cache is not None and use_cache:
+            cache._vlm_prune = CacheSegments(layer_segment, key_valid, key_bias, next_pos=pos[:, :, -1] + 1)
+        self.pending = None
+        self.state.last_stats = _stats(stats_in, rows, records)
+        self.state.last_rows = rows.origin
+        return rows.hidden
+
+    def _decode(self, embeds: torch.Tensor, pos: torch.Tensor, valid: torch.Tensor, cache: Any, segs: CacheSegments | None, kwargs: dict) -> torch.Tensor:
+        spec = self.spec
+        b, s = valid.shape
+        if segs is None:  # a cache filled elsewhere: every layer saw every row
+            n = len(spec.layers)
+            kv = [cache.get_seq_length(i) for i in range(n)]
+            segs = CacheSegments(
+                list(range(n)),
+                [torch.ones(b, k, dtype=torch.bool, device=valid.device) for k in kv],
+                [torch.zeros(b, k, device=valid.device) for k in kv],
+                next_pos=pos[:, :, 0],
+            )
+            cache._vlm_prune = segs
+        segs.key_valid = [torch.cat([kv, valid], 1) for kv in segs.key_valid]
+        segs.key_bias = [torch.cat([kb, torch.zeros(b, s, device=kb.device)], 1) for kb in segs.key_bias]
+        segs.next_pos = pos[:, :, -1] + 1
+        masks = [self._mask(kv, kb, valid, embeds.dtype) for kv, kb in zip(segs.key_valid, segs.key_bias)]
+        pe = spec.lm.rotary_emb(embeds, spec.rope_positions(pos))
+        hidden = embeds
+        for idx in range(len(spec.layers)):
+            hidden = self._run_layer(idx, hidden, masks[segs.layer_segment[idx]], pe, pos, cache, True, kwargs)
+        return hidden
+
+
+def apply(rows: Rows, reds: list[Reduction]) -> Rows:
+    """Keep / merge rows per sample and left-pad the ragged result. No-op when nothing changes."""
+    b = rows.valid.shape[0]
+    unchanged = all(
+        r.features is None and r.sizes is None and torch.equal(r.indices, torch.nonzero(rows.valid[i]).squeeze(1))
+        for i, r in enumerate(reds)
+    )
+    if unchanged:
+        return rows
+    for i, r in enumerate(reds):
+        if r.indices.numel() and not bool(rows.valid[i, r.indices].all()):
+            raise RuntimeError("a method kept padding rows; Reduction.indices must name valid rows only")
+    n_max = max(int(r.indices.numel()) for r in reds)
+    device = rows.hidden.device
+    src = torch.zeros(b, n_max, dtype=torch.long, device=device)
+    new_valid = torch.zeros(b, n_max, dtype=torch.bool, device=device)
+    for i, r in enumerate(reds):
+        k = r.indices.numel()
+        if k:
+            src[i, n_max - k:] = r.indices.to(device)
+            new_valid[i, n_max - k:] = True
+    gather = lambda t: torch.gather(t, 1, src.view(b, n_max, *([1] * (t.dim() - 2))).expand(b, n_max, *t.shape[2:]))
+    hidden = gather(rows.hidden).clone()
+    sizes = gather(rows.sizes).clone()
+    pos = torch.stack([gather(p) for p in rows.pos])
+    visual = gather(rows.visual) & new_valid
+    origin = torch.where(new_valid, gather(rows.origin), torch.full_like(src, -1))
+    for i, r in enumerate(reds):
+        k = r.indices.numel()
+        if r.features is not None and k:
+            hidden[i, n_max - k:] = r.features.to(hidden.dtype)
+        if r.sizes is not None and k:
+            sizes[i, n_max - k:] = r.sizes.to(sizes.dtype)
+    hidden = hidden.masked_fill(~new_valid[..., None], 0.0)
+    sizes = sizes.masked_fill(~new_valid, 1.0)
+    return Rows(hidden, pos, new_valid, visual, sizes, origin)
+
+
+def _stats(stats_in: list[int], rows: Rows, records: list[dict[str, Any]]) -> dict[str, Any]:
+    return {
+        "visual_tokens_in": stats_in,
+        "visual_tokens_out": (rows.visual & rows.valid).sum(1).tolist(),
+        "stages": records,
+        "seconds": sum(r.get("seconds", 0.0) for r in records),
+    }
