@@ -131,6 +131,8 @@ class FramesContext:
         query decoupling). None when unavailable.
     pixels: [T, C, H, W] the frames as the model's processor prepared them, for custom scorers.
     timestamps: seconds of each sampled frame, when known.
+    text_features: [L, D] input embeddings (the language model's embed_tokens) of the query's
+        text tokens, in the same space as ``features``, for query-aware frame methods (KeyScore).
     """
 
     features: torch.Tensor
@@ -141,6 +143,7 @@ class FramesContext:
     generate_text: Callable[[str], str] | None = None
     pixels: torch.Tensor | None = None
     timestamps: list[float] | None = None
+    text_features: torch.Tensor | None = None
 
 
 @dataclass
