@@ -9,8 +9,14 @@ from vlm_prune.methods.base import (
 )
 from vlm_prune.methods.simple import Pool, Random
 from vlm_prune.methods.fastv import FastV
+from vlm_prune.methods.pact import PACT
+from vlm_prune.methods.adaptinfer import AdaptInfer
+from vlm_prune.methods.visionzip import VisionZip
+from vlm_prune.methods.divprune import DivPrune
+from vlm_prune.methods.cdpruner import CDPruner
 
 __all__ = [
     "Method", "VisionMethod", "LLMMethod", "Reduction", "VisionContext", "LayerContext",
     "Random", "Pool", "FastV",
+    "PACT", "AdaptInfer", "VisionZip", "DivPrune", "CDPruner",
 ]

@@ -1,0 +1,163 @@
+"""PACT: prune unimportant visual tokens and cluster the rest inside the LLM (attention-free)."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from vlm_prune.methods.base import LayerContext, LLMMethod, Reduction
+from vlm_prune.methods.dbdpc import cluster_mean, dbdpc
+from vlm_prune.methods.fastv import last_valid_index
+from vlm_prune.registry import register
+
+#: (rho, d_c) per adapter family. llava_onevision and qwen2_vl come from the official
+#: scripts (configs/pact.json, scripts/pact_qwenvl2.0_7b.sh); the official code has no
+#: LLaVA-1.5 / LLaVA-NeXT setting, so those use the OneVision values (unverified choice).
+FAMILY_DEFAULTS: dict[str, tuple[float, float]] = {
+    "llava_onevision": (0.55, 0.21),
+    "qwen2_vl": (0.8, 0.1),
+    "llava": (0.55, 0.21),
+    "llava_next": (0.55, 0.21),
+}
+FALLBACK_DEFAULTS = FAMILY_DEFAULTS["llava_onevision"]
+
+
+def euti_scores(q: torch.Tensor, k: torch.Tensor, hidden: torch.Tensor, n_mask: torch.Tensor) -> torch.Tensor:
+    """EUTI importance of every row: s_j = (1/H) sum_h softmax_{j in N}(qbar_h . k_jh / sqrt(d)) * ||x_j||.
+
+    q, k: [B, H, S, d] the layer's queries / keys without RoPE (GQA keys repeated to H heads);
+    hidden: [B, S, D] hidden states entering the layer; n_mask: [B, S] bool, the set N (rows up
+    to the last visual token). qbar_h is the mean query of N. Returns [B, S] float32, 0 outside N.
+    Cost O(|N| H d): no attention matrix is formed.
+    """
+    d = q.shape[-1]
+    w = n_mask[:, None, :, None].float()
+    qbar = (q.float() * w).sum(2) / w.sum(2).clamp(min=1)  # [B, H, d]
+    logits = torch.einsum("bhd,bhsd->bhs", qbar, k.float()) / math.sqrt(d)
+    logits = logits.masked_fill(~n_mask[:, None, :], float("-inf"))
+    attn = torch.softmax(logits, dim=-1).nan_to_num(0.0).mean(1)  # [B, S]
+    return attn * hidden.float().norm(dim=-1)
+
+
+def distinct_kv_heads(k: torch.Tensor, layer_module: torch.nn.Module) -> torch.Tensor:
+    """Drop GQA repeats: keys [B, H, S, d] repeated by repeat_kv -> [B, H_kv, S, d]."""
+    groups = int(getattr(getattr(layer_module, "self_attn", None), "num_key_value_groups", 1) or 1)
+    return k[:, ::groups]
+
+
+@register
+class PACT(LLMMethod):
+    """PACT (Dhouib et al., CVPR 2025, "PACT: Pruning and Clustering-Based Token Reduction for
+    Faster Visual Language Models"; orailix/PACT).
+
+    Before decoder layer ``layer`` (L, default 4), from the hidden states entering it:
+    1. EUTI pruning: score visual tokens with :func:`euti_scores` (layer L's own norm and q/k
+       projections, no RoPE, N = rows up to the last visual token) and keep the top
+       floor(rho * |V|).
+    2. DBDPC (:mod:`vlm_prune.methods.dbdpc`) on the kept tokens' layer-L keys after RoPE at
+       their original positions, the distinct KV heads flattened (GQA repeats dropped, as the
+       official code clusters ``k_proj`` outputs), cosine distance, cutoff ``cutoff`` (d_c).
+       Pruned tokens within 1.5 d_c of a centre join its cluster, the others are dropped.
+    3. Each cluster becomes one row at its centre's slot (the centre's original position id):
+       the mean of its members' hidden states, weighted by their current sizes (all 1 unless
+       an earlier step merged them, then it is the plain mean of the official code). Its size
+       is the number of original tokens it stands for; the engine adds log(size) to the
+       attention logits of that key in every later layer (proportional attention).
+
+    Defaults per model family (``ctx.extras["family"]``): rho 0.55 / d_c 0.21 for
+    llava_onevision, 0.8 / 0.1 for qwen2_vl; llava and llava_next use the OneVision values
+    (unverified). ``rho`` and ``cutoff`` override them; ``keep`` / ``budget`` given to wrap()
+    replace rho (the pruning step keeps exactly that many visual tokens; clustering then
+    leaves at most that many). The final count is set by d_c, not by a budget.
+    """
+
+    name = "pact"
+    paper = "PACT, Dhouib et al., CVPR 2025 (orailix/PACT)"
+    own_schedule = True
+    scores_from_previous_layer = False
+
+    def __init__(
+        self,
+        layer: int = 4,
+        rho: float | None = None,
+        cutoff: float | None = None,
+        reattach_factor: float = 1.5,
+        keep: float | None = None,
+        budget: int | None = None,
+    ) -> None:
+        super().__init__(keep=keep, budget=budget)
+        if not isinstance(layer, int) or layer < 0:
+            raise ValueError(f"PACT layer L must be an integer >= 0, got {layer!r}")
+        if rho is not None and not (0 < rho <= 1):
+            raise ValueError(f"PACT rho (fraction of visual tokens kept by pruning) must be in (0, 1], got {rho!r}")
+        if cutoff is not None and cutoff < 0:
+            raise ValueError(f"PACT cutoff d_c must be >= 0, got {cutoff!r}")
+        if reattach_factor < 0:
+            raise ValueError(f"PACT reattach_factor must be >= 0, got {reattach_factor!r}")
+        self.layer = layer
+        self.rho = rho
+        self.cutoff = cutoff
+        self.reattach_factor = reattach_factor
+
+    def prune_layers(self, num_layers: int) -> list[int]:
+        if self.layer >= num_layers:
+            raise ValueError(f"PACT layer L={self.layer} but the model has only {num_layers} decoder layers")
+        return [self.layer]
+
+    def settings(self, family: str | None) -> tuple[float, float]:
+        """(rho, d_c) for a model family, with this object's overrides applied."""
+        rho, d_c = FAMILY_DEFAULTS.get(family or "", FALLBACK_DEFAULTS)
+        return (self.rho if self.rho is not None else rho, self.cutoff if self.cutoff is not None else d_c)
+
+    def pruning_count(self, ctx: LayerContext, b: int, n_visual: int, rho: float) -> int:
+        """Visual tokens the EUTI step keeps in sample b."""
+        if self.keep is not None or self.budget is not None:
+            return min(n_visual, int(ctx.n_keep[b]))
+        return min(n_visual, max(1, math.floor(rho * n_visual + 1e-9))) if n_visual else 0
+
+    def scores(self, ctx: LayerContext) -> torch.Tensor:
+        """[B, S] EUTI scores (0 past the last visual token)."""
+        last = last_valid_index(ctx.visual & ctx.valid)
+        n_rows = int(last.max()) + 1
+        q, k = ctx.project_qk(ctx.hidden[:, :n_rows], ctx.positions[..., :n_rows], rope=False)
+        ar = torch.arange(n_rows, device=ctx.hidden.device)
+        n_mask = ctx.valid[:, :n_rows] & (ar[None, :] <= last[:, None])
+        out = torch.zeros(ctx.hidden.shape[:2], device=ctx.hidden.device)
+        out[:, :n_rows] = euti_scores(q, k, ctx.hidden[:, :n_rows], n_mask)
+        return out
+
+    def select(self, ctx: LayerContext) -> list[Reduction]:
+        rho, d_c = self.settings(ctx.extras.get("family"))
+        vis_mask = ctx.visual & ctx.valid
+        if not bool(vis_mask.any()):
+            return [Reduction(torch.nonzero(v).squeeze(1)) for v in ctx.valid]
+        scores = self.scores(ctx)
+        n_rows = int(last_valid_index(vis_mask).max()) + 1
+        _, k_rope = ctx.project_qk(ctx.hidden[:, :n_rows], ctx.positions[..., :n_rows], rope=True)
+        k_rope = distinct_kv_heads(k_rope, ctx.layer_module)
+        out = []
+        for b in range(ctx.hidden.shape[0]):
+            vis = torch.nonzero(vis_mask[b]).squeeze(1)
+            n_prune_keep = self.pruning_count(ctx, b, vis.numel(), rho)
+            out.append(self._reduce_sample(ctx, b, vis, scores[b], k_rope[b], n_prune_keep, d_c))
+        return out
+
+    def _reduce_sample(
+        self, ctx: LayerContext, b: int, vis: torch.Tensor, scores: torch.Tensor,
+        keys: torch.Tensor, n_keep: int, d_c: float,
+    ) -> Reduction:
+        other = torch.nonzero(ctx.valid[b] & ~ctx.visual[b]).squeeze(1)
+        top_mask = torch.zeros(vis.numel(), dtype=torch.bool, device=vis.device)
+        top_mask[torch.topk(scores[vis], n_keep, sorted=False).indices] = True
+        kept, pruned = vis[top_mask], vis[~top_mask]
+        flat = keys.permute(1, 0, 2).flatten(1)  # [rows, H_kv * d]
+        cl = dbdpc(flat[kept], d_c, extra=flat[pruned], extra_factor=self.reattach_factor)
+        rows = torch.cat([kept, pruned])
+        labels = torch.cat([cl.labels, cl.extra_labels])
+        merged, sizes = cluster_mean(ctx.hidden[b, rows], labels, cl.centres.numel(), ctx.sizes[b, rows])
+        hidden = ctx.hidden[b]
+        return Reduction(
+            torch.cat([other, kept[cl.centres]]),
+            features=torch.cat([hidden[other], merged.to(hidden.dtype)]),
+            sizes=torch.cat([ctx.sizes[b, other].float(), sizes]),
+        )
