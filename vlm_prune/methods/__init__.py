@@ -20,3 +20,5 @@ __all__ = [
     "Random", "Pool", "FastV",
     "PACT", "AdaptInfer", "VisionZip", "DivPrune", "CDPruner",
 ]
+from vlm_prune.methods.asvit import ASViT  # noqa: E402
+from vlm_prune.methods.tome import ToMe  # noqa: E402
