@@ -17,8 +17,8 @@ import json
 import statistics
 import time
 import weakref
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Callable
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -28,9 +28,9 @@ from vlm_prune import kernels as K
 
 SHAPES = {
     # attention rows: B, H, Hkv, text query rows Q, sequence S, head dim d;  DBDPC: points N, features D
-    "cpu": dict(b=1, h=8, hkv=2, q=32, s=1024, d=64, n=512, feat=256, c=128),
+    "cpu": {"b": 1, "h": 8, "hkv": 2, "q": 32, "s": 1024, "d": 64, "n": 512, "feat": 256, "c": 128},
     # Qwen2-7B-like layer at 8k tokens; DBDPC on 4k kept visual tokens, 4 KV heads x 128 flattened
-    "cuda": dict(b=1, h=28, hkv=4, q=64, s=8192, d=128, n=4096, feat=512, c=1024),
+    "cuda": {"b": 1, "h": 28, "hkv": 4, "q": 64, "s": 8192, "d": 128, "n": 4096, "feat": 512, "c": 1024},
 }
 
 

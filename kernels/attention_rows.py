@@ -14,7 +14,6 @@ recomputes the logits tile by tile and accumulates the normalised probabilities.
 from __future__ import annotations
 
 import torch
-
 from vlm_prune.kernels._dispatch import resolve_backend, triton_module
 
 
@@ -135,7 +134,8 @@ def attention_key_scores(
     """
     _check_score_args(q, k, key_mask, q_pos, k_pos, row_weights, head_reduce)
     extra = [t for t in (key_mask, q_pos, k_pos, row_weights) if t is not None]
-    args = dict(scale=scale, key_mask=key_mask, q_pos=q_pos, k_pos=k_pos, row_weights=row_weights, head_reduce=head_reduce)
+    args = {"scale": scale, "key_mask": key_mask, "q_pos": q_pos, "k_pos": k_pos, "row_weights": row_weights,
+            "head_reduce": head_reduce}
     if resolve_backend(backend, q, k, *extra) == "torch":
         return attention_key_scores_torch(q, k, **args)
     return triton_module("attention_rows_triton").attention_key_scores_triton(q, k, **args)

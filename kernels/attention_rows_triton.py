@@ -50,7 +50,7 @@ def _row_stats(q_ptr, k_ptr, mask_ptr, qpos_ptr, kpos_ptr, m_ptr, l_ptr,
     l_i = tl.zeros([BLOCK_Q], tl.float32)
     for s0 in range(0, S, BLOCK_S):
         offs_s = s0 + tl.arange(0, BLOCK_S)
-        logits, allowed = _scores_tile(q_tile, qp, k_base, mask_ptr + b * smb, kpos_ptr + b * skpb, offs_q, offs_s,
+        logits, _ = _scores_tile(q_tile, qp, k_base, mask_ptr + b * smb, kpos_ptr + b * skpb, offs_q, offs_s,
                                        offs_d, Q, S, D, sks, skd, smq, sms, skps, scale, HAS_MASK, CAUSAL)
         m_new = tl.maximum(m_i, tl.max(logits, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -127,8 +127,8 @@ def _blocks(q: torch.Tensor) -> tuple[int, int, int]:
 
 
 def _common(q, k, mask, q_pos, k_pos):
-    """Kernel arguments shared by both passes; mask is [B, Qm, S] bool with Qm in (1, Q)."""
-    b, h, nq, d = q.shape
+    """Kernel arguments shared by both passes; mask is [B, Qm, S] bool with Qm = 1 or Q."""
+    _, h, nq, d = q.shape
     s = k.shape[2]
     dummy = torch.zeros(1, dtype=torch.int32, device=q.device)
     if mask is not None:
@@ -141,7 +141,7 @@ def _common(q, k, mask, q_pos, k_pos):
     ptrs = (q, k, mask, qpos, kpos)
     sizes = (h, nq, s, d, h // k.shape[1])
     strides = (*q.stride(), *k.stride(), *mstr, *pstr)
-    return ptrs, sizes, strides, dict(HAS_MASK=mask is not dummy, CAUSAL=q_pos is not None)
+    return ptrs, sizes, strides, {"HAS_MASK": mask is not dummy, "CAUSAL": q_pos is not None}
 
 
 def _stats(q, k, scale, ptrs, sizes, strides, flags, blocks):
@@ -171,7 +171,7 @@ def attention_to_keys_triton(q: torch.Tensor, k: torch.Tensor, key_mask: torch.T
 def attention_key_scores_triton(q, k, *, scale, key_mask=None, q_pos=None, k_pos=None, row_weights=None,
                                 head_reduce="mean") -> torch.Tensor:
     """Triton path of :func:`vlm_prune.kernels.attention_key_scores` (arguments checked there)."""
-    b, h, nq, _ = q.shape
+    b, h = q.shape[:2]
     s = k.shape[2]
     ptrs, sizes, strides, flags = _common(q, k, None if key_mask is None else key_mask[:, None, :], q_pos, k_pos)
     blocks = _blocks(q)

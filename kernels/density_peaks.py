@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-
 from vlm_prune.kernels._dispatch import resolve_backend, triton_module
 
 CHUNK = 1024  # rows per step of the PyTorch references

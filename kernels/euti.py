@@ -7,7 +7,6 @@ PyTorch reference ``euti_scores_torch``; Triton kernel in ``vlm_prune.kernels.eu
 from __future__ import annotations
 
 import torch
-
 from vlm_prune.kernels._dispatch import resolve_backend, triton_module
 
 

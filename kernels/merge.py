@@ -10,7 +10,6 @@ sorts the assignments and sums each cluster's rows in one program: deterministic
 from __future__ import annotations
 
 import torch
-
 from vlm_prune.kernels._dispatch import resolve_backend, triton_module
 
 
