@@ -20,5 +20,6 @@ __all__ = [
     "Random", "Pool", "FastV",
     "PACT", "AdaptInfer", "VisionZip", "DivPrune", "CDPruner",
 ]
+import vlm_prune.frames  # noqa: F401,E402  (registers the frames-stage methods)
 from vlm_prune.methods.asvit import ASViT  # noqa: E402
 from vlm_prune.methods.tome import ToMe  # noqa: E402

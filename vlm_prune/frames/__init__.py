@@ -1,0 +1,13 @@
+"""Frames stage: which frames of a video to keep, and how many tokens each.
+
+Importing registers the frames-stage methods "quota" (QuoTA), "keyscore" (KeyScore + STACFP)
+and "uniform"; :func:`select_frames` chooses keyframes outside any model.
+"""
+from vlm_prune.frames.keyscore import HFImageTextEncoder, KeyScore, load_encoder
+from vlm_prune.frames.quota import QuoTA
+from vlm_prune.frames.select import FrameSelection, select_frames
+from vlm_prune.frames.uniform import Uniform
+
+__all__ = [
+    "QuoTA", "KeyScore", "Uniform", "select_frames", "FrameSelection", "HFImageTextEncoder", "load_encoder",
+]

@@ -1,0 +1,103 @@
+"""``vlm-prune keyframes``: score and choose keyframes of videos, one JSON line per video.
+
+    vlm-prune keyframes a.mp4 b.mp4 --captions captions.txt --encoder ./clip-vit-b32 \\
+        --budget 8 --out scores.jsonl
+
+--captions is a text file with one caption per video, in the order of the videos (a single
+line applies to all), or a .json file mapping a video path or file name to its caption.
+--encoder is a CLIP / SigLIP checkpoint (local folder or hub id, loaded with from_pretrained,
+processor included); KeyScore needs it, method uniform does not.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "keyframes", help="choose keyframes of videos with KeyScore + STACFP (or uniformly)",
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("videos", nargs="+", metavar="VIDEO", help="video files")
+    p.add_argument("--captions", metavar="FILE", help="captions: one line per video, or a .json mapping")
+    p.add_argument("--encoder", metavar="PATH_OR_ID", help="CLIP / SigLIP checkpoint for KeyScore")
+    p.add_argument("--method", choices=("keyscore", "uniform"), default="keyscore")
+    p.add_argument("--budget", type=int, default=8, help="frames to keep per video (default 8)")
+    p.add_argument("--proposals", choices=("stacfp", "all"), default="stacfp",
+                   help="candidate frames: STACFP cluster medoids (default) or every decoded frame")
+    p.add_argument("--fps", type=float, default=1.0, help="decode this many frames a second (default 1)")
+    p.add_argument("--num-frames", type=int, help="decode this many frames uniformly instead of --fps")
+    p.add_argument("--device", default="cpu", help="device of the encoder (default cpu)")
+    p.add_argument("--out", metavar="FILE", default="-", help="JSON lines output (default: stdout)")
+    p.set_defaults(func=run)
+
+
+def read_captions(path: str, videos: list[str]) -> list[str]:
+    """One caption per video from a line-per-video text file or a JSON mapping."""
+    with open(path, encoding="utf-8") as fh:
+        text = fh.read()
+    if path.endswith(".json"):
+        table = json.loads(text)
+        out = []
+        for v in videos:
+            caption = table.get(v, table.get(os.path.basename(v)))
+            if caption is None:
+                raise ValueError(f"{path} has no caption for {v} (keys are video paths or file names)")
+            out.append(str(caption))
+        return out
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    if len(lines) == 1:
+        return lines * len(videos)
+    if len(lines) != len(videos):
+        raise ValueError(f"{path} has {len(lines)} captions for {len(videos)} videos; give one per video or one for all")
+    return lines
+
+
+def run(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from vlm_prune.frames.keyscore import load_encoder
+    from vlm_prune.frames.select import select_frames
+    from vlm_prune.video import VideoError
+
+    if args.budget < 1:
+        print("error: --budget must be >= 1", file=sys.stderr)
+        return 2
+    encoder = None
+    if args.method == "keyscore":
+        if not args.encoder or not args.captions:
+            print("error: --method keyscore needs --encoder PATH_OR_ID (a CLIP / SigLIP checkpoint) "
+                  "and --captions FILE", file=sys.stderr)
+            return 2
+        encoder = load_encoder(args.encoder, device=args.device)
+    captions = read_captions(args.captions, args.videos) if args.captions else [""] * len(args.videos)
+    out = sys.stdout if args.out == "-" else open(args.out, "w", encoding="utf-8")
+    failed = 0
+    try:
+        for video, caption in tqdm(list(zip(args.videos, captions)), desc="keyframes", unit="video"):
+            record = {"video": video, "caption": caption, "method": args.method, "budget": args.budget}
+            try:
+                sel = select_frames(
+                    video, caption, method=args.method, budget=args.budget, encoder=encoder,
+                    proposals=args.proposals, num_frames=args.num_frames, fps=args.fps,
+                )
+            except VideoError as err:
+                failed += 1
+                record["error"] = str(err)
+                print(f"warning: {err}", file=sys.stderr)
+            else:
+                record.update(
+                    indices=sel.indices.tolist(),
+                    scores=None if sel.scores is None else [round(float(s), 6) for s in sel.scores],
+                    timestamps=None if sel.timestamps is None else [round(float(s), 3) for s in sel.timestamps],
+                    candidates=sel.candidates.tolist(),
+                )
+            out.write(json.dumps(record) + "\n")
+            out.flush()
+    finally:
+        if out is not sys.stdout:
+            out.close()
+    return 1 if failed else 0
