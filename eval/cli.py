@@ -1,0 +1,89 @@
+"""``vlm-prune eval``: judge a pruning method on a checkpoint and a local dataset.
+
+    vlm-prune eval --model llava-hf/llava-onevision-qwen2-7b-ov-hf --data ~/data/Video-MME \
+        --dataset videomme --method none,random,quota+pact --keep 1.0,0.5,0.25,0.11 --frames 32 --out runs/vmme
+
+Multi-GPU: ``accelerate launch --num_processes 8 -m vlm_prune.eval <same arguments>``.
+"""
+from __future__ import annotations
+
+import argparse
+
+from vlm_prune.eval.datasets import LOADERS
+
+
+def _floats(text: str) -> list[float]:
+    try:
+        values = [float(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated fractions like 1.0,0.5,0.25, got {text!r}") from None
+    bad = [v for v in values if not 0.0 < v <= 1.0]
+    if bad:
+        raise argparse.ArgumentTypeError(f"keep fractions must lie in (0, 1], got {bad}")
+    return values
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        return [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated token counts like 4096,2048, got {text!r}") from None
+
+
+def _frames(text: str) -> int | str:
+    if text == "quota":
+        return text
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--frames takes a whole number or 'quota', got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError("--frames must be at least 1")
+    return value
+
+
+def configure(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="hub id or local folder of a supported HF VLM")
+    p.add_argument("--data", required=True, help="dataset folder (or file, for --dataset jsonl/image)")
+    p.add_argument("--dataset", required=True, choices=sorted(LOADERS), help="layout of --data")
+    p.add_argument("--method", default="none",
+                   help="comma-separated settings; '+' joins stages: none,random,quota+pact (default none)")
+    p.add_argument("--keep", type=_floats, default=[], help="kept fractions to sweep, e.g. 1.0,0.5,0.25,0.11")
+    p.add_argument("--budget", type=_ints, default=[], help="visual tokens kept per image/frame, to sweep")
+    p.add_argument("--frames", type=_frames, default=32, help="frames per video, or 'quota' (default 32)")
+    p.add_argument("--limit", type=int, default=None, help="evaluate only the first N questions")
+    p.add_argument("--split", default=None, help="split where the layout has several (nextqa: val or test)")
+    p.add_argument("--skip-missing", action="store_true", help="skip questions whose video is missing")
+    p.add_argument("--max-new-tokens", type=int, default=16)
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="auto: bfloat16 on CUDA, float32 on CPU")
+    p.add_argument("--device-map", default=None, help="e.g. auto: spread one large model over the GPUs")
+    p.add_argument("--attn-implementation", default=None, help="sdpa, eager or flash_attention_2")
+    p.add_argument("--seed", type=int, default=0, help="seed of sampling methods (random)")
+    p.add_argument("--decode-timeout", type=float, default=300.0, help="seconds allowed to decode one video")
+    p.add_argument("--out", required=True, help="output folder; rerunning into it resumes")
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("eval", help="evaluate a model and pruning methods on a video/image QA dataset")
+    configure(p)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from vlm_prune.eval.runner import EvalConfig, run_eval
+
+    cfg = EvalConfig(
+        model=args.model, data=args.data, dataset=args.dataset, out=args.out,
+        methods=[m.strip() for m in args.method.split(",") if m.strip()],
+        keeps=args.keep, budgets=args.budget, frames=args.frames, limit=args.limit, split=args.split,
+        skip_missing=args.skip_missing, max_new_tokens=args.max_new_tokens, dtype=args.dtype,
+        device_map=args.device_map, attn_implementation=args.attn_implementation, seed=args.seed,
+        decode_timeout=args.decode_timeout,
+    )
+    rows = run_eval(cfg)
+    if rows is not None:
+        for row in rows:
+            print(f"{row['name']:32s} accuracy {row['accuracy']:.3f}  n {row['n']}")
+        print(f"summary: {args.out}/summary.md")
+    return 0

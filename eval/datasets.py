@@ -1,0 +1,467 @@
+"""Video-QA and image-VQA datasets read from local files in their published layouts.
+
+Every loader returns a list of :class:`Sample` records with the same fields, so the runner
+never sees a dataset's own format. Supported layouts (``root`` is the ``--data`` folder):
+
+- ``videomme``  Video-MME: ``videomme/test-00000-of-00001.parquet`` (or any ``*.parquet`` /
+  ``*.json`` / ``*.jsonl`` export of it) with ``videoID, question_id, duration, domain,
+  sub_category, task_type, question, options ["A. ...", ...], answer "A"``; videos in
+  ``data/<videoID>.mp4`` (also ``.MP4`` / ``.mkv`` / ``.webm``).
+- ``mlvu``      MLVU dev: ``json/<n>_<task>.json`` (entries ``video, question, candidates,
+  answer`` text, ``question_type``), videos in ``video/<n>_<task>/<video>``. A folder that
+  holds ``MLVU/`` works too. Open-ended tasks (``8_sub_scene``, ``9_summary``) are skipped.
+- ``mvbench``   MVBench: ``json/<task>.json`` (``video, question, candidates, answer`` text,
+  ``start``/``end`` for clipped tasks), videos under ``video/<source folder>/`` (see
+  ``MVBENCH_TASKS``); ``tvqa`` frame folders are read as images at 3 fps.
+- ``nextqa``    NExT-QA multiple choice: ``val.csv`` / ``test.csv`` (``video, question, answer``
+  index, ``qid, type, a0..a4``), ``map_vid_vidorID.json``, videos ``NExTVideo/<dir>/<id>.mp4``.
+- ``egoschema`` EgoSchema subset: ``questions.json`` (``q_uid, question, option 0..4``),
+  ``subset_answers.json`` ({q_uid: index}), videos ``videos/<q_uid>.mp4``.
+- ``jsonl``     generic: one ``*.jsonl`` or ``*.csv`` file (or ``--data`` pointing at it) with
+  ``video, question, options, answer`` and optional ``id``, ``category``.
+- ``image``     image VQA: ``*.jsonl`` with ``image, question, answer`` and optional ``options``.
+- ``hf``        a ``datasets.save_to_disk`` folder (needs the optional ``datasets`` package)
+  whose columns follow the generic format.
+
+A wrong or incomplete layout raises :class:`DatasetLayoutError` naming the missing file or
+field and what was expected.
+"""
+from __future__ import annotations
+
+import csv
+import glob
+import json
+import os
+import re
+import string
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable
+
+LETTERS = string.ascii_uppercase
+VIDEO_EXTS = (".mp4", ".MP4", ".mkv", ".webm", ".avi", ".mov")
+
+
+class DatasetLayoutError(ValueError):
+    """The files under ``--data`` do not match the layout of the chosen ``--dataset``."""
+
+
+@dataclass
+class Sample:
+    """One question, in the same shape for every dataset.
+
+    media: absolute paths of the video (one) or image(s); a folder means a folder of frames.
+    options: option texts without their letter; empty for open-ended questions.
+    answer: the correct letter ("A", ...) when there are options, else the reference text.
+    categories: breakdown fields, e.g. {"duration": "short", "domain": "Knowledge"}.
+    clip: (start_s, end_s) of the video segment the question is about, or None for all of it.
+    frames_fps: frame rate of a frame folder (None for video files and images).
+    """
+
+    id: str
+    media: list[str]
+    media_type: str  # "video" | "image"
+    question: str
+    options: list[str]
+    answer: str
+    categories: dict[str, str] = field(default_factory=dict)
+    clip: tuple[float, float] | None = None
+    frames_fps: float | None = None
+
+
+def _fail(msg: str) -> DatasetLayoutError:
+    return DatasetLayoutError(msg)
+
+
+def _read_json(path: str) -> Any:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except FileNotFoundError:
+        raise _fail(f"missing file {path}") from None
+    except json.JSONDecodeError as err:
+        raise _fail(f"{path} is not valid JSON ({err})") from None
+
+
+def _read_jsonl(path: str) -> list[dict[str, Any]]:
+    rows = []
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as err:
+                raise _fail(f"{path} line {n} is not valid JSON ({err})") from None
+    return rows
+
+
+def _read_csv(path: str) -> list[dict[str, str]]:
+    with open(path, encoding="utf-8", newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def _read_parquet(path: str) -> list[dict[str, Any]]:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise _fail(
+            f"{path} is a parquet file; reading it needs pyarrow (pip install 'vlm-prune[eval]' or "
+            "pip install pyarrow), or export it to JSON first"
+        ) from None
+    return pq.read_table(path).to_pylist()
+
+
+def _read_table(path: str) -> list[dict[str, Any]]:
+    """Rows of a .json (list), .jsonl, .csv or .parquet file."""
+    if path.endswith(".parquet"):
+        return _read_parquet(path)
+    if path.endswith(".jsonl"):
+        return _read_jsonl(path)
+    if path.endswith(".csv"):
+        return _read_csv(path)
+    data = _read_json(path)
+    if not isinstance(data, list):
+        raise _fail(f"{path} should hold a JSON list of question records, found {type(data).__name__}")
+    return data
+
+
+def _need(row: dict[str, Any], keys: Iterable[str], where: str) -> None:
+    missing = [k for k in keys if k not in row]
+    if missing:
+        raise _fail(
+            f"{where}: missing field(s) {', '.join(missing)}; expected fields {', '.join(keys)} "
+            f"(found {', '.join(sorted(map(str, row))) or 'none'})"
+        )
+
+
+def _strip_letter(option: str, i: int) -> str:
+    """'A. text' / '(A) text' / 'A) text' -> 'text' when the letter matches position i."""
+    m = re.match(rf"^\s*\(?{LETTERS[i]}[.):]\s*", option)
+    return option[m.end():].strip() if m else option.strip()
+
+
+def _letter_of(answer: Any, options: list[str], where: str) -> str:
+    """The answer letter from a letter, an index or an option's text."""
+    if isinstance(answer, bool):
+        raise _fail(f"{where}: answer {answer!r} is neither a letter, an index nor an option text")
+    if isinstance(answer, int) or (isinstance(answer, str) and answer.strip().isdigit()):
+        i = int(answer)
+        if 0 <= i < len(options):
+            return LETTERS[i]
+        raise _fail(f"{where}: answer index {i} is out of range for {len(options)} options")
+    text = str(answer).strip()
+    letter = text.strip("().").upper()
+    if len(letter) == 1 and letter in LETTERS[: len(options)]:
+        return letter
+    for i, opt in enumerate(options):
+        if text == opt or _strip_letter(text, i) == opt:
+            return LETTERS[i]
+    raise _fail(f"{where}: answer {text!r} matches no option (options: {options})")
+
+
+def _find_video(folder: str, stem: str) -> str:
+    """folder/stem with the first video extension that exists (folder/stem.mp4 if none does)."""
+    for ext in VIDEO_EXTS:
+        path = os.path.join(folder, stem + ext)
+        if os.path.exists(path):
+            return path
+    return os.path.join(folder, stem + ".mp4")
+
+
+def _check_media(samples: list[Sample], dataset: str, skip_missing: bool) -> list[Sample]:
+    """Drop (skip_missing) or report samples whose media files are absent."""
+    missing = [s for s in samples if not all(os.path.exists(p) for p in s.media)]
+    if not missing:
+        return samples
+    if skip_missing:
+        gone = {s.id for s in missing}
+        return [s for s in samples if s.id not in gone]
+    first = next(p for s in missing for p in s.media if not os.path.exists(p))
+    raise _fail(
+        f"{dataset}: {len(missing)} of {len(samples)} samples have missing media, first {first}; "
+        "download the videos into the expected folder, or pass --skip-missing to evaluate the rest"
+    )
+
+
+# ---------------------------------------------------------------------------------- Video-MME
+def load_videomme(root: str) -> list[Sample]:
+    """Video-MME (Fu et al., 2024) in the lmms-lab/Video-MME layout."""
+    tables = sorted(glob.glob(os.path.join(root, "videomme", "*.parquet"))) or sorted(
+        p for ext in ("parquet", "json", "jsonl") for p in glob.glob(os.path.join(root, f"*.{ext}"))
+    )
+    if not tables:
+        raise _fail(
+            f"videomme: no annotation table in {root}; expected videomme/test-00000-of-00001.parquet "
+            "(or a .parquet / .json / .jsonl export of it) and videos in data/<videoID>.mp4"
+        )
+    video_dir = os.path.join(root, "data")
+    keys = ("videoID", "question_id", "duration", "domain", "question", "options", "answer")
+    samples = []
+    for table in tables:
+        for n, row in enumerate(_read_table(table)):
+            where = f"{table} record {n}"
+            _need(row, keys, where)
+            options = [_strip_letter(o, i) for i, o in enumerate(row["options"])]
+            samples.append(Sample(
+                id=str(row["question_id"]),
+                media=[_find_video(video_dir, str(row["videoID"]))],
+                media_type="video",
+                question=str(row["question"]),
+                options=options,
+                answer=_letter_of(row["answer"], options, where),
+                categories={k: str(row[k]) for k in ("duration", "domain", "sub_category", "task_type") if k in row},
+            ))
+    return samples
+
+
+# --------------------------------------------------------------------------------------- MLVU
+MLVU_OPEN_ENDED = ("8_sub_scene", "9_summary")
+
+
+def load_mlvu(root: str) -> list[Sample]:
+    """MLVU dev (Zhou et al., 2024): json/<n>_<task>.json + video/<n>_<task>/<video>."""
+    if not os.path.isdir(os.path.join(root, "json")) and os.path.isdir(os.path.join(root, "MLVU", "json")):
+        root = os.path.join(root, "MLVU")
+    files = sorted(glob.glob(os.path.join(root, "json", "*.json")))
+    if not files:
+        raise _fail(
+            f"mlvu: no json/*.json in {root}; expected json/1_plotQA.json ... 7_topic_reasoning.json "
+            "and videos in video/<same name>/<video>"
+        )
+    samples = []
+    for path in files:
+        task = os.path.splitext(os.path.basename(path))[0]
+        if task in MLVU_OPEN_ENDED:
+            continue
+        rows = _read_json(path)
+        if not isinstance(rows, list):
+            raise _fail(f"{path} should hold a JSON list of questions")
+        for n, row in enumerate(rows):
+            where = f"{path} record {n}"
+            _need(row, ("video", "question", "candidates", "answer"), where)
+            options = [str(c) for c in row["candidates"]]
+            samples.append(Sample(
+                id=f"{task}/{n}",
+                media=[os.path.join(root, "video", task, row["video"])],
+                media_type="video",
+                question=str(row["question"]),
+                options=options,
+                answer=_letter_of(row["answer"], options, where),
+                categories={"task": str(row.get("question_type", task))},
+            ))
+    return samples
+
+
+# ------------------------------------------------------------------------------------ MVBench
+# task json -> (folder under video/, has start/end, is a folder of frames)
+MVBENCH_TASKS: dict[str, tuple[str, bool, bool]] = {
+    "action_sequence": ("star/Charades_v1_480", True, False),
+    "action_prediction": ("star/Charades_v1_480", True, False),
+    "action_antonym": ("ssv2_video", False, False),
+    "fine_grained_action": ("Moments_in_Time_Raw/videos", False, False),
+    "unexpected_action": ("FunQA_test/test", False, False),
+    "object_existence": ("clevrer/video_validation", False, False),
+    "object_interaction": ("star/Charades_v1_480", True, False),
+    "object_shuffle": ("perception/videos", False, False),
+    "moving_direction": ("clevrer/video_validation", False, False),
+    "action_localization": ("sta/sta_video", True, False),
+    "scene_transition": ("scene_qa/video", False, False),
+    "action_count": ("perception/videos", False, False),
+    "moving_count": ("clevrer/video_validation", False, False),
+    "moving_attribute": ("clevrer/video_validation", False, False),
+    "state_change": ("perception/videos", False, False),
+    "fine_grained_pose": ("nturgbd", False, False),
+    "character_order": ("perception/videos", False, False),
+    "egocentric_navigation": ("vlnqa", False, False),
+    "episodic_reasoning": ("tvqa/frames_fps3_hq", True, True),
+    "counterfactual_inference": ("clevrer/video_validation", False, False),
+}
+TVQA_FPS = 3.0
+
+
+def load_mvbench(root: str) -> list[Sample]:
+    """MVBench (Li et al., 2024): json/<task>.json + video/<source>/...; tasks present are loaded."""
+    present = [t for t in MVBENCH_TASKS if os.path.exists(os.path.join(root, "json", f"{t}.json"))]
+    if not present:
+        raise _fail(
+            f"mvbench: no task file in {os.path.join(root, 'json')}; expected one or more of "
+            f"{', '.join(t + '.json' for t in MVBENCH_TASKS)} and videos under video/"
+        )
+    samples = []
+    for task in present:
+        folder, bounded, is_frames = MVBENCH_TASKS[task]
+        path = os.path.join(root, "json", f"{task}.json")
+        for n, row in enumerate(_read_json(path)):
+            where = f"{path} record {n}"
+            _need(row, ("video", "question", "candidates", "answer") + (("start", "end") if bounded else ()), where)
+            options = [str(c) for c in row["candidates"]]
+            samples.append(Sample(
+                id=f"{task}/{n}",
+                media=[os.path.join(root, "video", folder, row["video"])],
+                media_type="video",
+                question=str(row["question"]),
+                options=options,
+                answer=_letter_of(row["answer"], options, where),
+                categories={"task": task},
+                clip=(float(row["start"]), float(row["end"])) if bounded else None,
+                frames_fps=TVQA_FPS if is_frames else None,
+            ))
+    return samples
+
+
+# ------------------------------------------------------------------------------------ NExT-QA
+NEXTQA_GROUPS = {"C": "causal", "T": "temporal", "D": "descriptive"}
+
+
+def load_nextqa(root: str, split: str = "val") -> list[Sample]:
+    """NExT-QA multiple choice (Xiao et al., 2021): <split>.csv, map_vid_vidorID.json, NExTVideo/."""
+    table = os.path.join(root, f"{split}.csv")
+    if not os.path.exists(table):
+        raise _fail(f"nextqa: missing {table}; expected the multiple-choice {split}.csv (--split val|test)")
+    mapping = _read_json(os.path.join(root, "map_vid_vidorID.json"))
+    keys = ("video", "question", "answer", "qid", "type", "a0", "a1", "a2", "a3", "a4")
+    samples = []
+    for n, row in enumerate(_read_csv(table)):
+        where = f"{table} row {n + 2}"
+        _need(row, keys, where)
+        vid = str(row["video"])
+        if vid not in mapping:
+            raise _fail(f"{where}: video {vid} is not in map_vid_vidorID.json")
+        options = [row[f"a{i}"] for i in range(5)]
+        qtype = str(row["type"])
+        samples.append(Sample(
+            id=f"{vid}_{row['qid']}",
+            media=[_find_video(os.path.join(root, "NExTVideo"), mapping[vid])],
+            media_type="video",
+            question=str(row["question"]),
+            options=options,
+            answer=_letter_of(int(row["answer"]), options, where),
+            categories={"type": qtype, "group": NEXTQA_GROUPS.get(qtype[:1], qtype[:1])},
+        ))
+    return samples
+
+
+# ---------------------------------------------------------------------------------- EgoSchema
+def load_egoschema(root: str) -> list[Sample]:
+    """EgoSchema subset (Mangalam et al., 2023): questions.json + subset_answers.json + videos/."""
+    questions = _read_json(os.path.join(root, "questions.json"))
+    answers_path = os.path.join(root, "subset_answers.json")
+    if not os.path.exists(answers_path):
+        raise _fail(
+            f"egoschema: missing {answers_path}; only the 500-question subset has public answers "
+            "({q_uid: answer index})"
+        )
+    answers = _read_json(answers_path)
+    video_dir = os.path.join(root, "videos") if os.path.isdir(os.path.join(root, "videos")) else root
+    by_uid = {}
+    for n, row in enumerate(questions):
+        _need(row, ("q_uid", "question") + tuple(f"option {i}" for i in range(5)), f"questions.json record {n}")
+        by_uid[row["q_uid"]] = row
+    samples = []
+    for uid, idx in answers.items():
+        if uid not in by_uid:
+            raise _fail(f"egoschema: subset_answers.json names {uid}, which questions.json lacks")
+        row = by_uid[uid]
+        options = [str(row[f"option {i}"]) for i in range(5)]
+        samples.append(Sample(
+            id=uid,
+            media=[_find_video(video_dir, uid)],
+            media_type="video",
+            question=str(row["question"]),
+            options=options,
+            answer=_letter_of(int(idx), options, f"subset_answers.json[{uid}]"),
+        ))
+    return samples
+
+
+# ------------------------------------------------------------------------- generic and images
+def _generic_sample(row: dict[str, Any], n: int, base: str, media_key: str, where: str) -> Sample:
+    need = (media_key, "question", "answer") + (("options",) if media_key == "video" else ())
+    _need(row, need, where)
+    media = row[media_key] if isinstance(row[media_key], list) else [row[media_key]]
+    options = row.get("options") or []
+    if isinstance(options, str):  # CSV: a JSON list, or options separated by "|"
+        options = json.loads(options) if options.strip().startswith("[") else options.split("|")
+    options = [_strip_letter(str(o), i) for i, o in enumerate(options)]
+    cats = row.get("categories") or {}
+    if not isinstance(cats, dict):
+        raise _fail(f"{where}: 'categories' should be an object of name -> value")
+    if row.get("category") not in (None, ""):
+        cats = {"category": row["category"], **cats}
+    return Sample(
+        id=str(row.get("id", n)),
+        media=[p if os.path.isabs(p) else os.path.join(base, p) for p in map(str, media)],
+        media_type="video" if media_key == "video" else "image",
+        question=str(row["question"]),
+        options=options,
+        answer=_letter_of(row["answer"], options, where) if options else str(row["answer"]),
+        categories={str(k): str(v) for k, v in cats.items()},
+    )
+
+
+def _single_table(root: str, exts: tuple[str, ...], dataset: str, expected: str) -> str:
+    if os.path.isfile(root):
+        return root
+    found = sorted(p for ext in exts for p in glob.glob(os.path.join(root, f"*{ext}")))
+    if len(found) != 1:
+        what = "no" if not found else f"{len(found)} ({', '.join(map(os.path.basename, found))})"
+        raise _fail(f"{dataset}: found {what} {'/'.join(exts)} files in {root}; expected exactly one, {expected}")
+    return found[0]
+
+
+def load_generic(root: str) -> list[Sample]:
+    """Generic video QA: one JSONL or CSV with video, question, options, answer [, id, category]."""
+    path = _single_table(root, (".jsonl", ".csv"), "jsonl", "with fields video, question, options, answer")
+    base = os.path.dirname(os.path.abspath(path))
+    return [_generic_sample(r, n, base, "video", f"{path} record {n}") for n, r in enumerate(_read_table(path))]
+
+
+def load_image_vqa(root: str) -> list[Sample]:
+    """Image VQA: one JSONL with image, question, answer [, options, id, category]."""
+    path = _single_table(root, (".jsonl",), "image", "with fields image, question, answer [, options]")
+    base = os.path.dirname(os.path.abspath(path))
+    return [_generic_sample(r, n, base, "image", f"{path} record {n}") for n, r in enumerate(_read_jsonl(path))]
+
+
+def load_hf(root: str) -> list[Sample]:
+    """A ``datasets.save_to_disk`` folder with generic columns (video or image, question, ...)."""
+    try:
+        import datasets
+    except ImportError:
+        raise _fail("hf: reading a Hugging Face datasets folder needs the datasets package (pip install datasets)") from None
+    try:
+        ds = datasets.load_from_disk(root)
+    except FileNotFoundError as err:
+        raise _fail(f"hf: {root} is not a datasets.save_to_disk folder ({err})") from None
+    if isinstance(ds, datasets.DatasetDict):
+        raise _fail(f"hf: {root} holds splits {list(ds)}; point --data at one split's folder")
+    key = "video" if "video" in ds.column_names else "image"
+    return [_generic_sample(r, n, root, key, f"{root} row {n}") for n, r in enumerate(ds)]
+
+
+LOADERS: dict[str, Callable[[str], list[Sample]]] = {
+    "videomme": load_videomme,
+    "mlvu": load_mlvu,
+    "mvbench": load_mvbench,
+    "nextqa": load_nextqa,
+    "egoschema": load_egoschema,
+    "jsonl": load_generic,
+    "image": load_image_vqa,
+    "hf": load_hf,
+}
+
+
+def load_samples(dataset: str, root: str, *, split: str | None = None, skip_missing: bool = False) -> list[Sample]:
+    """Load ``dataset`` (a key of LOADERS) from ``root``; checks that every media file exists."""
+    if dataset not in LOADERS:
+        raise ValueError(f"unknown dataset {dataset!r}; choose one of {', '.join(LOADERS)}")
+    if not os.path.exists(root):
+        raise _fail(f"--data {root} does not exist")
+    samples = load_nextqa(root, split) if dataset == "nextqa" and split else LOADERS[dataset](root)
+    if not samples:
+        raise _fail(f"{dataset}: {root} holds no questions")
+    ids = [s.id for s in samples]
+    if len(set(ids)) != len(ids):
+        dup = next(i for i in ids if ids.count(i) > 1)
+        raise _fail(f"{dataset}: sample id {dup!r} occurs more than once; ids must be unique")
+    return _check_media(samples, dataset, skip_missing)

@@ -1,0 +1,127 @@
+"""Per-rank result files, resuming and merging, for one process or many.
+
+Each process (rank r of W, from the RANK / WORLD_SIZE / LOCAL_RANK variables that
+``accelerate launch`` and ``torchrun`` set; 0 of 1 otherwise) evaluates samples r, r+W, ...
+and appends one JSON line per sample to ``samples.rank<r>.jsonl``, flushed as it goes. On a
+restart every rank reads the ids already present in all rank files (a half-written last line
+is cut off) and skips them, so nothing is lost or counted twice, even if W changed. Rank 0
+waits until every expected id is on disk, then writes ``results.jsonl`` with each id once.
+"""
+from __future__ import annotations
+
+import glob
+import json
+import os
+import time
+from dataclasses import dataclass
+from typing import Any, Iterator, Sequence, TypeVar
+
+T = TypeVar("T")
+RANK_FILE = "samples.rank{}.jsonl"
+MERGED_FILE = "results.jsonl"
+
+
+@dataclass(frozen=True)
+class Dist:
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def current() -> Dist:
+    """This process's place, from the launcher's RANK / WORLD_SIZE / LOCAL_RANK."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local = int(os.environ.get("LOCAL_RANK", str(rank)))
+    if not 0 <= rank < world:
+        raise ValueError(f"RANK={rank} is outside WORLD_SIZE={world}")
+    return Dist(rank, world, local)
+
+
+def shard(items: Sequence[T], dist: Dist) -> list[T]:
+    """Items rank, rank + W, rank + 2W, ... (every item in exactly one shard)."""
+    return list(items[dist.rank :: dist.world_size])
+
+
+def _iter_records(path: str) -> Iterator[tuple[dict[str, Any], int]]:
+    """(record, end offset) of each complete line; stops at a truncated or corrupt line."""
+    with open(path, "rb") as f:
+        offset = 0
+        for line in f:
+            if not line.endswith(b"\n"):
+                return
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                return
+            offset += len(line)
+            yield rec, offset
+
+
+def read_records(out_dir: str) -> dict[str, dict[str, Any]]:
+    """id -> record over all rank files in ``out_dir`` (the first occurrence of an id wins)."""
+    done: dict[str, dict[str, Any]] = {}
+    for path in sorted(glob.glob(os.path.join(out_dir, RANK_FILE.format("*")))):
+        for rec, _ in _iter_records(path):
+            done.setdefault(str(rec["id"]), rec)
+    return done
+
+
+class RankWriter:
+    """Appends records to this rank's file, one flushed line each, after cutting a torn tail."""
+
+    def __init__(self, out_dir: str, dist: Dist) -> None:
+        os.makedirs(out_dir, exist_ok=True)
+        self.path = os.path.join(out_dir, RANK_FILE.format(dist.rank))
+        if os.path.exists(self.path):
+            good = 0
+            for _, good in _iter_records(self.path):
+                pass
+            if good != os.path.getsize(self.path):
+                with open(self.path, "r+b") as f:
+                    f.truncate(good)
+        self._f = open(self.path, "a", encoding="utf-8")
+
+    def write(self, record: dict[str, Any]) -> None:
+        self._f.write(json.dumps(record) + "\n")
+        self._f.flush()
+        os.fsync(self._f.fileno())
+
+    def close(self) -> None:
+        self._f.close()
+
+    def __enter__(self) -> "RankWriter":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def wait_for(out_dir: str, ids: Sequence[str], poll_s: float = 1.0, log: Any = None) -> dict[str, dict[str, Any]]:
+    """Block until every id in ``ids`` has a record in ``out_dir``; returns those records."""
+    want = set(ids)
+    told = False
+    while True:
+        done = read_records(out_dir)
+        missing = want.difference(done)
+        if not missing:
+            return {i: done[i] for i in ids}
+        if log is not None and not told:
+            log(f"waiting for {len(missing)} samples from the other ranks in {out_dir}")
+            told = True
+        time.sleep(poll_s)
+
+
+def write_merged(out_dir: str, records: Sequence[dict[str, Any]]) -> str:
+    """Write ``results.jsonl`` (atomically) with the given records in order."""
+    path = os.path.join(out_dir, MERGED_FILE)
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        for rec in records:
+            f.write(json.dumps(rec) + "\n")
+    os.replace(tmp, path)
+    return path
