@@ -1,0 +1,1 @@
+"""Quality measurement: harness, datasets, metrics and the synthetic benchmark."""

@@ -1,0 +1,90 @@
+"""The two tiny VLMs of the synthetic benchmark, built from the real transformers classes.
+
+image: LlavaForConditionalGeneration, CLIP tower (3 x 128, patch 8, 96x96 -> 144 tokens + CLS)
+       and a Llama decoder (3 x 192).
+video: LlavaOnevisionForConditionalGeneration, SigLIP tower (3 x 128, patch 8, 48x48 frames ->
+       36 patches, pooled 2x2 by the model to 9 tokens per frame, 16 frames -> 145 tokens with
+       the newline) and a Qwen2 decoder (3 x 192).
+Trained weights ship as safetensors under eval/synthetic/models/{image,video}.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from transformers import (
+    AutoModelForImageTextToText,
+    AutoProcessor,
+    CLIPVisionConfig,
+    LlamaConfig,
+    LlavaConfig,
+    LlavaForConditionalGeneration,
+    LlavaOnevisionConfig,
+    LlavaOnevisionForConditionalGeneration,
+    PreTrainedModel,
+    ProcessorMixin,
+    Qwen2Config,
+    SiglipVisionConfig,
+)
+
+from vlm_prune.eval.synthetic.processing import PATCH_SIZE, build_tokenizer
+from vlm_prune.eval.synthetic.scenes import FRAME_SIZE, IMAGE_SIZE
+
+MODELS_DIR = Path(__file__).resolve().parent / "models"
+_VISION = dict(hidden_size=128, intermediate_size=512, num_hidden_layers=3, num_attention_heads=4, patch_size=PATCH_SIZE)
+_TEXT = dict(
+    hidden_size=192, intermediate_size=512, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4,
+    max_position_embeddings=512, tie_word_embeddings=False,
+)
+
+
+def build_model(kind: str) -> PreTrainedModel:
+    """A randomly initialised model of ``kind`` ("image" | "video") with the benchmark vocabulary."""
+    tok = build_tokenizer()
+    ids = dict(vocab_size=len(tok), pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    image_id, video_id = tok.convert_tokens_to_ids("<image>"), tok.convert_tokens_to_ids("<video>")
+    if kind == "image":
+        config = LlavaConfig(
+            vision_config=CLIPVisionConfig(image_size=IMAGE_SIZE, projection_dim=128, **_VISION),
+            text_config=LlamaConfig(**_TEXT, **ids),
+            image_token_id=image_id,
+            vision_feature_select_strategy="default",
+            vision_feature_layer=-1,
+        )
+        model = LlavaForConditionalGeneration(config)
+    elif kind == "video":
+        config = LlavaOnevisionConfig(
+            vision_config=SiglipVisionConfig(image_size=FRAME_SIZE, **_VISION),
+            text_config=Qwen2Config(**_TEXT, **ids),
+            image_token_id=image_id,
+            video_token_id=video_id,
+            vision_feature_select_strategy="full",
+            vision_feature_layer=-1,
+            vision_aspect_ratio="anyres_max_1",
+            image_grid_pinpoints=[[FRAME_SIZE, FRAME_SIZE]],
+        )
+        model = LlavaOnevisionForConditionalGeneration(config)
+    else:
+        raise ValueError(f"kind must be 'image' or 'video', got {kind!r}")
+    model.generation_config.pad_token_id = tok.pad_token_id
+    model.generation_config.bos_token_id = tok.bos_token_id
+    model.generation_config.eos_token_id = tok.eos_token_id
+    return model
+
+
+def model_path(kind: str) -> Path:
+    """Directory of the shipped ``kind`` ("image" | "video") model and its processor."""
+    if kind not in ("image", "video"):
+        raise ValueError(f"kind must be 'image' or 'video', got {kind!r}")
+    return MODELS_DIR / kind
+
+
+def load(kind: str) -> tuple[PreTrainedModel, ProcessorMixin]:
+    """The shipped trained model (eval mode, float32) and its processor, offline."""
+    path = model_path(kind)
+    if not (path / "model.safetensors").exists():
+        raise FileNotFoundError(
+            f"no trained {kind} model at {path}; train it with `python -m vlm_prune.eval.synthetic.train --kind {kind}`"
+        )
+    model = AutoModelForImageTextToText.from_pretrained(path, local_files_only=True)
+    processor = AutoProcessor.from_pretrained(path, local_files_only=True)
+    return model.eval(), processor

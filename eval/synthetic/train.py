@@ -1,0 +1,99 @@
+"""Train a tiny benchmark VLM from scratch: ``python -m vlm_prune.eval.synthetic.train --kind image``.
+
+Fresh samples every step from the train split; loss = cross-entropy on "answer </s>" plus an
+auxiliary per-patch colour classification on the vision features entering the projector (a
+training-only head, not shipped) that makes the tiny tower learn colour and location fast.
+AdamW with a one-cycle schedule and fixed seeds (CPU kernels reproduce for a fixed thread
+count). Saves safetensors and the processor to eval/synthetic/models/<kind> every 200 steps and
+at the end, and prints test accuracy per question type.
+"""
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+from tqdm import tqdm
+
+from vlm_prune.eval.synthetic.evaluate import accuracy_by_qtype, encode
+from vlm_prune.eval.synthetic.models import build_model, model_path
+from vlm_prune.eval.synthetic.processing import PATCH_SIZE, build_processor
+from vlm_prune.eval.synthetic.scenes import COLOURS, Sample, make_dataset, make_sample
+
+TRAIN_QTYPES = {"image": ("colour", "exist", "position", "count"), "video": ("colour", "exist", "position")}
+MIN_COVER = PATCH_SIZE * PATCH_SIZE // 4  # pixels of a colour that make a patch "that colour"
+
+
+def patch_labels(samples: list[Sample]) -> torch.Tensor:
+    """Per-patch colour class (0 = none), [N * T, patches], in the tower's row-major patch order."""
+    maps = np.stack([s.colour_map for s in samples])
+    maps = maps.reshape(-1, *maps.shape[-2:])
+    n, h, w = maps.shape
+    p = PATCH_SIZE
+    onehot = np.eye(len(COLOURS) + 1, dtype=np.int32)[maps]  # [n, h, w, C]
+    counts = onehot.reshape(n, h // p, p, w // p, p, -1).sum(axis=(2, 4))[..., 1:]
+    labels = np.where(counts.max(-1) >= MIN_COVER, counts.argmax(-1) + 1, 0)
+    return torch.from_numpy(labels.reshape(n, -1)).long()
+
+
+def train(kind: str, steps: int, batch_size: int, lr: float, seed: int, out: Path, threads: int) -> None:
+    torch.set_num_threads(threads)
+    torch.manual_seed(seed)
+    processor = build_processor(kind)
+    model = build_model(kind).train()
+    aux = nn.Linear(model.config.vision_config.hidden_size, len(COLOURS) + 1)
+    aux_weight = torch.tensor([1.0] + [5.0] * len(COLOURS))
+    captured: dict[str, torch.Tensor] = {}
+    hook = model.model.multi_modal_projector.register_forward_hook(lambda m, args, o: captured.__setitem__("x", args[0]))
+    params = list(model.parameters()) + list(aux.parameters())
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.01)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=steps, pct_start=0.1)
+    val = make_dataset(kind, "val", 64, qtypes=TRAIN_QTYPES[kind])
+    out.mkdir(parents=True, exist_ok=True)
+    processor.save_pretrained(out)
+    start = time.time()
+    bar = tqdm(range(steps), desc=f"train {kind}", mininterval=30)
+    for step in bar:
+        samples = [make_sample(kind, "train", step * batch_size + i, qtypes=TRAIN_QTYPES[kind]) for i in range(batch_size)]
+        batch = encode(processor, samples, with_answers=True)
+        labels = torch.full_like(batch["input_ids"], -100)
+        labels[:, -2:] = batch["input_ids"][:, -2:]  # left padded: the last two tokens are "answer </s>"
+        lm_loss = model(**batch, labels=labels).loss
+        aux_logits = aux(captured["x"])
+        aux_loss = nn.functional.cross_entropy(aux_logits.flatten(0, 1), patch_labels(samples).flatten(), weight=aux_weight)
+        loss = lm_loss + aux_loss
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        sched.step()
+        bar.set_postfix(lm=f"{lm_loss.item():.3f}", aux=f"{aux_loss.item():.3f}")
+        if (step + 1) % 200 == 0 or step + 1 == steps:
+            model.eval()
+            accs = accuracy_by_qtype(model, processor, val, batch_size=32)
+            model.save_pretrained(out)
+            model.train()
+            print(f"step {step + 1} {time.time() - start:.0f}s lm {lm_loss.item():.3f} aux {aux_loss.item():.3f} val {accs}", flush=True)
+    hook.remove()
+    test = make_dataset(kind, "test", 256)
+    print(f"trained {kind} in {time.time() - start:.0f}s; test accuracy {accuracy_by_qtype(model, processor, test, 32)}", flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--kind", choices=["image", "video"], default="image")
+    parser.add_argument("--steps", type=int, default=900)
+    parser.add_argument("--batch-size", type=int, default=24)
+    parser.add_argument("--lr", type=float, default=1.5e-3)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--out", type=Path, default=None, help="output directory (default: the shipped model path)")
+    args = parser.parse_args()
+    train(args.kind, args.steps, args.batch_size, args.lr, args.seed, args.out or model_path(args.kind), args.threads)
+
+
+if __name__ == "__main__":
+    main()
