@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from vlm_prune.methods.base import Reduction, VisionContext, VisionMethod
-from vlm_prune.methods.dbdpc import cosine_distance
+from vlm_prune.kernels import cosine_distance
 from vlm_prune.registry import register
 
 
@@ -19,7 +19,7 @@ def max_min_diverse(features: torch.Tensor, k: int) -> torch.Tensor:
     k = max(0, min(int(k), n))
     if k == 0:
         return torch.zeros(0, dtype=torch.long, device=features.device)
-    dist = cosine_distance(features)
+    dist = cosine_distance(features, features)
     if n == 1:
         return torch.zeros(1, dtype=torch.long, device=features.device)
     nn_dist = dist + torch.diag(torch.full((n,), float("inf"), device=dist.device))

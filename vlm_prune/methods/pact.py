@@ -6,7 +6,8 @@ import math
 import torch
 
 from vlm_prune.methods.base import LayerContext, LLMMethod, Reduction
-from vlm_prune.methods.dbdpc import cluster_mean, dbdpc
+from vlm_prune.kernels import euti_scores, scatter_mean
+from vlm_prune.methods.dbdpc import dbdpc
 from vlm_prune.methods.fastv import last_valid_index
 from vlm_prune.registry import register
 
@@ -22,23 +23,6 @@ FAMILY_DEFAULTS: dict[str, tuple[float, float]] = {
 FALLBACK_DEFAULTS = FAMILY_DEFAULTS["llava_onevision"]
 
 
-def euti_scores(q: torch.Tensor, k: torch.Tensor, hidden: torch.Tensor, n_mask: torch.Tensor) -> torch.Tensor:
-    """EUTI importance of every row: s_j = (1/H) sum_h softmax_{j in N}(qbar_h . k_jh / sqrt(d)) * ||x_j||.
-
-    q, k: [B, H, S, d] the layer's queries / keys without RoPE (GQA keys repeated to H heads);
-    hidden: [B, S, D] hidden states entering the layer; n_mask: [B, S] bool, the set N (rows up
-    to the last visual token). qbar_h is the mean query of N. Returns [B, S] float32, 0 outside N.
-    Cost O(|N| H d): no attention matrix is formed.
-    """
-    d = q.shape[-1]
-    w = n_mask[:, None, :, None].float()
-    qbar = (q.float() * w).sum(2) / w.sum(2).clamp(min=1)  # [B, H, d]
-    logits = torch.einsum("bhd,bhsd->bhs", qbar, k.float()) / math.sqrt(d)
-    logits = logits.masked_fill(~n_mask[:, None, :], float("-inf"))
-    attn = torch.softmax(logits, dim=-1).nan_to_num(0.0).mean(1)  # [B, S]
-    return attn * hidden.float().norm(dim=-1)
-
-
 def distinct_kv_heads(k: torch.Tensor, layer_module: torch.nn.Module) -> torch.Tensor:
     """Drop GQA repeats: keys [B, H, S, d] repeated by repeat_kv -> [B, H_kv, S, d]."""
     groups = int(getattr(getattr(layer_module, "self_attn", None), "num_key_value_groups", 1) or 1)
@@ -51,9 +35,10 @@ class PACT(LLMMethod):
     Faster Visual Language Models"; orailix/PACT).
 
     Before decoder layer ``layer`` (L, default 4), from the hidden states entering it:
-    1. EUTI pruning: score visual tokens with :func:`euti_scores` (layer L's own norm and q/k
-       projections, no RoPE, N = rows up to the last visual token) and keep the top
-       floor(rho * |V|).
+    1. EUTI pruning: s_j = (1/H) sum_h softmax_{j in N}(qbar_h . k_jh / sqrt(d)) * ||x_j||
+       (:func:`vlm_prune.kernels.euti_scores`), with layer L's own norm and q/k projections
+       without RoPE, N = rows up to the last visual token, qbar_h the mean query of N; keep
+       the top floor(rho * |V|) visual tokens. No attention matrix is formed.
     2. DBDPC (:mod:`vlm_prune.methods.dbdpc`) on the kept tokens' layer-L keys after RoPE at
        their original positions, the distinct KV heads flattened (GQA repeats dropped, as the
        official code clusters ``k_proj`` outputs), cosine distance, cutoff ``cutoff`` (d_c).
@@ -122,8 +107,9 @@ class PACT(LLMMethod):
         q, k = ctx.project_qk(ctx.hidden[:, :n_rows], ctx.positions[..., :n_rows], rope=False)
         ar = torch.arange(n_rows, device=ctx.hidden.device)
         n_mask = ctx.valid[:, :n_rows] & (ar[None, :] <= last[:, None])
+        hidden_norm = ctx.hidden[:, :n_rows].float().norm(dim=-1)
         out = torch.zeros(ctx.hidden.shape[:2], device=ctx.hidden.device)
-        out[:, :n_rows] = euti_scores(q, k, ctx.hidden[:, :n_rows], n_mask)
+        out[:, :n_rows] = euti_scores(q, k, hidden_norm, n_mask, q.shape[-1] ** -0.5)
         return out
 
     def select(self, ctx: LayerContext) -> list[Reduction]:
@@ -154,10 +140,10 @@ class PACT(LLMMethod):
         cl = dbdpc(flat[kept], d_c, extra=flat[pruned], extra_factor=self.reattach_factor)
         rows = torch.cat([kept, pruned])
         labels = torch.cat([cl.labels, cl.extra_labels])
-        merged, sizes = cluster_mean(ctx.hidden[b, rows], labels, cl.centres.numel(), ctx.sizes[b, rows])
+        merged, sizes = scatter_mean(ctx.hidden[b, rows], labels, cl.centres.numel(), ctx.sizes[b, rows].float())
         hidden = ctx.hidden[b]
         return Reduction(
             torch.cat([other, kept[cl.centres]]),
-            features=torch.cat([hidden[other], merged.to(hidden.dtype)]),
+            features=torch.cat([hidden[other], merged]),
             sizes=torch.cat([ctx.sizes[b, other].float(), sizes]),
         )
