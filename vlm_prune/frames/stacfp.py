@@ -54,7 +54,7 @@ def medoids(x: np.ndarray, labels: np.ndarray) -> np.ndarray:
     for c in np.unique(labels):
         members = np.flatnonzero(labels == c)
         d = np.linalg.norm(x[members, None, :] - x[None, members, :], axis=-1).sum(1)
-        out.append(members[int(np.argmin(d))])
+        out.append(members[int(np.flatnonzero(d <= d.min() + 1e-9)[0])])
     return np.sort(np.asarray(out, dtype=np.int64))
 
 
