@@ -33,10 +33,10 @@ def clip_dir(tmp_path_factory) -> str:
     from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel, CLIPProcessor, CLIPTokenizer
 
     torch.manual_seed(0)
-    tower = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2)
+    tower = {"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2}
     cfg = CLIPConfig(
-        text_config=dict(tower, vocab_size=64, max_position_embeddings=16, bos_token_id=0, eos_token_id=1),
-        vision_config=dict(tower, image_size=32, patch_size=8),
+        text_config={**tower, "vocab_size": 64, "max_position_embeddings": 16, "bos_token_id": 0, "eos_token_id": 1},
+        vision_config={**tower, "image_size": 32, "patch_size": 8},
         projection_dim=8,
     )
     path = tmp_path_factory.mktemp("tiny_clip")

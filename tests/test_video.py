@@ -10,8 +10,8 @@ import pytest
 
 cv2 = pytest.importorskip("cv2")
 
-from vlm_prune import video  # noqa: E402
-from vlm_prune.video import (  # noqa: E402
+from vlm_prune import video
+from vlm_prune.video import (
     VideoDecodeError,
     VideoNotFoundError,
     VideoTimeoutError,

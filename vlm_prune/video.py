@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 
@@ -181,7 +181,7 @@ def _run_with_timeout(backend: str, path: str, pick: Picker, timeout: float | No
             return _DECODERS[backend](path, pick)
         except VideoError:
             raise
-        except Exception as err:  # noqa: BLE001 - decoders raise their own error types
+        except Exception as err:
             raise VideoDecodeError(f"{backend} failed on {path}: {type(err).__name__}: {err}") from err
     ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
     recv, send = ctx.Pipe(duplex=False)

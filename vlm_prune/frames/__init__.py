@@ -9,5 +9,11 @@ from vlm_prune.frames.select import FrameSelection, select_frames
 from vlm_prune.frames.uniform import Uniform
 
 __all__ = [
-    "QuoTA", "KeyScore", "Uniform", "select_frames", "FrameSelection", "HFImageTextEncoder", "load_encoder",
+    "FrameSelection",
+    "HFImageTextEncoder",
+    "KeyScore",
+    "QuoTA",
+    "Uniform",
+    "load_encoder",
+    "select_frames",
 ]

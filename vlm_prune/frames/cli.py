@@ -11,6 +11,7 @@ processor included); KeyScore needs it, method uniform does not.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -74,9 +75,9 @@ def run(args: argparse.Namespace) -> int:
             return 2
         encoder = load_encoder(args.encoder, device=args.device)
     captions = read_captions(args.captions, args.videos) if args.captions else [""] * len(args.videos)
-    out = sys.stdout if args.out == "-" else open(args.out, "w", encoding="utf-8")
     failed = 0
-    try:
+    sink = contextlib.nullcontext(sys.stdout) if args.out == "-" else open(args.out, "w", encoding="utf-8")  # noqa: SIM115
+    with sink as out:
         for video, caption in tqdm(list(zip(args.videos, captions)), desc="keyframes", unit="video"):
             record = {"video": video, "caption": caption, "method": args.method, "budget": args.budget}
             try:
@@ -97,7 +98,4 @@ def run(args: argparse.Namespace) -> int:
                 )
             out.write(json.dumps(record) + "\n")
             out.flush()
-    finally:
-        if out is not sys.stdout:
-            out.close()
     return 1 if failed else 0

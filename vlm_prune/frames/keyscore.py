@@ -14,8 +14,9 @@ text embedding (each normalised first), and with a single candidate S_temp = S_d
 """
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import numpy as np
 import torch
