@@ -144,18 +144,18 @@ def _letter_of(answer: Any, options: list[str], where: str) -> str:
     """The answer letter from a letter, an index or an option's text."""
     if isinstance(answer, bool):
         raise _fail(f"{where}: answer {answer!r} is neither a letter, an index nor an option text")
-    if isinstance(answer, int) or (isinstance(answer, str) and answer.strip().isdigit()):
-        i = int(answer)
-        if 0 <= i < len(options):
-            return LETTERS[i]
-        raise _fail(f"{where}: answer index {i} is out of range for {len(options)} options")
     text = str(answer).strip()
-    letter = text.strip("().").upper()
-    if len(letter) == 1 and letter in LETTERS[: len(options)]:
-        return letter
-    for i, opt in enumerate(options):
-        if text == opt or _strip_letter(text, i) == opt:
-            return LETTERS[i]
+    if isinstance(answer, str):  # option text first: MLVU's count answers are "2", "3", ...
+        for i, opt in enumerate(options):
+            if text == opt or _strip_letter(text, i) == opt:
+                return LETTERS[i]
+        letter = text.strip("().").upper()
+        if len(letter) == 1 and letter in LETTERS[: len(options)]:
+            return letter
+    if isinstance(answer, int) or text.isdigit():
+        if 0 <= int(text) < len(options):
+            return LETTERS[int(text)]
+        raise _fail(f"{where}: answer index {text} is out of range for {len(options)} options")
     raise _fail(f"{where}: answer {text!r} matches no option (options: {options})")
 
 

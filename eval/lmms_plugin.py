@@ -1,0 +1,114 @@
+"""lmms-eval model plugin: any supported HF VLM, pruned by vlm-prune, on lmms-eval's tasks.
+
+    pip install 'vlm-prune[lmms]'
+    accelerate launch -m lmms_eval --model vlm_prune --tasks videomme --batch_size 1 \
+        --model_args pretrained=llava-hf/llava-onevision-qwen2-7b-ov-hf,method=quota+pact,keep=0.25,max_frames=32
+
+lmms-eval finds the model through the ``lmms_eval.models`` entry point, which points at
+:func:`lmms_manifest`. ``--model_args``: ``pretrained`` (hub id or folder), ``method``
+("none" by default; "+" joins stages), ``keep`` or ``budget``, ``max_frames`` (32),
+``dtype`` ("auto": bfloat16 on CUDA), ``device_map``, ``max_new_tokens`` (16), ``seed`` (0).
+The plugin answers ``generate_until`` requests; log-likelihood requests are not supported.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from vlm_prune.eval import sharding
+
+try:
+    from lmms_eval.api.model import lmms as _Base
+except ImportError:  # lmms-eval is optional; the class stays importable without it
+    _Base = object
+
+
+def lmms_manifest() -> Any:
+    """The entry-point payload lmms-eval (>= 0.7) registers: model id "vlm_prune"."""
+    from lmms_eval.models.registry_v2 import ModelManifest
+
+    return ModelManifest(model_id="vlm_prune", simple_class_path=f"{__name__}.VLMPruneLMM")
+
+
+def _optional_float(value: Any) -> float | None:
+    return None if value in (None, "", "None") else float(value)
+
+
+def _optional_int(value: Any) -> int | None:
+    return None if value in (None, "", "None") else int(value)
+
+
+class VLMPruneLMM(_Base):
+    """An lmms-eval "simple" model: a HF VLM, optionally wrapped with vlm-prune methods."""
+
+    is_simple = True
+
+    def __init__(
+        self,
+        pretrained: str,
+        method: str = "none",
+        keep: float | str | None = None,
+        budget: int | str | None = None,
+        max_frames: int | str = 32,
+        dtype: str = "auto",
+        device_map: str | None = None,
+        max_new_tokens: int | str = 16,
+        seed: int | str = 0,
+        batch_size: int | str = 1,
+        model: Any = None,
+        processor: Any = None,
+        **unused: Any,
+    ) -> None:
+        if _Base is not object:
+            super().__init__()
+        import vlm_prune
+        from vlm_prune.eval.runner import EvalConfig, Predictor, load_model
+
+        if int(batch_size) != 1:
+            raise ValueError(f"vlm_prune runs batch_size 1 (one question per forward), got {batch_size}")
+        dist = sharding.current()
+        self._rank, self._world_size = dist.rank, dist.world_size
+        if model is None:
+            cfg = EvalConfig(model=pretrained, data="", dataset="", out="", dtype=dtype, device_map=device_map)
+            model, processor = load_model(cfg, dist)
+        if method != "none":
+            vlm_prune.wrap(model, method.split("+"), keep=_optional_float(keep), budget=_optional_int(budget),
+                           processor=processor, seed=int(seed))
+        self.model = model
+        self.max_frames = int(max_frames)
+        self.predictor = Predictor(model, processor, int(max_new_tokens))
+        self.task_dict: dict[str, Any] = getattr(self, "task_dict", {})
+
+    def _visuals(self, visuals: list[Any]) -> tuple[list[Any], str | None]:
+        from vlm_prune.video import read_frames
+
+        if not visuals:
+            return [], None
+        if isinstance(visuals[0], str):
+            if len(visuals) != 1:
+                raise ValueError(f"vlm_prune answers about one video per question, got {len(visuals)} paths")
+            frames, _ = read_frames(visuals[0], num_frames=self.max_frames)
+            return [frames], "video"
+        return [v.convert("RGB") for v in visuals], "image"
+
+    def generate_until(self, requests: list[Any]) -> list[str]:
+        """Greedy answers; each request's args are (context, gen_kwargs, doc_to_visual, doc_id, task, split)."""
+        from tqdm.auto import tqdm
+
+        answers = []
+        for req in tqdm(requests, desc="vlm_prune", disable=self._rank != 0):
+            context, gen_kwargs, doc_to_visual, doc_id, task, split = req.args
+            raw = doc_to_visual(self.task_dict[task][split][doc_id]) if doc_to_visual is not None else []
+            flat = [v for item in (raw or []) for v in (item if isinstance(item, list) else [item])]
+            visuals, media_type = self._visuals(flat)
+            until = gen_kwargs.get("until") or []
+            until = [until] if isinstance(until, str) else list(until)
+            gen = self.predictor.generate(context, visuals, media_type,
+                                          max_new_tokens=gen_kwargs.get("max_new_tokens"), stop=until)
+            answers.append(gen.text)
+        return answers
+
+    def loglikelihood(self, requests: list[Any]) -> list[tuple[float, bool]]:
+        raise NotImplementedError("the vlm_prune lmms-eval model answers generate_until tasks only")
+
+    def generate_until_multi_round(self, requests: list[Any]) -> list[str]:
+        raise NotImplementedError("the vlm_prune lmms-eval model answers single-round generate_until tasks only")
