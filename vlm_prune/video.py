@@ -11,6 +11,7 @@ the caller.
 """
 from __future__ import annotations
 
+import functools
 import multiprocessing as mp
 import os
 from collections.abc import Callable
@@ -239,9 +240,7 @@ def read_frames(
     else:
         order = [backend]
 
-    def pick(n: int, native_fps: float) -> np.ndarray:
-        return sample_indices(n, native_fps, num_frames=num_frames, fps=fps)
-
+    pick = functools.partial(sample_indices, num_frames=num_frames, fps=fps)  # picklable for spawn
     failures: list[VideoError] = []
     for name in order:
         try:
