@@ -52,7 +52,7 @@ def minmax(x: torch.Tensor) -> torch.Tensor:
 
 def text_embedding(text_emb: torch.Tensor) -> torch.Tensor:
     """One unit text vector from [D] or [n, D] embeddings (normalise each, average, normalise)."""
-    t = F.normalize(text_emb.float().reshape(-1, text_emb.shape[-1]), dim=-1).mean(0)
+    t = F.normalize(text_emb.detach().float().cpu().reshape(-1, text_emb.shape[-1]), dim=-1).mean(0)
     return F.normalize(t, dim=0)
 
 
@@ -64,8 +64,9 @@ def keyscore(
     """KeyScore of P candidate frames [P, D] (in time order) against a caption embedding.
 
     text_emb None (no caption): S_sem = S_drop = 0, so only S_temp ranks the frames.
+    Computed in float32 on the CPU (P x D is small); returns CPU tensors.
     """
-    f = F.normalize(frame_emb.float(), dim=-1)
+    f = F.normalize(frame_emb.detach().float().cpu(), dim=-1)
     p = f.shape[0]
     sim = f @ f.t()
     neighbour = torch.full((p,), -float("inf"))
