@@ -132,7 +132,8 @@ class AdaptInfer(LLMMethod):
     ``schedule``:
     - "auto" (default): prune after round(depth * (1, 10, 20) / 32) (or ``layers``), stage
       counts from :func:`derive_counts` so that the depth-average visual count equals the
-      target, given as keep (fraction of the image's tokens) or budget (tokens). Required.
+      target, given as keep (fraction of the sample's visual tokens) or budget (visual tokens
+      of the sample, summed over its images). Required.
     - "llava-1.5-7b": budget in {128, 64, 48, 32} -> published counts after layers 1, 10, 20
       (for 576 tokens; scaled proportionally for other token counts).
     - "llava-1.5-13b": budget in {128, 64}.
@@ -219,7 +220,7 @@ class AdaptInfer(LLMMethod):
             raise ValueError(f"AdaptInfer does not prune before layer {layer}; it prunes before {[a + 1 for a in self._after]}")
         stage = self._after.index(layer - 1)
         if self.schedule == "auto":
-            target = self.n_keep(n_visual_original)
+            target = self.keep * n_visual_original if self.keep is not None else min(self.budget, n_visual_original)
             counts = derive_counts(n_visual_original, target, self._after, self._num_layers, self.stage_ratios)
             return min(n_visual_now, counts[stage])
         published = SCHEDULES[self.schedule]
