@@ -63,8 +63,9 @@ _PUNCT = str.maketrans({c: " " for c in string.punctuation})
 
 
 def _norm(text: str) -> str:
-    """Lower case, no punctuation, no articles, single spaces."""
-    return " ".join(_ARTICLES.sub(" ", text.lower().translate(_PUNCT)).split())
+    """Lower case, no punctuation, no articles (unless nothing else is left), single spaces."""
+    plain = " ".join(text.lower().translate(_PUNCT).split())
+    return " ".join(_ARTICLES.sub(" ", plain).split()) or plain
 
 
 def score(sample: Sample, output: str) -> tuple[str | None, bool]:
