@@ -13,15 +13,28 @@ from __future__ import annotations
 
 import copy
 import functools
+import inspect
 import math
 import time
+from dataclasses import dataclass
 from typing import Any, Callable, ClassVar
 
 import torch
 
 from vlm_prune.adapters.base import Adapter
 from vlm_prune.engine import LMSpec, Pending, PrunedDecoder
-from vlm_prune.methods.base import Reduction, VisionContext
+from vlm_prune.methods.base import FramesContext, Reduction, VisionContext
+
+
+@dataclass
+class Item:
+    """One image or video in an encoder output: ``frames`` frames of ``grid`` tokens each,
+    followed by ``tail`` tokens that are always kept (LLaVA-OneVision's video newline)."""
+
+    features: torch.Tensor
+    frames: int
+    grid: tuple[int, int] | None
+    tail: int = 0
 
 
 class HFVLMAdapter(Adapter):
@@ -87,9 +100,13 @@ class HFVLMAdapter(Adapter):
     def _patch_features(self, modality: str, fname: str) -> None:
         original = self.patches.original(self.inner, fname)
 
+        signature = inspect.signature(original)
+
         @functools.wraps(original)
         def features(*args: Any, **kwargs: Any) -> Any:
             out = original(*args, **kwargs)
+            # remember the call's arguments (grid sizes): generate() encodes before the forward
+            out.vlm_prune_call = signature.bind_partial(*args, **kwargs).arguments
             if self._request is not None:
                 out = self.reduce_features(modality, out)
             return out
@@ -162,47 +179,110 @@ class HFVLMAdapter(Adapter):
         text_ids = ids[valid & ~visual & after]
         return self.language_model.embed_tokens(text_ids)
 
+    def items(self, modality: str, out: Any) -> list[Item]:
+        """The images / videos in an encoder output, in placeholder order."""
+        return [Item(f, 1, self.image_grid(f.shape[0], i)) for i, f in enumerate(out.pooler_output)]
+
+    def rebuild(self, modality: str, out: Any, feats: list[torch.Tensor]) -> Any:
+        """A copy of ``out`` whose pooler_output holds ``feats`` in the original container type."""
+        out = copy.copy(out)
+        old = out.pooler_output
+        out.pooler_output = torch.stack(feats) if isinstance(old, torch.Tensor) else type(old)(feats)
+        return out
+
     def reduce_features(self, modality: str, out: Any) -> Any:
-        """A copy of the encoder output ``out`` with the vision method applied to every image in
-        ``out.pooler_output`` (a list of [N_i, D]); dropped slots are recorded for the engine."""
-        method = self.state.methods.get("vision")
-        if method is None:
+        """A copy of the encoder output ``out`` reduced by the frames / vision method; the kept
+        slots (and merge sizes) of every item are recorded for the engine."""
+        frames_m = self.state.methods.get("frames") if modality == "video" else None
+        vision_m = self.state.methods.get("vision")
+        if frames_m is None and vision_m is None:
             return out
-        feats = list(out.pooler_output)
-        samples = self.sample_of_items(modality, [f.shape[0] for f in feats])
+        items = self.items(modality, out)
+        self._tower_attention = self.tower_attention_fn(out, modality)
+        samples = self.sample_of_items(modality, [it.features.shape[0] for it in items])
         gen = torch.Generator().manual_seed(self.state.seed)
         t0 = time.perf_counter()
-        keep_list, size_list, new_feats = [], [], []
-        tower_attention = self.tower_attention_fn(out, modality)
-        n_in, n_out = [], []
-        for i, f in enumerate(feats):
-            n = f.shape[0]
-            n_imgs = 1
-            ctx = VisionContext(
-                features=f,
-                n_keep=method.n_keep(n, n_imgs),
-                grid=self.image_grid(n, i),
-                text_embeds=self.text_embeds(samples[i]).detach(),
-                tower_attention=(lambda i=i: tower_attention(i)) if tower_attention else None,
-                generator=gen,
-                image_index=i,
-            )
+        new_feats, keep_list, size_list, n_in, n_out, extra = [], [], [], [], [], []
+        for i, it in enumerate(items):
+            body = it.features.shape[0] - it.tail
             with torch.no_grad():
-                red = method.reduce_image(ctx)
-            new_f, keep, sizes = scatter_reduction(f, red)
-            new_feats.append(new_f)
-            keep_list.append(keep)
-            size_list.append(sizes)
-            n_in.append(n)
-            n_out.append(int(keep.sum()))
+                if frames_m is not None:
+                    plan = frames_m.allocate(self.frames_context(frames_m, it, i, samples[i]))
+                    red = plan.reduction
+                    extra.append({"tokens_per_frame": plan.tokens_per_frame, "kept_frames": plan.kept_frames,
+                                  "frame_scores": None if plan.frame_scores is None else plan.frame_scores.tolist()})
+                else:
+                    red = self.reduce_frames(vision_m, it, samples[i], gen, i)
+            f, keep, sizes = scatter_reduction(it.features[:body], red)
+            tail = slice(body, it.features.shape[0])
+            new_feats.append(torch.cat([f, it.features[tail]]))
+            keep_list.append(torch.cat([keep, torch.ones(it.tail, dtype=torch.bool, device=keep.device)]))
+            size_list.append(torch.cat([sizes, torch.ones(it.tail, device=sizes.device)]))
+            n_in.append(body)
+            n_out.append(int(keep[:body].sum()))
         secs = time.perf_counter() - t0
         self._commit_vision(modality, keep_list, size_list)
-        self.decoder.pending.records.append(
-            {"stage": "vision", "method": method.name, "modality": modality, "tokens_in": n_in, "tokens_out": n_out, "seconds": secs}
+        record = {"stage": "frames" if frames_m is not None else "vision",
+                  "method": (frames_m or vision_m).name, "modality": modality,
+                  "tokens_in": n_in, "tokens_out": n_out, "seconds": secs}
+        if extra:
+            record["videos"] = extra
+        self.decoder.pending.records.append(record)
+        return self.rebuild(modality, out, new_feats)
+
+    def reduce_frames(self, method: Any, it: "Item", sample: int, gen: torch.Generator, index: int) -> Reduction:
+        """Apply a vision method to each frame of an item (an image is one frame)."""
+        n = (it.features.shape[0] - it.tail) // it.frames
+        tower_attention = self._tower_attention if it.frames == 1 else None
+        text = self.text_embeds(sample).detach()
+        parts = []
+        for t in range(it.frames):
+            frame = it.features[t * n : (t + 1) * n]
+            ctx = VisionContext(
+                features=frame,
+                n_keep=method.n_keep(n, 1),
+                grid=it.grid,
+                text_embeds=text,
+                tower_attention=(lambda i=index: tower_attention(i)) if tower_attention else None,
+                generator=gen,
+                image_index=index,
+            )
+            red = method.reduce_image(ctx)
+            parts.append(Reduction(red.indices + t * n, red.features, red.sizes))
+        if len(parts) == 1:
+            return parts[0]
+        feats = None
+        if any(p.features is not None for p in parts):
+            feats = torch.cat([p.features if p.features is not None else it.features[p.indices] for p in parts])
+        sizes = None
+        if any(p.sizes is not None for p in parts):
+            sizes = torch.cat([p.sizes if p.sizes is not None else torch.ones(p.indices.numel()) for p in parts])
+        return Reduction(torch.cat([p.indices for p in parts]), feats, sizes)
+
+    def frames_context(self, method: Any, it: "Item", index: int, sample: int) -> FramesContext:
+        n = (it.features.shape[0] - it.tail) // it.frames
+        return FramesContext(
+            features=it.features[: it.frames * n].reshape(it.frames, n, -1),
+            grid=it.grid,
+            n_total=method.n_keep(it.frames * n, 1),
+            query=self.query_text(sample),
         )
-        out = copy.copy(out)
-        out.pooler_output = new_feats
-        return out
+
+    def query_text(self, sample: int) -> str | None:
+        """The sample's question (text after its last visual token), when a processor was given."""
+        proc = self.state.processor
+        tok = getattr(proc, "tokenizer", proc)
+        if tok is None or not hasattr(tok, "decode"):
+            return None
+        req = self._request
+        ids = req["input_ids"][sample]
+        valid = req["attention_mask"][sample].bool()
+        visual = torch.zeros_like(valid)
+        for m in req["masks"].values():
+            visual |= m[sample]
+        idx = torch.nonzero(visual).squeeze(1)
+        after = torch.arange(ids.numel(), device=ids.device) > (idx.max() if idx.numel() else -1)
+        return tok.decode(ids[valid & after], skip_special_tokens=True).strip()
 
     def _commit_vision(self, modality: str, keep_list: list, size_list: list) -> None:
         pending = self.decoder.pending
