@@ -27,8 +27,8 @@ COUNTS = ("one", "two", "three")
 IMAGE_QTYPES = ("colour", "exist", "position", "count", "kind")
 VIDEO_QTYPES = ("colour", "exist", "position")
 SPLITS = {"train": 0, "val": 1, "test": 2}
-IMAGE_SIZE = 64
-FRAME_SIZE = 32
+IMAGE_SIZE = 96
+FRAME_SIZE = 48
 NUM_FRAMES = 16
 DEFAULT_SEED = 20240611
 
@@ -142,21 +142,21 @@ def _question(rng: np.random.Generator, qtype: str, colour: str, x: float, size:
 
 def _image_sample(rng: np.random.Generator, qtype: str) -> Sample:
     size = IMAGE_SIZE
-    clutter = [_grey_shape(rng, size, 6, 12) for _ in range(int(rng.integers(3, 7)))]
+    clutter = [_grey_shape(rng, size, 8, 18) for _ in range(int(rng.integers(4, 9)))]
     names = list(COLOURS)
     if qtype == "count":
         n = int(rng.integers(1, 4))
-        obj = rng.uniform(9, 12)
+        obj = rng.uniform(12, 16)
         shapes = [_coloured(rng, str(rng.choice(names)), x, y, obj) for x, y in _place(rng, n, size, obj)]
         question, answer, options = "how many coloured shapes are there ?", COUNTS[n - 1], list(COUNTS)
     elif qtype == "kind":
-        obj = rng.uniform(16, 22)
+        obj = rng.uniform(22, 30)
         ((x, y),) = _place(rng, 1, size, obj)
         kind = str(rng.choice(KINDS))
         shapes = [_coloured(rng, str(rng.choice(names)), x, y, obj, kind)]
         question, answer, options = "what kind is the coloured shape ?", kind, list(KINDS)
     else:
-        obj = rng.uniform(10, 14)
+        obj = rng.uniform(12, 18)
         side = (obj / 2 + 1, size * 0.4) if rng.random() < 0.5 else (size * 0.6, size - obj / 2 - 1)
         ((x, y),) = _place(rng, 1, size, obj, side if qtype == "position" else None)
         colour = str(rng.choice(names))
@@ -172,12 +172,12 @@ def _video_sample(rng: np.random.Generator, qtype: str) -> Sample:
     start = int(rng.integers(0, t - span + 1))
     shown = list(range(start, start + span))
     colour = str(rng.choice(list(COLOURS)))
-    obj = rng.uniform(9, 12)
+    obj = rng.uniform(12, 16)
     side = (obj / 2 + 1, size * 0.4) if rng.random() < 0.5 else (size * 0.6, size - obj / 2 - 1)
     ((x, y),) = _place(rng, 1, size, obj, side)
     target = _coloured(rng, colour, x, y, obj)
-    clutter = [_grey_shape(rng, size, 5, 9) for _ in range(int(rng.integers(2, 4)))]
-    velocity = rng.uniform(-1.0, 1.0, size=(len(clutter), 2))
+    clutter = [_grey_shape(rng, size, 8, 14) for _ in range(int(rng.integers(2, 5)))]
+    velocity = rng.uniform(-1.5, 1.5, size=(len(clutter), 2))
     background = _background(rng, size)
     frames, maps = [], []
     for f in range(t):
@@ -215,6 +215,6 @@ def make_dataset(kind: Kind, split: str, n: int, seed: int | None = None, qtypes
 
 
 DEFAULT_QTYPES: dict[str, tuple[str, ...]] = {
-    "image": ("colour", "exist", "position"),
+    "image": ("colour", "exist", "position", "count"),
     "video": VIDEO_QTYPES,
 }

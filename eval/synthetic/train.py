@@ -23,7 +23,7 @@ from vlm_prune.eval.synthetic.models import build_model, model_path
 from vlm_prune.eval.synthetic.processing import PATCH_SIZE, build_processor
 from vlm_prune.eval.synthetic.scenes import COLOURS, Sample, make_dataset, make_sample
 
-TRAIN_QTYPES = {"image": ("colour", "exist", "position"), "video": ("colour", "exist", "position")}
+TRAIN_QTYPES = {"image": ("colour", "exist", "position", "count"), "video": ("colour", "exist", "position")}
 MIN_COVER = PATCH_SIZE * PATCH_SIZE // 4  # pixels of a colour that make a patch "that colour"
 
 
@@ -85,9 +85,9 @@ def train(kind: str, steps: int, batch_size: int, lr: float, seed: int, out: Pat
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--kind", choices=["image", "video"], default="image")
-    parser.add_argument("--steps", type=int, default=1500)
+    parser.add_argument("--steps", type=int, default=900)
     parser.add_argument("--batch-size", type=int, default=24)
-    parser.add_argument("--lr", type=float, default=2e-3)
+    parser.add_argument("--lr", type=float, default=1.5e-3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", type=Path, default=None, help="output directory (default: the shipped model path)")
