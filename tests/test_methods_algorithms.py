@@ -21,7 +21,12 @@ from transformers.models.llama.modeling_llama import (
 
 from vlm_prune.methods import LayerContext, VisionContext
 from vlm_prune.methods.adaptinfer import SCHEDULES, AdaptInfer, derive_counts
-from vlm_prune.methods.cdpruner import CDPruner, conditional_kernel, dpp_greedy_map, relevance
+from vlm_prune.methods.cdpruner import (
+    CDPruner,
+    conditional_kernel,
+    dpp_greedy_map,
+    relevance,
+)
 from vlm_prune.methods.dbdpc import dbdpc
 from vlm_prune.methods.divprune import DivPrune, max_min_diverse
 from vlm_prune.methods.pact import PACT
@@ -199,7 +204,7 @@ def test_pact_euti_equals_direct_formula():
 def test_pact_without_merging_is_euti_topk_and_honours_n_keep():
     """cutoff 0: every kept token is its own cluster, pruned tokens are dropped."""
     layer, rotary = tiny_layer()
-    hidden, valid, visual, text, positions, pads = padded_batch([20, 17], n_sys=2, n_vis=12)
+    hidden, valid, visual, text, positions, _ = padded_batch([20, 17], n_sys=2, n_vis=12)
     for keep, n_keep in [(None, None), (0.25, 3)]:
         method = PACT(cutoff=0.0, keep=keep)
         ctx = layer_ctx(hidden, valid, visual, text, positions, layer, rotary, n_keep=[n_keep or 0] * 2, family="qwen2_vl")
@@ -306,7 +311,7 @@ def test_adaptinfer_scores_equal_explicit_eager_attention():
 
 def test_adaptinfer_select_keeps_text_and_n_keep_best_visual():
     layer, rotary = tiny_layer(seed=1)
-    hidden, valid, visual, text, positions, pads = padded_batch([14, 11], n_sys=2, n_vis=7, seed=2)
+    hidden, valid, visual, text, positions, _ = padded_batch([14, 11], n_sys=2, n_vis=7, seed=2)
     ctx = layer_ctx(hidden, valid, visual, text, positions, layer, rotary, n_keep=[3, 5])
     method = AdaptInfer(keep=0.5)
     scores = method.scores(ctx)

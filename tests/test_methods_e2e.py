@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny_models import llava_inputs, tiny_llava
 
 import vlm_prune
 from vlm_prune.methods import PACT, AdaptInfer, CDPruner, DivPrune, VisionZip
 from vlm_prune.methods.adaptinfer import auto_layers, derive_counts
-
-from tiny_models import llava_inputs, tiny_llava
 
 N_IMG = 16  # visual tokens per image of the tiny LLaVA
 

@@ -66,9 +66,9 @@ def _greedy_finish(
     rest = rest[torch.argsort(ranks[rest], descending=True)]
     near = (cosine_distance(points[rest], points[rest]) <= d_c).cpu()
     taken = torch.zeros(rest.numel(), dtype=torch.bool)
-    for i in range(rest.numel()):
+    for i, point in enumerate(rest.tolist()):
         if not bool(taken[i]):
-            centres.append(int(rest[i]))
+            centres.append(point)
             taken |= near[i]
 
 

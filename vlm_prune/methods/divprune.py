@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from vlm_prune.methods.base import Reduction, VisionContext, VisionMethod
 from vlm_prune.kernels import cosine_distance
+from vlm_prune.methods.base import Reduction, VisionContext, VisionMethod
 from vlm_prune.registry import register
 
 

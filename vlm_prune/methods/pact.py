@@ -5,8 +5,8 @@ import math
 
 import torch
 
-from vlm_prune.methods.base import LayerContext, LLMMethod, Reduction
 from vlm_prune.kernels import euti_scores, scatter_mean
+from vlm_prune.methods.base import LayerContext, LLMMethod, Reduction
 from vlm_prune.methods.dbdpc import dbdpc
 from vlm_prune.methods.fastv import last_valid_index
 from vlm_prune.registry import register
@@ -47,7 +47,10 @@ class PACT(LLMMethod):
        the mean of its members' hidden states, weighted by their current sizes (all 1 unless
        an earlier step merged them, then it is the plain mean of the official code). Its size
        is the number of original tokens it stands for; the engine adds log(size) to the
-       attention logits of that key in every later layer (proportional attention).
+       attention logits of that key in every later layer (proportional attention). Under
+       FlashAttention the engine cannot add that bias, so a merged key counts as one token
+       there (the official code's ``no_proportional_attention`` setting), which costs some
+       accuracy; use SDPA or eager attention for PACT as published.
 
     Defaults per model family (``ctx.extras["family"]``): rho 0.55 / d_c 0.21 for
     llava_onevision, 0.8 / 0.1 for qwen2_vl; llava and llava_next use the OneVision values
