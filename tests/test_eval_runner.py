@@ -24,6 +24,18 @@ CATS = ["x", "x", "y", "y"]  # "A" answers: x 1/2, y 2/2
 HAS_OV_ADAPTER = importlib.util.find_spec("vlm_prune.adapters.llava_onevision") is not None
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny models run far faster on one thread than fighting over a busy machine's cores."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+ONE_THREAD_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+
+
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
     return save_tiny_checkpoint(str(tmp_path_factory.mktemp("tiny_ov")))
@@ -113,7 +125,7 @@ def _cli(ckpt: str, data: str, out: str) -> list[str]:
 def test_resume_after_kill_gives_the_same_totals(ckpt, data, tmp_path):
     out = str(tmp_path / "killed")
     rank_file = os.path.join(out, "none", "samples.rank0.jsonl")
-    proc = subprocess.Popen(_cli(ckpt, data, out), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(_cli(ckpt, data, out), env={**os.environ, **ONE_THREAD_ENV}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.time() + 120
         while time.time() < deadline and proc.poll() is None:
@@ -139,7 +151,7 @@ def test_resume_after_kill_gives_the_same_totals(ckpt, data, tmp_path):
 
 def test_two_ranks_cover_every_sample_once(ckpt, data, tmp_path, monkeypatch):
     out = str(tmp_path / "ranks")
-    env = {**os.environ, "RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1"}
+    env = {**os.environ, **ONE_THREAD_ENV, "RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1"}
     other = subprocess.Popen(_cli(ckpt, data, out), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "2")
