@@ -15,9 +15,10 @@ EPS = 1e-12  # as torch.nn.functional.normalize
 
 
 @triton.jit
-def _dist_tile(x_ptr, y_ptr, inv_x, inv_y, offs_n, offs_m, N, M, D, sxn, sxd, syn, syd, BLOCK_D: tl.constexpr):
+def _dist_tile(x_ptr, y_ptr, inv_x, inv_y, offs_n, offs_m, N, M, D, sxn, sxd, syn, syd,
+               BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
     """max(0, 1 - cos) for rows offs_n of x against rows offs_m of y: [BLOCK_N, BLOCK_M]."""
-    acc = tl.zeros([offs_n.shape[0], offs_m.shape[0]], tl.float32)
+    acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
     for d0 in range(0, D, BLOCK_D):
         offs_d = d0 + tl.arange(0, BLOCK_D)
         xt = tl.load(x_ptr + offs_n[:, None] * sxn + offs_d[None, :] * sxd,
@@ -35,7 +36,7 @@ def _cosine(x_ptr, y_ptr, ix_ptr, iy_ptr, out_ptr, N, M, D, sxn, sxd, syn, syd,
     offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     inv_x = tl.load(ix_ptr + offs_n, mask=offs_n < N, other=0.0)
     inv_y = tl.load(iy_ptr + offs_m, mask=offs_m < M, other=0.0)
-    d = _dist_tile(x_ptr, y_ptr, inv_x, inv_y, offs_n, offs_m, N, M, D, sxn, sxd, syn, syd, BLOCK_D)
+    d = _dist_tile(x_ptr, y_ptr, inv_x, inv_y, offs_n, offs_m, N, M, D, sxn, sxd, syn, syd, BLOCK_N, BLOCK_M, BLOCK_D)
     tl.store(out_ptr + offs_n[:, None] * M + offs_m[None, :], d, mask=(offs_n[:, None] < N) & (offs_m[None, :] < M))
 
 
@@ -49,7 +50,7 @@ def _density(x_ptr, inv_ptr, valid_ptr, out_ptr, N, D, sxn, sxd, inv_bw,
         offs_m = m0 + tl.arange(0, BLOCK_M)
         ok_m = tl.load(valid_ptr + offs_m, mask=offs_m < N, other=0) != 0
         inv_y = tl.load(inv_ptr + offs_m, mask=offs_m < N, other=0.0)
-        d = _dist_tile(x_ptr, x_ptr, inv_x, inv_y, offs_n, offs_m, N, N, D, sxn, sxd, sxn, sxd, BLOCK_D) * inv_bw
+        d = _dist_tile(x_ptr, x_ptr, inv_x, inv_y, offs_n, offs_m, N, N, D, sxn, sxd, sxn, sxd, BLOCK_N, BLOCK_M, BLOCK_D) * inv_bw
         rho += tl.sum(tl.where(ok_m[None, :], tl.exp(-d * d), 0.0), axis=1)
     ok_n = tl.load(valid_ptr + offs_n, mask=offs_n < N, other=0) != 0
     tl.store(out_ptr + offs_n, tl.where(ok_n, rho, 0.0), mask=offs_n < N)
@@ -68,7 +69,7 @@ def _nearest_denser(x_ptr, inv_ptr, valid_ptr, rho_ptr, delta_ptr, parent_ptr, N
         ok_m = tl.load(valid_ptr + offs_m, mask=offs_m < N, other=0) != 0
         rho_m = tl.load(rho_ptr + offs_m, mask=offs_m < N, other=0.0)
         inv_y = tl.load(inv_ptr + offs_m, mask=offs_m < N, other=0.0)
-        d = _dist_tile(x_ptr, x_ptr, inv_x, inv_y, offs_n, offs_m, N, N, D, sxn, sxd, sxn, sxd, BLOCK_D)
+        d = _dist_tile(x_ptr, x_ptr, inv_x, inv_y, offs_n, offs_m, N, N, D, sxn, sxd, sxn, sxd, BLOCK_N, BLOCK_M, BLOCK_D)
         denser = (rho_m[None, :] > rho_n[:, None]) | ((rho_m[None, :] == rho_n[:, None]) & (offs_m[None, :] < offs_n[:, None]))
         d = tl.where(ok_m[None, :] & denser, d, float("inf"))
         tile_best, tile_arg = tl.min(d, axis=1, return_indices=True, return_indices_tie_break_left=True)

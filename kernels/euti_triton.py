@@ -30,8 +30,8 @@ def _euti_stats(q_ptr, k_ptr, valid_ptr, qbar_ptr, m_ptr, l_ptr, H, N, D, GROUP,
         count += ok.to(tl.float32)
     qbar = acc / tl.maximum(tl.sum(count, axis=0), 1.0)
     tl.store(qbar_ptr + pid * D + offs_d, qbar, mask=offs_d < D)
-    m_i = float("-inf")
-    l_i = 0.0
+    m_i = tl.full([], float("-inf"), tl.float32)
+    l_i = tl.zeros([], tl.float32)
     for n0 in range(0, N, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         ok = tl.load(valid_ptr + b * svb + offs_n * svn, mask=offs_n < N, other=0) != 0

@@ -302,3 +302,27 @@ def test_scatter_mean_triton_matches_reference(interpreted, b, n, c, dim, weight
             m_i, s_i = K.scatter_mean_torch(x[i], assign[i], c, None if weights is None else weights[i])
             close(ref_means[i].float(), m_i.float())
             close(ref_sizes[i], s_i)
+
+
+@needs_triton
+def test_edge_cases_triton(interpreted):
+    """One token, everything masked, and block-boundary sizes give the reference results."""
+    one_q, one_k = torch.randn(1, 2, 1, 8), torch.randn(1, 1, 1, 8)
+    for mask in (torch.ones(1, 1, 1, dtype=torch.bool), torch.zeros(1, 1, 1, dtype=torch.bool)):
+        out = K.attention_to_keys(one_q, one_k, mask, 0.3, backend="triton")
+        assert out.tolist() == [[[1.0 if mask.all() else 0.0]]]
+        scores = K.attention_key_scores(one_q, one_k, scale=0.3, key_mask=mask[:, 0], backend="triton")
+        assert scores.tolist() == ([[1.0]] if mask.all() else [[0.0]])
+    for valid in (torch.ones(1, 1, dtype=torch.bool), torch.zeros(1, 1, dtype=torch.bool)):
+        out = K.euti_scores(one_q, one_k, torch.tensor([[3.0]]), valid, 0.3, backend="triton")
+        assert out.tolist() == [[3.0 if valid.all() else 0.0]]
+    x = torch.randn(1, 5)
+    assert K.density(x, backend="triton").tolist() == [1.0]
+    delta, parent = K.nearest_denser(x, torch.zeros(1), backend="triton")
+    assert delta.tolist() == [float("inf")] and parent.tolist() == [-1]
+    x = torch.randn(129, 33)  # 2 full blocks of 64 and one row more
+    close(K.density(x, backend="triton"), K.density_torch(x))
+    means, sizes = K.scatter_mean(x, torch.full((129,), -1), 2, backend="triton")  # everything discarded
+    assert torch.all(means == 0) and torch.all(sizes == 0)
+    gathered = K.gather_rows(x[None], torch.tensor([[128]]), torch.ones(1, 1, dtype=torch.bool), backend="triton")
+    assert torch.equal(gathered[0, 0], x[128])
