@@ -221,10 +221,10 @@ def main(argv: list[str] | None = None) -> None:
     repeats = args.repeats or (10 if device.type == "cuda" else 3)
     if device.type == "cuda":
         print(f"CUDA run on {torch.cuda.get_device_name(device)}, {args.dtype}, median of {repeats}"
-              + ("" if use_triton else " - Triton is not installed, references only"))
+              + ("" if use_triton else " - Triton is not installed, references only"), flush=True)
     else:
         print(f"CPU run (small shapes, {args.dtype}, median of {repeats}): Triton kernels need CUDA, "
-              "so only the PyTorch references and the dense computations are timed")
+              "so only the PyTorch references and the dense computations are timed", flush=True)
     rows = run(device, getattr(torch, args.dtype), repeats, use_triton)
     print(table(rows))
     if args.json:
