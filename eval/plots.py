@@ -60,6 +60,13 @@ def markdown_table(rows: list[dict[str, Any]], title: str) -> str:
                 value = value / 2**20
             cells.append("-" if value is None else fmt.format(value))
         lines.append("| " + " | ".join(cells) + " |")
+    cats = [r for r in rows if r.get("by_category")]
+    if cats:
+        lines += ["", "## Accuracy by category", ""]
+        for row in cats:
+            parts = [f"{field}={value}: {s['accuracy']:.3f} (n={s['n']})"
+                     for field, values in row["by_category"].items() for value, s in values.items()]
+            lines.append(f"- {row['name']}: " + "; ".join(parts))
     return "\n".join(lines) + "\n"
 
 
