@@ -289,7 +289,7 @@ def calibrate(
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
-            bar.set_postfix(flops=f"{float(ratio):.3f}", loss=f"{float(loss):.3f}")
+            bar.set_postfix(flops=f"{ratio.item():.3f}", loss=f"{loss.item():.3f}")
     finally:
         method._theta, method._calibrating = None, False
         method.thresholds = tuple(float(t) for t in theta.detach().cpu())
