@@ -1,43 +1,35 @@
 """Model adapters: each knows one model family's layout and patches the instance.
 
 ``find_adapter(model)`` picks the adapter for a model object or raises a TypeError that names
-every supported class.
+every supported class. Adapter modules are imported only when a model of theirs is wrapped,
+so optional dependencies (timm) stay optional and cheap.
 """
 from __future__ import annotations
 
 import importlib
 from typing import Any
 
-# adapter module -> class name; modules import lazily so optional deps (timm) stay optional
-_ADAPTERS = {
-    "vlm_prune.adapters.llava": "LlavaAdapter",
-    "vlm_prune.adapters.llava_next": "LlavaNextAdapter",
-    "vlm_prune.adapters.llava_onevision": "LlavaOnevisionAdapter",
-    "vlm_prune.adapters.qwen2_vl": "Qwen2VLAdapter",
-    "vlm_prune.adapters.timm_vit": "TimmViTAdapter",
+# model class name -> (adapter module, adapter class)
+SUPPORTED = {
+    "LlavaForConditionalGeneration": ("vlm_prune.adapters.llava", "LlavaAdapter"),
+    "LlavaNextForConditionalGeneration": ("vlm_prune.adapters.llava_next", "LlavaNextAdapter"),
+    "LlavaOnevisionForConditionalGeneration": ("vlm_prune.adapters.llava_onevision", "LlavaOnevisionAdapter"),
+    "Qwen2VLForConditionalGeneration": ("vlm_prune.adapters.qwen2_vl", "Qwen2VLAdapter"),
+    "Qwen2_5_VLForConditionalGeneration": ("vlm_prune.adapters.qwen2_vl", "Qwen2VLAdapter"),
+    "VisionTransformer": ("vlm_prune.adapters.timm_vit", "TimmViTAdapter"),
 }
 
 
-def adapter_classes() -> list[type]:
-    out = []
-    for module, name in _ADAPTERS.items():
-        try:
-            out.append(getattr(importlib.import_module(module), name))
-        except (ImportError, AttributeError):
-            continue
-    return out
-
-
 def supported_model_classes() -> list[str]:
-    return [c for a in adapter_classes() for c in a.model_classes]
+    return list(SUPPORTED)
 
 
 def find_adapter(model: Any) -> type:
-    names = {k.__name__ for k in type(model).__mro__}
-    for adapter in adapter_classes():
-        if names & set(adapter.model_classes):
-            return adapter
+    for cls in type(model).__mro__:
+        if cls.__name__ in SUPPORTED:
+            module, name = SUPPORTED[cls.__name__]
+            return getattr(importlib.import_module(module), name)
     raise TypeError(
         f"vlm_prune does not support {type(model).__name__}. Supported model classes: "
-        f"{', '.join(supported_model_classes())}."
+        f"{', '.join(SUPPORTED)}."
     )

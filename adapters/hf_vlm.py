@@ -200,7 +200,6 @@ class HFVLMAdapter(Adapter):
         items = self.items(modality, out)
         self._tower_attention = self.tower_attention_fn(out, modality)
         samples = self.sample_of_items(modality, [it.features.shape[0] for it in items])
-        gen = torch.Generator().manual_seed(self.state.seed)
         t0 = time.perf_counter()
         new_feats, keep_list, size_list, n_in, n_out, extra = [], [], [], [], [], []
         for i, it in enumerate(items):
@@ -212,6 +211,9 @@ class HFVLMAdapter(Adapter):
                     extra.append({"tokens_per_frame": plan.tokens_per_frame, "kept_frames": plan.kept_frames,
                                   "frame_scores": None if plan.frame_scores is None else plan.frame_scores.tolist()})
                 else:
+                    # seeded by the item's rank within its sample, so a batch equals its samples run alone
+                    rank = samples[:i].count(samples[i])
+                    gen = torch.Generator().manual_seed(self.state.seed * 1_000_003 + rank)
                     red = self.reduce_frames(vision_m, it, samples[i], gen, i)
             f, keep, sizes = scatter_reduction(it.features[:body], red)
             tail = slice(body, it.features.shape[0])

@@ -1,54 +1,51 @@
 """Side computations on the HF vision towers (CLIP, SigLIP) that methods ask for."""
 from __future__ import annotations
 
-from typing import Any, Callable
-
 import torch
 
 
-def tower_feature_attention(
-    tower: torch.nn.Module, out: Any, feature_layer: Any, strategy: str | None
-) -> Callable[[int], tuple[torch.Tensor, torch.Tensor]] | None:
-    """A callable image_index -> (attention [N], keys [N, d]) for the tower's feature layer.
+class FeatureLayerTap:
+    """Keeps the input of the tower's feature layer and recomputes its attention on the side.
 
     The feature layer is the encoder layer whose output the projector reads
-    (``vision_feature_layer``, -2 for LLaVA). Its self-attention is recomputed on the side from
-    its input hidden state for the rows that matter: the CLS query row when the tower has a CLS
-    token (CLIP; 'default' strategy drops it from the features) - else the attention each token
-    receives averaged over all queries (SigLIP). Keys are averaged over heads. Costs one
-    [N, N] attention per image for towers without CLS, one row otherwise.
+    (``vision_feature_layer``: -2 for LLaVA-1.5, i.e. the second-to-last layer). A forward
+    pre-hook stores that layer's latest input; :meth:`attention` then recomputes, for one image,
+    the rows that matter: the CLS query row when the tower has a CLS token (CLIP with the
+    'default' strategy, which drops CLS from the features) - else the attention each token
+    receives averaged over all queries (SigLIP). Keys are averaged over heads. Cost: one [1, N]
+    attention row per image with CLS, one [N, N] attention without.
     """
-    hidden = getattr(out, "hidden_states", None)
-    if hidden is None or not isinstance(feature_layer, int):
-        return None
-    encoder = getattr(getattr(tower, "vision_model", tower), "encoder", None)
-    if encoder is None:
-        return None
-    n_layers = len(encoder.layers)
-    layer_idx = feature_layer % (n_layers + 1) - 1  # hidden_states[i] is the output of layer i-1
-    if layer_idx < 0:
-        return None
-    layer = encoder.layers[layer_idx]
-    x_all = hidden[layer_idx]
-    has_cls = strategy == "default"
 
-    def attention(image_index: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def __init__(self, tower: torch.nn.Module, feature_layer: int, has_cls: bool) -> None:
+        encoder = getattr(tower, "vision_model", tower).encoder
+        n_layers = len(encoder.layers)
+        idx = feature_layer % (n_layers + 1) - 1  # hidden_states[i] is the output of layer i - 1
+        if idx < 0:
+            raise ValueError(f"vision_feature_layer {feature_layer} reads the embeddings; no attention to tap")
+        self.layer = encoder.layers[idx]
+        self.has_cls = has_cls
+        self.input: torch.Tensor | None = None
+        self.handle = self.layer.register_forward_pre_hook(self._keep)
+
+    def _keep(self, module: torch.nn.Module, args: tuple) -> None:
+        self.input = args[0].detach()
+
+    def remove(self) -> None:
+        self.handle.remove()
+        self.input = None
+
+    def attention(self, image_index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.input is None:
+            raise RuntimeError("the vision tower has not run yet; no feature-layer input was captured")
         with torch.no_grad():
-            x = layer.layer_norm1(x_all[image_index : image_index + 1])
-            attn = layer.self_attn
-            h = attn.num_heads
-            d = attn.head_dim
+            x = self.layer.layer_norm1(self.input[image_index : image_index + 1])
+            attn = self.layer.self_attn
+            h, d = attn.num_heads, attn.head_dim
             q = attn.q_proj(x).view(1, -1, h, d).transpose(1, 2)
             k = attn.k_proj(x).view(1, -1, h, d).transpose(1, 2)
             scale = getattr(attn, "scale", d**-0.5)
-            if has_cls:
+            if self.has_cls:
                 probs = torch.softmax((q[:, :, :1] @ k.transpose(-1, -2)).float() * scale, dim=-1)
-                received = probs[0, :, 0, 1:].mean(0)
-                keys = k[0, :, 1:].mean(0)
-            else:
-                probs = torch.softmax((q @ k.transpose(-1, -2)).float() * scale, dim=-1)
-                received = probs[0].mean(0).mean(0)
-                keys = k[0].mean(0)
-        return received, keys
-
-    return attention
+                return probs[0, :, 0, 1:].mean(0), k[0, :, 1:].mean(0)
+            probs = torch.softmax((q @ k.transpose(-1, -2)).float() * scale, dim=-1)
+            return probs[0].mean(0).mean(0), k[0].mean(0)

@@ -19,7 +19,10 @@ class WrapState:
     methods: dict[str, Method]
     processor: Any = None
     seed: int = 0
+    #: per stage: visual tokens in / out per sample, seconds spent scoring (last prefill)
     last_stats: dict[str, Any] = field(default_factory=dict)
+    #: [B, S_out] index in the model input of each row the last prefill returned (-1: padding)
+    last_rows: torch.Tensor | None = None
 
     @property
     def pipeline(self) -> list[Method]:

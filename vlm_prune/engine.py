@@ -282,12 +282,13 @@ class PrunedDecoder:
         origin = torch.arange(s, device=device).expand(b, s).clone()
         rows = Rows(embeds, pos, valid, visual, sizes, origin)
         stats_in = (visual & valid).sum(1).tolist()
+        if pending is not None:
+            pending.visual_in = stats_in
         records = list(pending.records) if pending is not None else []
         if pending is not None and pending.keep is not None:
             keep = pending.keep.to(device)
             reds = [Reduction(torch.nonzero(valid[i] & keep[i]).squeeze(1)) for i in range(b)]
             rows = apply(rows, reds)
-            pending.visual_in = stats_in
 
         points = self.prune_points()
         method = self.llm_method

@@ -1,0 +1,164 @@
+"""DESIGN.md invariants 1-5 for every adapter, on tiny random models from the real configs."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tiny_models as T
+import vlm_prune
+from reference import capture_lm_inputs, masked_llm_reference, positions_of
+
+CASES = {
+    "llava": (T.tiny_llava, lambda m, **k: T.llava_inputs(**k), {}),
+    "llava_next": (T.tiny_llava_next, T.llava_next_inputs, {}),
+    "onevision_image": (T.tiny_onevision, T.onevision_image_inputs, {}),
+    "onevision_video": (T.tiny_onevision, T.onevision_video_inputs, {}),
+    "qwen2_vl_image": (T.tiny_qwen2_vl, T.qwen2_vl_inputs, {}),
+    "qwen2_vl_video": (T.tiny_qwen2_vl, T.qwen2_vl_inputs, {"video": True}),
+    "qwen2_5_vl": (lambda attn="sdpa": T.tiny_qwen2_vl(attn, v25=True), T.qwen2_vl_inputs, {}),
+}
+_MODELS: dict = {}
+
+
+def build(case: str, attn: str = "sdpa"):
+    key = (case.split("_image")[0].split("_video")[0], attn)
+    make, inputs, kw = CASES[case]
+    if key not in _MODELS:
+        _MODELS[key] = make(attn=attn)
+    model = _MODELS[key]
+    return model, (lambda pad="left", batch=2: inputs(model, pad=pad, batch=batch, **kw))
+
+
+def run(model, inp, steps=20):
+    with torch.no_grad():
+        logits = model(**inp).logits
+        gen = model.generate(**inp, max_new_tokens=steps, do_sample=False, min_new_tokens=steps)
+    return logits, gen
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_identity_when_everything_is_kept(case, attn):
+    """Invariant 1: keep=1.0 equals the unwrapped model, prefill and 20-step generate, twice."""
+    model, make = build(case, attn)
+    for pad in ("left", "right"):
+        inp = make(pad=pad)
+        valid = inp["attention_mask"].bool()
+        ref_logits, ref_gen = run(model, inp, steps=20 if pad == "left" else 1)
+        for method in ("random", "fastv", "pool"):
+            vlm_prune.wrap(model, method, keep=1.0)
+            try:
+                logits, gen = run(model, inp, steps=20 if pad == "left" else 1)
+                _, gen2 = run(model, inp, steps=20 if pad == "left" else 1)
+                stats = model.vlm_prune.last_stats
+            finally:
+                vlm_prune.unwrap(model)
+            torch.testing.assert_close(logits[valid], ref_logits[valid], atol=1e-5, rtol=0)
+            assert torch.equal(gen, ref_gen) and torch.equal(gen2, ref_gen), (method, pad)
+            assert stats["visual_tokens_out"] == stats["visual_tokens_in"]
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_unwrap_restores_bit_identical(case):
+    """Invariant 5: after unwrap, outputs and instance attributes are exactly as before."""
+    model, make = build(case)
+    inp = make()
+    modules = list(model.modules())
+    before = [set(vars(m)) for m in modules]
+    ref, ref_gen = run(model, inp, steps=5)
+    vlm_prune.wrap(model, ["random", "fastv"], keep=0.5)
+    run(model, inp, steps=5)
+    vlm_prune.unwrap(model)
+    out, gen = run(model, inp, steps=5)
+    assert torch.equal(out, ref) and torch.equal(gen, ref_gen)
+    assert [set(vars(m)) for m in modules] == before
+    assert not hasattr(model, "vlm_prune")
+
+
+@pytest.mark.parametrize("case", ["llava", "onevision_video", "qwen2_vl_image", "qwen2_vl_video"])
+@pytest.mark.parametrize("method", ["random", "pool"])
+def test_vision_stage_equals_hand_built_input(case, method):
+    """Invariant 2: a vision-stage reduction equals the unwrapped model run on only the kept
+    tokens (reduced features in place) at their original position ids, per sample alone."""
+    model, make = build(case)
+    inp = make()
+    vlm_prune.wrap(model, method, keep=0.5)
+    try:
+        with torch.no_grad(), capture_lm_inputs(model) as seen:
+            logits = model(**inp).logits
+        rows = model.vlm_prune.last_rows
+        stats = model.vlm_prune.last_stats
+    finally:
+        vlm_prune.unwrap(model)
+    assert all(o < i for i, o in zip(stats["visual_tokens_in"], stats["visual_tokens_out"]))
+    embeds = seen[0]["inputs_embeds"]  # reduced features already in their slots
+    b, s, _ = embeds.shape
+    pos = positions_of(seen[0], b, s)
+    lm = model.model.language_model
+    for i in range(b):
+        keep = rows[i][rows[i] >= 0]
+        p = pos[:, i : i + 1, keep]
+        p = p if "Qwen2" in type(model).__name__ else p[0]
+        with torch.no_grad():
+            h = lm(inputs_embeds=embeds[i : i + 1, keep], position_ids=p,
+                   attention_mask=torch.ones(1, keep.numel(), dtype=torch.long)).last_hidden_state
+            ref = model.lm_head(h)[0]
+        torch.testing.assert_close(logits[i, rows[i] >= 0], ref, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("case", ["llava", "llava_next", "onevision_video", "qwen2_vl_image", "qwen2_5_vl"])
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_llm_stage_equals_masked_reference(case, attn):
+    """Invariant 3: FastV's in-LLM removal equals the full sequence with the removed tokens
+    masked as keys from layer K on."""
+    model, make = build(case, attn)
+    inp = make()
+    vlm_prune.wrap(model, vlm_prune.methods.FastV(layer=2), keep=0.25)
+    try:
+        with torch.no_grad():
+            logits = model(**inp).logits
+        rows = model.vlm_prune.last_rows
+    finally:
+        vlm_prune.unwrap(model)
+    b, s = inp["input_ids"].shape
+    kept = torch.zeros(b, s, dtype=torch.bool)
+    for i in range(b):
+        kept[i, rows[i][rows[i] >= 0]] = True
+    ref = masked_llm_reference(model, inp, 2, kept)
+    for i in range(b):
+        torch.testing.assert_close(logits[i, rows[i] >= 0], ref[i, rows[i][rows[i] >= 0]], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("case", ["llava", "onevision_video", "qwen2_vl_video"])
+@pytest.mark.parametrize("method", ["random", "fastv"])
+def test_batch_equals_samples_alone(case, method):
+    """Invariant 4: each sample of a padded batch equals that sample run alone (prefill and
+    10-step generate)."""
+    model, make = build(case)
+    inp = make()
+    vlm_prune.wrap(model, method, keep=0.3)
+    try:
+        logits, gen = run(model, inp, steps=10)
+        rows = model.vlm_prune.last_rows
+        for i in range(inp["input_ids"].shape[0]):
+            valid = inp["attention_mask"][i].bool()
+            alone = {}
+            for k, v in inp.items():
+                if k in ("input_ids", "attention_mask", "mm_token_type_ids"):
+                    alone[k] = v[i : i + 1, valid]
+                elif k in ("pixel_values", "pixel_values_videos") and "image_grid_thw" not in inp and "video_grid_thw" not in inp:
+                    alone[k] = v[i : i + 1]
+                elif k.endswith("grid_thw"):
+                    alone[k] = v[i : i + 1]
+                elif k in ("pixel_values", "pixel_values_videos"):
+                    n = int(inp[("video" if "video" in k else "image") + "_grid_thw"][i].prod())
+                    alone[k] = v[i * n : (i + 1) * n]
+                else:
+                    alone[k] = v[i : i + 1]
+            l1, g1 = run(model, alone, steps=10)
+            torch.testing.assert_close(logits[i, -1], l1[0, -1], atol=1e-5, rtol=0)
+            pad = int((~valid).sum())
+            assert torch.equal(gen[i, pad:], g1[0]), case
+            assert rows[i][rows[i] >= 0].numel() == l1.shape[1]
+    finally:
+        vlm_prune.unwrap(model)
