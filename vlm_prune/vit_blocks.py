@@ -148,10 +148,15 @@ class ViTMethod(Method):
     def __init__(self, keep: float | None = None, budget: int | None = None) -> None:
         super().__init__(keep=keep, budget=budget)
         self._active = True
-        self.last_run: ViTRun | None = None
+        self._last_run: ViTRun | None = None
+
+    @property
+    def last_run(self) -> ViTRun | None:
+        """The state of the latest forward pass (token counts, FLOPs, merged sizes)."""
+        return self._last_run
 
     def block_forward(self, ops: BlockOps, x: torch.Tensor, run: ViTRun) -> torch.Tensor:
-        self.last_run = run
+        self._last_run = run
         run.record(ops, x)
         if not self._active:
             return ops.forward(x)

@@ -24,7 +24,7 @@ from tqdm.auto import tqdm
 
 from vlm_prune.methods.base import validate_budget
 from vlm_prune.registry import register
-from vlm_prune.vit_blocks import BlockOps, ViTMethod, ViTRun, gather_tokens
+from vlm_prune.vit_blocks import AttentionResult, BlockOps, ViTMethod, ViTRun, gather_tokens
 
 #: the paper's initial thresholds for DeiT (196 patch tokens)
 PAPER_THRESHOLDS = (0.001, 0.002, 0.003)
@@ -173,11 +173,15 @@ class ASViT(ViTMethod):
         a = ops.attention(x)
         x = x + a.out
         x = x + ops.mlp(x)
-        scores = asvit_scores(cls_attention(a.q[:, :, 0], a.k, ops.scale), a.heads)[:, p:]
+        scores = self.token_scores(a, ops.scale)[:, p:]
         if self.mode == "threshold":
             theta = self.threshold_values(run.n_patches, len(locs))[stage - 1].to(scores)
             k = int((scores > theta).sum()) // scores.shape[0]
         return keep_top(x, scores, k, p)
+
+    def token_scores(self, a: AttentionResult, scale: float) -> torch.Tensor:
+        """[B, N] AS-ViT scores of all tokens from a block's attention (prefix included)."""
+        return asvit_scores(cls_attention(a.q[:, :, 0], a.k, scale), a.heads)
 
     def _calibration_block(self, ops: BlockOps, x: torch.Tensor, run: ViTRun, stage: int, n_stages: int) -> torch.Tensor:
         """Full-length tokens, dropped ones masked as keys (differentiable in the thresholds)."""
