@@ -32,6 +32,11 @@ class Adapter:
                     f"method {method.name!r} works in the {stage!r} stage, which the {self.family} "
                     f"adapter ({type(self.model).__name__}) does not offer; it offers: {', '.join(self.stages)}"
                 )
+            if getattr(method, "needs_processor", False) and self.state.processor is None:
+                raise ValueError(
+                    f"method {method.name!r} prompts the model, so it needs the model's processor: "
+                    f"vlm_prune.wrap(model, {method.name!r}, ..., processor=processor)"
+                )
 
     def attach(self) -> None:  # pragma: no cover - abstract
         raise NotImplementedError

@@ -11,6 +11,7 @@ Data flow for one prefill:
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import inspect
@@ -85,12 +86,15 @@ class HFVLMAdapter(Adapter):
 
         @functools.wraps(inner_forward)
         def forward(*args: Any, **kwargs: Any) -> Any:
-            self.before_forward(args, kwargs)
+            saved = (self._request, self.decoder.pending)
+            if self.decoder.bypass:
+                self._request, self.decoder.pending = None, None
+            else:
+                self.before_forward(args, kwargs)
             try:
                 return inner_forward(*args, **kwargs)
-            finally:
-                self.decoder.pending = None
-                self._request = None
+            finally:  # a nested call (a frame scorer inside a prefill) gives the request back
+                self._request, self.decoder.pending = saved
 
         self.patches.set(self.inner, "forward", forward)
         if "vision" in self.state.methods or "frames" in self.state.methods:
@@ -167,17 +171,8 @@ class HFVLMAdapter(Adapter):
         return out
 
     def text_embeds(self, sample: int) -> torch.Tensor:
-        """Input embeddings of the sample's instruction: valid text tokens after its last visual token."""
-        req = self._request
-        ids = req["input_ids"][sample]
-        valid = req["attention_mask"][sample].bool()
-        visual = torch.zeros_like(valid)
-        for m in req["masks"].values():
-            visual |= m[sample]
-        idx = torch.nonzero(visual).squeeze(1)
-        after = torch.arange(ids.numel(), device=ids.device) > (idx.max() if idx.numel() else -1)
-        text_ids = ids[valid & ~visual & after]
-        return self.language_model.embed_tokens(text_ids)
+        """Input embeddings of the sample's question (see :meth:`question_ids`)."""
+        return self.language_model.embed_tokens(self.question_ids(sample))
 
     def items(self, modality: str, out: Any) -> list[Item]:
         """The images / videos in an encoder output, in placeholder order."""
@@ -198,6 +193,7 @@ class HFVLMAdapter(Adapter):
         if frames_m is None and vision_m is None:
             return out
         items = self.items(modality, out)
+        self._current_out = out
         self._tower_attention = self.tower_attention_fn(out, modality)
         samples = self.sample_of_items(modality, [it.features.shape[0] for it in items])
         t0 = time.perf_counter()
@@ -268,14 +264,72 @@ class HFVLMAdapter(Adapter):
             grid=it.grid,
             n_total=method.n_keep(it.frames * n, 1),
             query=self.query_text(sample),
+            text_features=self.text_embeds(sample).detach(),
+            generate_text=self.generate_text_fn(),
         )
 
-    def query_text(self, sample: int) -> str | None:
-        """The sample's question (text after its last visual token), when a processor was given."""
+    @contextlib.contextmanager
+    def unpruned(self):
+        """Run the model without any pruning inside this block (frame scorers, query decoupling)."""
+        old = self.decoder.bypass
+        self.decoder.bypass = True
+        try:
+            yield
+        finally:
+            self.decoder.bypass = old
+
+    def tokenizer(self) -> Any:
         proc = self.state.processor
-        tok = getattr(proc, "tokenizer", proc)
+        return getattr(proc, "tokenizer", proc)
+
+    def chat_ids(self, prompt: str, media: str | None, n_media_tokens: int = 0) -> torch.Tensor:
+        """Token ids of one user turn (with a ``media`` placeholder expanded to ``n_media_tokens``)
+        in the processor's chat template, ending with the assistant prefix."""
+        proc = self.state.processor
+        content = ([{"type": media}] if media else []) + [{"type": "text", "text": prompt}]
+        text = proc.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True, tokenize=False)
+        ids = self.tokenizer()(text, add_special_tokens=False, return_tensors="pt").input_ids[0]
+        if media:
+            tok_id = self.placeholder_ids()[media]
+            parts = []
+            for t in ids.tolist():
+                parts.extend([tok_id] * n_media_tokens if t == tok_id else [t])
+            ids = torch.tensor(parts)
+        return ids
+
+    def answer_letter_id(self, letter: str = "A") -> int:
+        """The scorer tokenizer's id of the answer letter (never hard-coded)."""
+        tok = self.tokenizer()
+        ids = tok.encode(letter, add_special_tokens=False)
+        unk = getattr(tok, "unk_token_id", None)
+        if not ids or (len(ids) == 1 and ids[0] == unk):
+            raise ValueError(f"the tokenizer has no token for the answer letter {letter!r}; QuoTA's default scorer "
+                             "needs it - pass QuoTA(scorer=...) instead")
+        return ids[-1]
+
+    def generate_text_fn(self) -> Callable[[str], str] | None:
+        """Text-only greedy generation with the unpruned model (QuoTA's query decoupling)."""
+        if self.state.processor is None:
+            return None
+
+        def generate(prompt: str) -> str:
+            ids = self.chat_ids(prompt, None)[None].to(self.model.device)
+            with self.unpruned(), torch.no_grad():
+                out = self.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=64, do_sample=False)
+            return self.tokenizer().decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+
+        return generate
+
+    def query_text(self, sample: int) -> str | None:
+        """The sample's question as text, when a processor (tokenizer) was given."""
+        tok = self.tokenizer()
         if tok is None or not hasattr(tok, "decode"):
             return None
+        return tok.decode(self.question_ids(sample), skip_special_tokens=True).strip()
+
+    def question_ids(self, sample: int) -> torch.Tensor:
+        """Token ids of the sample's question: valid text after its last visual token, without the
+        chat template's end-of-turn and assistant prefix when the processor's template is known."""
         req = self._request
         ids = req["input_ids"][sample]
         valid = req["attention_mask"][sample].bool()
@@ -284,7 +338,30 @@ class HFVLMAdapter(Adapter):
             visual |= m[sample]
         idx = torch.nonzero(visual).squeeze(1)
         after = torch.arange(ids.numel(), device=ids.device) > (idx.max() if idx.numel() else -1)
-        return tok.decode(ids[valid & after], skip_special_tokens=True).strip()
+        question = ids[valid & after & ~visual]
+        suffix = self._template_suffix()
+        n = suffix.numel()
+        if n and question.numel() > n and torch.equal(question[-n:].cpu(), suffix):
+            question = question[:-n]
+        return question
+
+    def _template_suffix(self) -> torch.Tensor:
+        """Ids the chat template puts after a user message when it adds the generation prompt."""
+        if hasattr(self, "_suffix"):
+            return self._suffix
+        self._suffix = torch.zeros(0, dtype=torch.long)
+        proc = self.state.processor
+        if proc is not None and getattr(proc, "chat_template", None):
+            mark = "QQQ"
+            try:
+                text = proc.apply_chat_template([{"role": "user", "content": [{"type": "text", "text": mark}]}],
+                                                add_generation_prompt=True, tokenize=False)
+            except Exception:  # a template that needs other fields: keep the text as it is
+                return self._suffix
+            if mark in text:
+                tail = text[text.rindex(mark) + len(mark):]
+                self._suffix = self.tokenizer()(tail, add_special_tokens=False, return_tensors="pt").input_ids[0]
+        return self._suffix
 
     def _commit_vision(self, modality: str, keep_list: list, size_list: list) -> None:
         pending = self.decoder.pending

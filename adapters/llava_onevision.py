@@ -11,7 +11,10 @@ from __future__ import annotations
 import math
 from typing import Any, ClassVar
 
+import torch
+
 from vlm_prune.adapters.hf_vlm import HFVLMAdapter, Item
+from vlm_prune.methods.base import FramesContext
 
 
 class LlavaOnevisionAdapter(HFVLMAdapter):
@@ -31,3 +34,36 @@ class LlavaOnevisionAdapter(HFVLMAdapter):
         rows, cols = self.frame_grid()
         n = rows * cols
         return [Item(v, (v.shape[0] - 1) // n, (rows, cols), tail=1) for v in out.pooler_output]
+
+    def frames_context(self, method: Any, it: Item, index: int, sample: int) -> FramesContext:
+        ctx = super().frames_context(method, it, index, sample)
+        videos = getattr(self._current_out, "vlm_prune_call", {}).get("pixel_values_videos")
+        if videos is not None:
+            ctx.pixels = videos[index]
+            if self.state.processor is not None:
+                ctx.score_frames = lambda prompts, px=videos[index]: self.score_frames(px, prompts)
+        return ctx
+
+    def score_frames(self, pixels: torch.Tensor, prompts: list[str]) -> torch.Tensor:
+        """QuoTA's default scorer: the model itself, one frame per prompt, P("A") of the answer.
+
+        pixels: [T, C, H, W] one video's frames as the processor prepared them. prompts: one
+        for every frame, or one shared by all. Returns p [T] (float32, CPU).
+        """
+        t = pixels.shape[0]
+        prompts = prompts * t if len(prompts) == 1 else prompts
+        rows, cols = self.frame_grid()
+        seqs = [self.chat_ids(p, "video", rows * cols + 1) for p in prompts]
+        width = max(s.numel() for s in seqs)
+        ids = torch.zeros(t, width, dtype=torch.long)
+        mask = torch.zeros(t, width, dtype=torch.long)
+        for i, s in enumerate(seqs):
+            ids[i, width - s.numel():] = s
+            mask[i, width - s.numel():] = 1
+        letter = self.answer_letter_id("A")
+        device = self.model.device
+        with self.unpruned(), torch.no_grad():
+            logits = self.model(
+                input_ids=ids.to(device), attention_mask=mask.to(device), pixel_values_videos=pixels[:, None].to(device)
+            ).logits[:, -1]
+        return torch.softmax(logits.float(), dim=-1)[:, letter].cpu()

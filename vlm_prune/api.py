@@ -66,8 +66,14 @@ def build_pipeline(
                 f"methods {by_stage[m.stage].name!r} and {m.name!r} both act in the {m.stage!r} "
                 f"stage; a pipeline takes at most one method per stage (frames -> vision -> llm)"
             )
-        m.configure_budget(keep, budget)
         by_stage[m.stage] = m
+    # keep / budget set the first stage; later stages with their own defaults keep them
+    for i, stage in enumerate(s for s in STAGES if s in by_stage):
+        m = by_stage[stage]
+        if i == 0 or not m.own_schedule:
+            m.configure_budget(keep, budget)
+        else:
+            m.configure_budget(None, None)
     if "vision" in by_stage and "vit" in by_stage:
         raise ValueError(
             f"methods {by_stage['vit'].name!r} (inside the ViT) and {by_stage['vision'].name!r} "
@@ -94,8 +100,10 @@ def wrap(
         method: a registered name (``"fastv"``), a configured object
             (``vlm_prune.methods.FastV(layer=2)``), or a list of them, at most one per stage.
         keep: fraction of visual tokens kept, in (0, 1].
-        budget: visual tokens kept per image (or frame). Give exactly one of keep / budget
-            unless the method defines its own schedule.
+        budget: visual tokens kept per image (per video for frames methods). Give exactly one of
+            keep / budget unless the method defines its own schedule. In a pipeline they set the
+            first stage; later stages that have defaults of their own (fastv, pact, adaptinfer)
+            keep them - pass configured objects to set them, e.g. ``FastV(keep=0.5)``.
         frames, tokens: the frames-stage and token-stage methods, as an alternative spelling of
             ``method=[frames, tokens]``.
         processor: the model's processor (tokenizer, image processor); frame methods that
@@ -112,9 +120,9 @@ def wrap(
     methods = build_pipeline(method, frames=frames, tokens=tokens, keep=keep, budget=budget)
     state = WrapState(adapter=None, methods=methods, processor=processor, seed=seed)
     adapter = adapter_cls(model, state)
+    adapter.check_methods()
     for m in methods.values():
         m.check_model(adapter)
-    adapter.check_methods()
     state.adapter = adapter
     adapter.attach()
     model.vlm_prune = state

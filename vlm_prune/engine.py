@@ -129,6 +129,8 @@ class PrunedDecoder:
         self.state = state
         self.attn_impl = attn_impl
         self.pending: Pending | None = None
+        #: True while the adapter runs the model unpruned inside a request (frame scoring)
+        self.bypass = False
 
     # ---- helpers ----------------------------------------------------------------------------
     @property
@@ -137,7 +139,9 @@ class PrunedDecoder:
 
     def prune_points(self) -> list[int]:
         m = self.llm_method
-        return sorted(set(m.prune_layers(len(self.spec.layers)))) if m is not None else []
+        if m is None or self.bypass:
+            return []
+        return sorted(set(m.prune_layers(len(self.spec.layers))))
 
     def project_qk(self, layer_idx: int) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
         """The q/k the attention of ``layer_idx`` computes for given hidden states (GQA repeated)."""

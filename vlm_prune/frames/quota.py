@@ -16,6 +16,7 @@ import ast
 import math
 import re
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -297,6 +298,19 @@ class QuoTA(FramesMethod):
         if self.decouple and ctx.generate_text is not None and ctx.query:
             objects = parse_decoupled_objects(ctx.generate_text(decouple_prompt(ctx.query)))
         return frame_prompt(ctx.query, objects)
+
+    @property
+    def needs_processor(self) -> bool:
+        """The default scorer (the wrapped model) builds its prompts with the processor."""
+        return self._scorer is None
+
+    def check_model(self, adapter: Any) -> None:
+        super().check_model(adapter)
+        if adapter.family == "qwen2_vl":
+            raise ValueError(
+                "quota resizes each frame's token map, which on Qwen2-VL needs new M-RoPE positions for the "
+                "resized grids; that is not implemented yet. Use frames='uniform' or 'keyscore' on Qwen2-VL."
+            )
 
     def frame_scores(self, ctx: FramesContext) -> torch.Tensor:
         """p [T] in [0, 1] for the frames of ``ctx``."""

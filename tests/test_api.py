@@ -1,0 +1,169 @@
+"""wrap() / unwrap() behaviour: errors, pass-through, budgets, stats, FastV side scores."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tiny_models as T
+import vlm_prune
+from vlm_prune.methods import FastV
+
+
+@pytest.fixture(scope="module")
+def llava():
+    return T.tiny_llava()
+
+
+@pytest.fixture(scope="module")
+def llava_eager():
+    return T.tiny_llava(attn="eager")
+
+
+def test_available_methods_lists_every_stage():
+    names = vlm_prune.available_methods()
+    for n in ("random", "pool", "fastv", "pact", "adaptinfer", "visionzip", "divprune", "cdpruner",
+              "quota", "keyscore", "uniform", "asvit", "tome"):
+        assert n in names
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"method": "fastvv", "keep": 0.5}, "Did you mean 'fastv'"),
+    ({"method": "random", "keep": 0.0}, "keep must be a fraction in (0, 1]"),
+    ({"method": "random", "keep": 1.5}, "keep must be a fraction in (0, 1]"),
+    ({"method": "random", "budget": 0}, "budget must be a whole number of tokens >= 1"),
+    ({"method": "random", "keep": 0.5, "budget": 8}, "not both"),
+    ({"method": "random"}, "pass keep="),
+    ({"method": ["random", "pool"], "keep": 0.5}, "at most one method per stage"),
+    ({"method": "asvit", "keep": 0.5}, "does not offer"),
+    ({"method": None}, "no method given"),
+])
+def test_bad_arguments_name_the_fix(llava, kwargs, message):
+    method = kwargs.pop("method")
+    with pytest.raises(ValueError, match=None) as err:
+        vlm_prune.wrap(llava, method, **kwargs)
+    assert message in str(err.value)
+    assert not hasattr(llava, "vlm_prune")
+
+
+def test_wrap_twice_and_unwrap_unwrapped(llava):
+    vlm_prune.wrap(llava, "random", keep=0.5)
+    try:
+        with pytest.raises(RuntimeError, match="unwrap"):
+            vlm_prune.wrap(llava, "pool", keep=0.5)
+    finally:
+        vlm_prune.unwrap(llava)
+    with pytest.raises(ValueError, match="not wrapped"):
+        vlm_prune.unwrap(llava)
+
+
+def test_unsupported_model_names_supported_classes():
+    with pytest.raises(TypeError, match="LlavaForConditionalGeneration"):
+        vlm_prune.wrap(torch.nn.Linear(2, 2), "random", keep=0.5)
+
+
+def test_text_only_request_passes_through(llava):
+    ids = torch.randint(3, 80, (2, 9))
+    with torch.no_grad():
+        ref = llava(input_ids=ids).logits
+        ref_gen = llava.generate(input_ids=ids, max_new_tokens=8, do_sample=False)
+    vlm_prune.wrap(llava, ["random", "fastv"], keep=0.25)
+    try:
+        with torch.no_grad():
+            out = llava(input_ids=ids).logits
+            gen = llava.generate(input_ids=ids, max_new_tokens=8, do_sample=False)
+        assert llava.vlm_prune.last_stats["visual_tokens_in"] == [0, 0]
+    finally:
+        vlm_prune.unwrap(llava)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=0)
+    assert torch.equal(gen, ref_gen)
+
+
+@pytest.mark.parametrize("method", ["random", "pool", "fastv", "divprune"])
+def test_budget_above_the_visual_count_keeps_all(llava, method):
+    inp = T.llava_inputs()
+    with torch.no_grad():
+        ref = llava(**inp).logits
+    vlm_prune.wrap(llava, method, budget=1000)
+    try:
+        with torch.no_grad():
+            out = llava(**inp).logits
+        stats = llava.vlm_prune.last_stats
+    finally:
+        vlm_prune.unwrap(llava)
+    valid = inp["attention_mask"].bool()
+    torch.testing.assert_close(out[valid], ref[valid], atol=1e-5, rtol=0)
+    assert stats["visual_tokens_out"] == [16, 16]
+
+
+@pytest.mark.parametrize("method, kw, expected", [
+    ("random", {"keep": 0.25}, 4),
+    ("pool", {"keep": 0.25}, 4),
+    ("pool", {"budget": 9}, 9),
+    ("fastv", {"keep": 0.5}, 8),
+    ("fastv", {"budget": 3}, 3),
+])
+def test_last_stats_report_real_counts(llava, method, kw, expected):
+    inp = T.llava_inputs()
+    vlm_prune.wrap(llava, method, **kw)
+    try:
+        with torch.no_grad():
+            out = llava(**inp).logits
+        stats = llava.vlm_prune.last_stats
+        rows = llava.vlm_prune.last_rows
+    finally:
+        vlm_prune.unwrap(llava)
+    assert stats["visual_tokens_in"] == [16, 16]
+    assert stats["visual_tokens_out"] == [expected, expected]
+    (stage,) = stats["stages"]
+    assert stage["method"] == method and stage["tokens_out"] == [expected, expected]
+    assert stage["seconds"] >= 0
+    # the rows the model really ran: every text token plus exactly the kept image tokens
+    ids = inp["input_ids"]
+    for b in range(2):
+        kept = rows[b][rows[b] >= 0]
+        assert int((ids[b, kept] == T.IMAGE_TOKEN).sum()) == expected
+        assert int(inp["attention_mask"][b].sum()) - 16 + expected == kept.numel()
+    assert out.shape[1] == rows.shape[1]
+
+
+def test_pipeline_budget_goes_to_the_first_stage(llava):
+    inp = T.llava_inputs()
+    vlm_prune.wrap(llava, ["random", "fastv"], keep=0.5)
+    try:
+        with torch.no_grad():
+            llava(**inp)
+        stages = llava.vlm_prune.last_stats["stages"]
+    finally:
+        vlm_prune.unwrap(llava)
+    assert [s["stage"] for s in stages] == ["vision", "llm"]
+    assert stages[0]["tokens_out"] == [8, 8] and stages[1]["tokens_out"] == [4, 4]  # FastV's own R=50%
+
+
+@pytest.mark.parametrize("query", ["last", "text"])
+def test_fastv_side_scores_equal_eager_attention(llava_eager, query):
+    """FastV's attention rows computed from q/k equal the eager attention weights of layer K-1."""
+    inp = T.llava_inputs()
+    with torch.no_grad():
+        att = llava_eager(**inp, output_attentions=True).attentions[1]  # layer K-1 = 1, [B, H, S, S]
+    captured = {}
+
+    class Recording(FastV):
+        def scores(self, ctx):
+            captured["scores"] = super().scores(ctx)
+            captured["text"] = ctx.text
+            return captured["scores"]
+
+    vlm_prune.wrap(llava_eager, Recording(layer=2, query=query), keep=0.5)
+    try:
+        with torch.no_grad():
+            llava_eager(**inp)
+    finally:
+        vlm_prune.unwrap(llava_eager)
+    valid = inp["attention_mask"].bool()
+    head_mean = att.mean(1)
+    if query == "last":
+        expected = head_mean[:, -1]
+    else:
+        t = captured["text"].float()
+        expected = (head_mean * t[:, :, None]).sum(1) / t.sum(1, keepdim=True)
+    torch.testing.assert_close(captured["scores"][valid], expected[valid], atol=1e-5, rtol=0)
