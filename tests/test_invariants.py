@@ -39,23 +39,25 @@ def run(model, inp, steps=20):
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
 @pytest.mark.parametrize("case", list(CASES))
 def test_identity_when_everything_is_kept(case, attn):
-    """Invariant 1: keep=1.0 equals the unwrapped model, prefill and 20-step generate, twice."""
+    """Invariant 1: keep=1.0 equals the unwrapped model: prefill (left and right padding) and a
+    20-step greedy generate, called twice on the same wrapped model; vision and llm stages."""
     model, make = build(case, attn)
-    for pad in ("left", "right"):
+    for pad, methods, steps in (("left", ["random", "fastv"], 20), ("right", ["pool", "fastv"], 1)):
         inp = make(pad=pad)
         valid = inp["attention_mask"].bool()
-        ref_logits, ref_gen = run(model, inp, steps=20 if pad == "left" else 1)
-        for method in ("random", "fastv", "pool"):
-            vlm_prune.wrap(model, method, keep=1.0)
-            try:
-                logits, gen = run(model, inp, steps=20 if pad == "left" else 1)
-                _, gen2 = run(model, inp, steps=20 if pad == "left" else 1)
-                stats = model.vlm_prune.last_stats
-            finally:
-                vlm_prune.unwrap(model)
-            torch.testing.assert_close(logits[valid], ref_logits[valid], atol=1e-5, rtol=0)
-            assert torch.equal(gen, ref_gen) and torch.equal(gen2, ref_gen), (method, pad)
-            assert stats["visual_tokens_out"] == stats["visual_tokens_in"]
+        ref_logits, ref_gen = run(model, inp, steps=steps)
+        vlm_prune.wrap(model, methods, keep=1.0)
+        try:
+            model.vlm_prune.methods["llm"].keep = 1.0
+            logits, gen = run(model, inp, steps=steps)
+            _, gen2 = run(model, inp, steps=steps)
+            stats = model.vlm_prune.last_stats
+        finally:
+            vlm_prune.unwrap(model)
+        torch.testing.assert_close(logits[valid], ref_logits[valid], atol=1e-5, rtol=0)
+        assert torch.equal(gen, ref_gen) and torch.equal(gen2, ref_gen), (methods, pad)
+        assert stats["visual_tokens_out"] == stats["visual_tokens_in"]
+        assert [r["stage"] for r in stats["stages"]] == ["vision", "llm"]
 
 
 @pytest.mark.parametrize("case", list(CASES))
