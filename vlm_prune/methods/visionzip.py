@@ -70,6 +70,7 @@ class VisionZip(VisionMethod):
     """
 
     name = "visionzip"
+    supported = ("llava",)  # the LLaVA-1.5 adapter taps the CLIP feature layer (one tower row per image)
     paper = "VisionZip, Yang et al., CVPR 2025 (dvlab-research/VisionZip)"
 
     def __init__(self, dominant_ratio: float = 54 / 64, keep: float | None = None, budget: int | None = None):
