@@ -1,0 +1,143 @@
+"""Pictures of what a pruned model kept: a grid overlay for images, a frame strip for videos.
+
+Both work from what every wrapped model reports: ``model.vlm_prune.last_rows`` (the input
+position of each row the last prefill returned) and the positions of the visual placeholder
+tokens in ``input_ids``. Cluster membership of merging methods is not recorded by the engine,
+so a kept cell of a merging method (PACT, ToMe, VisionZip, pool) is drawn as kept and the
+tokens merged into it as dropped.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from PIL import Image, ImageDraw, ImageFont
+
+KEPT_OUTLINE = (34, 197, 94)  # green
+DROPPED_TINT = (40, 40, 48)
+DROPPED_ALPHA = 0.65  # how far a dropped cell is pulled towards the tint
+CAPTION_BG = (24, 24, 32)
+CAPTION_FG = (240, 240, 240)
+IMAGE_SIDE = 448  # overlay width in pixels
+FRAME_SIDE = 112  # width of one frame in the strip
+STRIP_COLUMNS = 8
+
+
+def kept_placeholders(input_ids: torch.Tensor, rows: torch.Tensor, token_id: int) -> torch.Tensor:
+    """bool [N]: for each visual placeholder of ``token_id`` in ``input_ids`` [S] (in order),
+    whether its position is among the returned ``rows`` [S_out] (-1 = padding)."""
+    positions = torch.nonzero(input_ids == token_id).squeeze(1)
+    returned = rows[rows >= 0].to(positions.device)
+    return torch.isin(positions, returned)
+
+
+def model_view(pixels: torch.Tensor, mean: tuple[float, ...] | None, std: tuple[float, ...] | None) -> np.ndarray:
+    """uint8 [H, W, 3] picture of normalised ``pixels`` [3, H, W] (what the vision tower saw)."""
+    x = pixels.detach().float().cpu()
+    if mean is not None and std is not None:
+        x = x * torch.tensor(std).view(3, 1, 1) + torch.tensor(mean).view(3, 1, 1)
+    return (x.clamp(0, 1) * 255).round().byte().permute(1, 2, 0).numpy()
+
+
+def _font(size: int) -> ImageFont.ImageFont:
+    return ImageFont.load_default(size=size)
+
+
+def with_caption(picture: Image.Image, lines: list[str], size: int = 15) -> Image.Image:
+    """``picture`` with a dark caption band of ``lines`` below it."""
+    pad, step = 8, size + 5
+    out = Image.new("RGB", (picture.width, picture.height + 2 * pad + step * len(lines)), CAPTION_BG)
+    out.paste(picture, (0, 0))
+    draw = ImageDraw.Draw(out)
+    for i, line in enumerate(lines):
+        draw.text((pad, picture.height + pad + i * step), line, fill=CAPTION_FG, font=_font(size))
+    return out
+
+
+def plain_view(picture: np.ndarray | None, caption: list[str], side: int = IMAGE_SIDE) -> Image.Image:
+    """The picture (black when None) scaled to ``side`` wide, with a caption; for layouts
+    without a square token grid."""
+    if picture is None:
+        return with_caption(Image.new("RGB", (side, side)), caption)
+    h, w = picture.shape[:2]
+    return with_caption(Image.fromarray(picture).resize((side, round(side * h / w)), Image.BICUBIC), caption)
+
+
+def grid_overlay(picture: np.ndarray, kept: np.ndarray, caption: list[str], side: int = IMAGE_SIDE) -> Image.Image:
+    """The picture with its g x g token grid drawn over it: dropped cells darkened, kept cells
+    outlined. ``kept`` is bool [g * g] in row-major grid order."""
+    g = math.isqrt(kept.size)
+    if g * g != kept.size:
+        raise ValueError(f"a square token grid needs a square number of tokens, got {kept.size}")
+    h, w = picture.shape[:2]
+    height = round(side * h / w)
+    resample = Image.NEAREST if max(h, w) < side / 2 else Image.BICUBIC
+    base = np.asarray(Image.fromarray(picture).resize((side, height), resample)).astype(np.float32)
+    xs = np.linspace(0, side, g + 1).round().astype(int)
+    ys = np.linspace(0, height, g + 1).round().astype(int)
+    cells = kept.reshape(g, g)
+    tint = np.array(DROPPED_TINT, dtype=np.float32)
+    for r in range(g):
+        for c in range(g):
+            if not cells[r, c]:
+                block = base[ys[r] : ys[r + 1], xs[c] : xs[c + 1]]
+                block[:] = (1 - DROPPED_ALPHA) * block + DROPPED_ALPHA * tint
+    out = Image.fromarray(base.round().astype(np.uint8))
+    draw = ImageDraw.Draw(out)
+    width = max(1, side // (g * 12))
+    for r in range(g):
+        for c in range(g):
+            if cells[r, c]:
+                draw.rectangle([xs[c], ys[r], xs[c + 1] - 1, ys[r + 1] - 1], outline=KEPT_OUTLINE, width=width)
+    return with_caption(out, caption)
+
+
+@dataclass
+class FrameInfo:
+    """One sampled frame of a video as the strip shows it."""
+
+    picture: np.ndarray  # uint8 [H, W, 3]
+    tokens_kept: int
+    tokens_total: int
+    score: float | None = None
+    budget: int | None = None  # the frames-stage method's token budget for this frame
+
+
+def frames_kept(kept: np.ndarray, n_frames: int) -> tuple[list[int], int]:
+    """Kept tokens per frame and tokens per frame, from ``kept`` bool [N] over a video's
+    placeholders: N = n_frames * per_frame + extra trailing tokens (e.g. one newline)."""
+    per_frame = kept.size // n_frames
+    if per_frame == 0:
+        raise ValueError(f"{kept.size} video tokens cannot cover {n_frames} frames")
+    body = kept[: n_frames * per_frame].reshape(n_frames, per_frame)
+    return [int(k) for k in body.sum(1)], per_frame
+
+
+def frame_strip(frames: list[FrameInfo], caption: list[str], side: int = FRAME_SIDE, columns: int = STRIP_COLUMNS) -> Image.Image:
+    """Frames in rows of ``columns``, each labelled with its score and kept tokens; frames
+    without any kept token are greyed out."""
+    label = 14
+    cell_h = side + 2 * (label + 4)
+    n_rows = math.ceil(len(frames) / columns)
+    sheet = Image.new("RGB", (columns * side, n_rows * cell_h), CAPTION_BG)
+    draw = ImageDraw.Draw(sheet)
+    for i, f in enumerate(frames):
+        x, y = (i % columns) * side, (i // columns) * cell_h
+        h, w = f.picture.shape[:2]
+        resample = Image.NEAREST if max(h, w) < side / 2 else Image.BICUBIC
+        pic = Image.fromarray(f.picture).resize((side - 4, round((side - 4) * h / w)), resample)
+        pic = pic.crop((0, 0, side - 4, min(pic.height, side - 4)))
+        if f.tokens_kept == 0:
+            grey = np.asarray(pic.convert("L").convert("RGB")).astype(np.float32)
+            pic = Image.fromarray((0.35 * grey + 0.65 * np.array(DROPPED_TINT)).astype(np.uint8))
+        sheet.paste(pic, (x + 2, y + 2))
+        if f.tokens_kept:
+            draw.rectangle([x + 1, y + 1, x + side - 2, y + pic.height + 2], outline=KEPT_OUTLINE, width=2)
+        score = "" if f.score is None else f"  s={f.score:.2f}"
+        colour = CAPTION_FG if f.tokens_kept else (140, 140, 140)
+        draw.text((x + 4, y + side), f"#{i}{score}", fill=colour, font=_font(label))
+        budget = "" if f.budget is None else f" (b {f.budget})"
+        draw.text((x + 4, y + side + label + 4), f"{f.tokens_kept}/{f.tokens_total} tok{budget}", fill=colour, font=_font(label))
+    return with_caption(sheet, caption)
