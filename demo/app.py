@@ -77,7 +77,7 @@ def build_app(session: Session, examples_dir: Path = EXAMPLES_DIR) -> gr.Blocks:
                            print_exception=False) from None
         return out.answer_unpruned, out.answer_pruned, out.markdown(), out.picture, out.summary()
 
-    with gr.Blocks(title="vlm-prune demo") as app:
+    with gr.Blocks(title="vlm-prune demo", analytics_enabled=False) as app:
         gr.Markdown(INTRO)
         with gr.Row():
             with gr.Column(scale=2):
