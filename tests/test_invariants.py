@@ -164,3 +164,50 @@ def test_batch_equals_samples_alone(case, method):
             assert rows[i][rows[i] >= 0].numel() == l1.shape[1]
     finally:
         vlm_prune.unwrap(model)
+
+
+@pytest.mark.parametrize("case", ["llava", "onevision_video", "qwen2_vl_image"])
+def test_pact_merging_equals_masked_reference_with_log_size_bias(case):
+    """Invariant 3 with merges: PACT's clusters (mean hidden state at the centre, log cluster
+    size added to that key's logits in every later layer) equal the full-sequence reference;
+    batch 2 with a different number of clusters per sample."""
+    from vlm_prune.methods.pact import PACT
+
+    model, make = build(case, "sdpa")
+    inp = make()
+    seen = {}
+
+    class Recording(PACT):
+        def select(self, ctx):
+            reds = super().select(ctx)
+            seen["origin"], seen["reds"] = ctx.extras["origin"], reds
+            return reds
+
+    vlm_prune.wrap(model, Recording(layer=2, cutoff=0.6), keep=0.75)
+    try:
+        with torch.no_grad():
+            logits = model(**inp).logits
+        rows = model.vlm_prune.last_rows
+    finally:
+        vlm_prune.unwrap(model)
+    b, s = inp["input_ids"].shape
+    d = model.config.text_config.hidden_size
+    kept = torch.zeros(b, s, dtype=torch.bool)
+    centre = torch.zeros(b, s, dtype=torch.bool)
+    feats = torch.zeros(b, s, d)
+    sizes = torch.ones(b, s)
+    for i, red in enumerate(seen["reds"]):
+        origin = seen["origin"][i][red.indices]
+        kept[i, origin] = True
+        if red.features is not None:
+            centre[i, origin] = True
+            feats[i, origin] = red.features.float()
+        if red.sizes is not None:
+            sizes[i, origin] = red.sizes.float()
+    assert (sizes > 1).any(), "the test needs at least one real merge"
+    n_clusters = [(sizes[i] > 1).sum().item() for i in range(b)]
+    ref = masked_llm_reference(model, inp, 2, kept, merged=(centre, feats, sizes))
+    for i in range(b):
+        torch.testing.assert_close(logits[i, rows[i] >= 0], ref[i, rows[i][rows[i] >= 0]], atol=1e-5, rtol=0)
+    if case == "qwen2_vl_image":  # these inputs give the two samples different cluster counts
+        assert n_clusters[0] != n_clusters[1]
