@@ -1,0 +1,55 @@
+"""Every token method on every VLM family where its preconditions hold: SDPA, batch 2 with
+padding, a 20-step generate, and the keep ratio honoured in the stats."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tiny_models as T
+import vlm_prune
+from vlm_prune.registry import method_class
+
+MODELS = {
+    "llava": (T.tiny_llava, lambda m: T.llava_inputs()),
+    "onevision": (T.tiny_onevision, lambda m: T.onevision_video_inputs(m, frames=4)),
+    "qwen2_vl": (T.tiny_qwen2_vl, lambda m: T.qwen2_vl_inputs(m)),
+}
+TOKEN_METHODS = ["random", "pool", "divprune", "cdpruner", "visionzip", "fastv", "pact", "adaptinfer"]
+EXACT = {"random", "pool", "divprune", "cdpruner", "visionzip", "fastv"}
+_built: dict = {}
+
+
+def model_and_inputs(name):
+    if name not in _built:
+        make, inputs = MODELS[name]
+        model = make()
+        _built[name] = (model, inputs(model))
+    return _built[name]
+
+
+@pytest.mark.parametrize("family", list(MODELS))
+@pytest.mark.parametrize("method", TOKEN_METHODS)
+def test_method_runs_and_honours_keep(family, method):
+    model, inp = model_and_inputs(family)
+    cls = method_class(method)
+    adapter_family = {"onevision": "llava_onevision"}.get(family, family)
+    if cls.supported is not None and adapter_family not in cls.supported:
+        with pytest.raises(ValueError, match="supports"):
+            vlm_prune.wrap(model, method, keep=0.5)
+        return
+    vlm_prune.wrap(model, method, keep=0.5)
+    try:
+        with torch.no_grad():
+            gen = model.generate(**inp, max_new_tokens=20, min_new_tokens=20, do_sample=False)
+            stats = model.vlm_prune.last_stats
+    finally:
+        vlm_prune.unwrap(model)
+    assert gen.shape == (2, inp["input_ids"].shape[1] + 20)
+    n_in = stats["visual_tokens_in"]
+    n_out = stats["visual_tokens_out"]
+    stage = stats["stages"][0]
+    per_item = stage["tokens_in"]
+    if method in EXACT:  # (OneVision video: per frame, 4 frames x floor(0.5 * 4))
+        assert stage["tokens_out"] == [max(1, int(0.5 * n)) for n in per_item]
+    else:
+        assert all(0 < o <= i // 2 + 1 for i, o in zip(n_in, n_out)), (n_in, n_out)
