@@ -45,50 +45,61 @@ def _font(size: int) -> ImageFont.ImageFont:
     return ImageFont.load_default(size=size)
 
 
+def _wrap(draw: ImageDraw.ImageDraw, line: str, font: ImageFont.ImageFont, width: float) -> list[str]:
+    """``line`` broken at spaces into pieces no wider than ``width`` pixels."""
+    out: list[str] = []
+    for word in line.split(" "):
+        if out and draw.textlength(f"{out[-1]} {word}", font=font) <= width:
+            out[-1] = f"{out[-1]} {word}"
+        else:
+            out.append(word)
+    return out
+
+
 def with_caption(picture: Image.Image, lines: list[str], size: int = 15) -> Image.Image:
-    """``picture`` with a dark caption band of ``lines`` below it."""
-    pad, step = 8, size + 5
+    """``picture`` with a dark caption band of ``lines`` (wrapped to its width) below it."""
+    pad, step, font = 8, size + 5, _font(size)
+    measure = ImageDraw.Draw(picture)
+    lines = [piece for line in lines for piece in _wrap(measure, line, font, picture.width - 2 * pad)]
     out = Image.new("RGB", (picture.width, picture.height + 2 * pad + step * len(lines)), CAPTION_BG)
     out.paste(picture, (0, 0))
     draw = ImageDraw.Draw(out)
     for i, line in enumerate(lines):
-        draw.text((pad, picture.height + pad + i * step), line, fill=CAPTION_FG, font=_font(size))
+        draw.text((pad, picture.height + pad + i * step), line, fill=CAPTION_FG, font=font)
     return out
 
 
-def plain_view(picture: np.ndarray | None, caption: list[str], side: int = IMAGE_SIDE) -> Image.Image:
-    """The picture (black when None) scaled to ``side`` wide, with a caption; for layouts
-    without a square token grid."""
-    if picture is None:
-        return with_caption(Image.new("RGB", (side, side)), caption)
+def plain_view(picture: np.ndarray, caption: list[str], side: int = IMAGE_SIDE) -> Image.Image:
+    """The picture scaled to ``side`` wide, with a caption; for layouts without one token grid."""
     h, w = picture.shape[:2]
     return with_caption(Image.fromarray(picture).resize((side, round(side * h / w)), Image.BICUBIC), caption)
 
 
-def grid_overlay(picture: np.ndarray, kept: np.ndarray, caption: list[str], side: int = IMAGE_SIDE) -> Image.Image:
-    """The picture with its g x g token grid drawn over it: dropped cells darkened, kept cells
-    outlined. ``kept`` is bool [g * g] in row-major grid order."""
-    g = math.isqrt(kept.size)
-    if g * g != kept.size:
-        raise ValueError(f"a square token grid needs a square number of tokens, got {kept.size}")
+def grid_overlay(picture: np.ndarray, kept: np.ndarray, grid: tuple[int, int], caption: list[str],
+                 side: int = IMAGE_SIDE) -> Image.Image:
+    """The picture with its rows x cols token grid drawn over it: dropped cells darkened, kept
+    cells outlined. ``kept`` is bool [rows * cols] in row-major grid order."""
+    n_rows, n_cols = grid
+    if n_rows * n_cols != kept.size:
+        raise ValueError(f"a {n_rows} x {n_cols} token grid needs {n_rows * n_cols} tokens, got {kept.size}")
     h, w = picture.shape[:2]
     height = round(side * h / w)
     resample = Image.NEAREST if max(h, w) < side / 2 else Image.BICUBIC
     base = np.asarray(Image.fromarray(picture).resize((side, height), resample)).astype(np.float32)
-    xs = np.linspace(0, side, g + 1).round().astype(int)
-    ys = np.linspace(0, height, g + 1).round().astype(int)
-    cells = kept.reshape(g, g)
+    xs = np.linspace(0, side, n_cols + 1).round().astype(int)
+    ys = np.linspace(0, height, n_rows + 1).round().astype(int)
+    cells = kept.reshape(n_rows, n_cols)
     tint = np.array(DROPPED_TINT, dtype=np.float32)
-    for r in range(g):
-        for c in range(g):
+    for r in range(n_rows):
+        for c in range(n_cols):
             if not cells[r, c]:
                 block = base[ys[r] : ys[r + 1], xs[c] : xs[c + 1]]
                 block[:] = (1 - DROPPED_ALPHA) * block + DROPPED_ALPHA * tint
     out = Image.fromarray(base.round().astype(np.uint8))
     draw = ImageDraw.Draw(out)
-    width = max(1, side // (g * 12))
-    for r in range(g):
-        for c in range(g):
+    width = max(1, side // (max(grid) * 12))
+    for r in range(n_rows):
+        for c in range(n_cols):
             if cells[r, c]:
                 draw.rectangle([xs[c], ys[r], xs[c + 1] - 1, ys[r + 1] - 1], outline=KEPT_OUTLINE, width=width)
     return with_caption(out, caption)
@@ -119,25 +130,26 @@ def frame_strip(frames: list[FrameInfo], caption: list[str], side: int = FRAME_S
     """Frames in rows of ``columns``, each labelled with its score and kept tokens; frames
     without any kept token are greyed out."""
     label = 14
-    cell_h = side + 2 * (label + 4)
+    h0, w0 = frames[0].picture.shape[:2]
+    pic_h = min(side - 4, round((side - 4) * h0 / w0))
+    cell_h = pic_h + 4 + 2 * (label + 4)
     n_rows = math.ceil(len(frames) / columns)
     sheet = Image.new("RGB", (columns * side, n_rows * cell_h), CAPTION_BG)
     draw = ImageDraw.Draw(sheet)
     for i, f in enumerate(frames):
         x, y = (i % columns) * side, (i // columns) * cell_h
-        h, w = f.picture.shape[:2]
-        resample = Image.NEAREST if max(h, w) < side / 2 else Image.BICUBIC
-        pic = Image.fromarray(f.picture).resize((side - 4, round((side - 4) * h / w)), resample)
-        pic = pic.crop((0, 0, side - 4, min(pic.height, side - 4)))
+        resample = Image.NEAREST if max(f.picture.shape[:2]) < side / 2 else Image.BICUBIC
+        pic = Image.fromarray(f.picture).resize((side - 4, pic_h), resample)
         if f.tokens_kept == 0:
             grey = np.asarray(pic.convert("L").convert("RGB")).astype(np.float32)
             pic = Image.fromarray((0.35 * grey + 0.65 * np.array(DROPPED_TINT)).astype(np.uint8))
         sheet.paste(pic, (x + 2, y + 2))
         if f.tokens_kept:
-            draw.rectangle([x + 1, y + 1, x + side - 2, y + pic.height + 2], outline=KEPT_OUTLINE, width=2)
+            draw.rectangle([x + 1, y + 1, x + side - 2, y + pic_h + 2], outline=KEPT_OUTLINE, width=2)
         score = "" if f.score is None else f"  s={f.score:.2f}"
         colour = CAPTION_FG if f.tokens_kept else (140, 140, 140)
-        draw.text((x + 4, y + side), f"#{i}{score}", fill=colour, font=_font(label))
+        text_y = y + pic_h + 6
+        draw.text((x + 4, text_y), f"#{i}{score}", fill=colour, font=_font(label))
         budget = "" if f.budget is None else f" (b {f.budget})"
-        draw.text((x + 4, y + side + label + 4), f"{f.tokens_kept}/{f.tokens_total} tok{budget}", fill=colour, font=_font(label))
+        draw.text((x + 4, text_y + label + 4), f"{f.tokens_kept}/{f.tokens_total} tok{budget}", fill=colour, font=_font(label))
     return with_caption(sheet, caption)

@@ -103,6 +103,8 @@ def load_synthetic(kind: MediaKind) -> LoadedModel:
             f"no trained weights at {model_path(kind)}: the {name} is UNTRAINED, its answers are noise "
             f"(train it with `python -m vlm_prune.eval.synthetic.train --kind {kind}`)"
         ]
+    notes.append(f"the {name} is a toy of {model.config.get_text_config().num_hidden_layers} decoder layers: its "
+                 "timings are mostly fixed overhead; pruning speeds up models of real size")
     return LoadedModel(model, processor, name, notes, word_level=True)
 
 
@@ -311,44 +313,58 @@ class Session:
         step(0.9, "drawing what was kept")
         name = "+".join(m.name for m in pipeline)
         draw = self._draw_image if media.kind == "image" else self._draw_video
-        picture, extra = draw(loaded, inputs, rows, stats, name)
+        picture, extra = draw(loaded, media, inputs, rows, stats, name)
         return Outcome(answer_full, answer_pruned, ttft_full, ttft_pruned, {**stats, **extra}, picture, notes, name)
 
-    def _draw_image(self, loaded: LoadedModel, inputs: dict[str, Any], rows: torch.Tensor,
+    def _draw_image(self, loaded: LoadedModel, media: Media, inputs: dict[str, Any], rows: torch.Tensor,
                     stats: dict[str, Any], name: str) -> tuple[Image.Image, dict[str, Any]]:
         ids = inputs["input_ids"][0].cpu()
         kept = overlay.kept_placeholders(ids, rows, loaded.model.config.image_token_id).numpy()
-        ip = loaded.processor.image_processor
         pixels = inputs["pixel_values"]
-        picture = (overlay.model_view(pixels[0], getattr(ip, "image_mean", None), getattr(ip, "image_std", None))
-                   if pixels.dim() == 4 else None)
+        if pixels.dim() == 4:  # one [3, H, W] picture per image: show it as the tower saw it (crop included)
+            ip = loaded.processor.image_processor
+            picture = overlay.model_view(pixels[0], getattr(ip, "image_mean", None), getattr(ip, "image_std", None))
+        else:  # patch sequences (Qwen2-VL) or tiles (LLaVA-NeXT): the upload itself
+            picture = np.asarray(media.image)
         caption = [f"{name}: kept {int(kept.sum())} of {kept.size} image tokens ({kept.mean():.0%})",
                    "bright, outlined: kept   dark: dropped (or merged into a kept token)"]
         extra = {"kept_grid": kept.astype(int).tolist()}
-        if picture is None or math.isqrt(kept.size) ** 2 != kept.size:
-            caption[1] = "no square token grid in this model's image layout: kept/dropped not drawn"
+        grid = image_grid(loaded.model.config, inputs, kept.size)
+        if grid is None:
+            caption[1] = "this model's image tokens form no single grid (tiles, newlines): kept/dropped not drawn"
             return overlay.plain_view(picture, caption), extra
-        return overlay.grid_overlay(picture, kept, caption), extra
+        return overlay.grid_overlay(picture, kept, grid, caption), extra
 
-    def _draw_video(self, loaded: LoadedModel, inputs: dict[str, Any], rows: torch.Tensor,
+    def _draw_video(self, loaded: LoadedModel, media: Media, inputs: dict[str, Any], rows: torch.Tensor,
                     stats: dict[str, Any], name: str) -> tuple[Image.Image, dict[str, Any]]:
         ids = inputs["input_ids"][0].cpu()
         kept = overlay.kept_placeholders(ids, rows, loaded.model.config.video_token_id).numpy()
-        vp = loaded.processor.video_processor
-        videos = inputs["pixel_values_videos"][0]
-        n_frames = videos.shape[0]
-        per_frame_kept, per_frame = overlay.frames_kept(kept, n_frames)
+        thw = inputs.get("video_grid_thw")
+        # token groups in time: one per frame, or one per temporal patch (Qwen2-VL merges 2 frames)
+        n_groups = int(thw[0, 0]) if thw is not None else media.frames.shape[0]
+        per_group_kept, per_group = overlay.frames_kept(kept, n_groups)
         record = next((r for r in stats["stages"] if r["stage"] == "frames" and r.get("videos")), None)
         plan = record["videos"][0] if record else {}
-        scores = plan.get("frame_scores") or [None] * n_frames
-        budgets = plan.get("tokens_per_frame") or [None] * n_frames
-        frames = [
-            overlay.FrameInfo(overlay.model_view(videos[t], getattr(vp, "image_mean", None), getattr(vp, "image_std", None)),
-                              per_frame_kept[t], per_frame, scores[t], budgets[t])
-            for t in range(n_frames)
-        ]
-        shown = sum(k > 0 for k in per_frame_kept)
-        caption = [f"{name}: {shown} of {n_frames} frames keep tokens, {int(kept.sum())} of {kept.size} video tokens",
+        scores = plan.get("frame_scores") or [None] * n_groups
+        budgets = plan.get("tokens_per_frame") or [None] * n_groups
+        stride = media.frames.shape[0] / n_groups
+        frames = [overlay.FrameInfo(media.frames[int(t * stride)], per_group_kept[t], per_group, scores[t], budgets[t])
+                  for t in range(n_groups)]
+        shown = sum(k > 0 for k in per_group_kept)
+        caption = [f"{name}: {shown} of {n_groups} frames keep tokens, {int(kept.sum())} of {kept.size} video tokens",
                    "s = frame score of the frames-stage method, b = its token budget; grey frames are dropped"]
-        extra = {"frames_kept_tokens": per_frame_kept, "tokens_per_frame": per_frame}
+        extra = {"frames_kept_tokens": per_group_kept, "tokens_per_frame": per_group}
         return overlay.frame_strip(frames, caption), extra
+
+
+def image_grid(config: Any, inputs: dict[str, Any], n_tokens: int) -> tuple[int, int] | None:
+    """(rows, cols) of one image's tokens: from ``image_grid_thw`` and the spatial merge
+    (Qwen2-VL), else a square grid; None when the tokens form no single grid."""
+    thw = inputs.get("image_grid_thw")
+    if thw is not None:
+        merge = getattr(config.vision_config, "spatial_merge_size", 1)
+        grid = (int(thw[0, 1]) // merge, int(thw[0, 2]) // merge)
+    else:
+        side = math.isqrt(n_tokens)
+        grid = (side, side)
+    return grid if grid[0] * grid[1] == n_tokens else None

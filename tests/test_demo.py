@@ -65,14 +65,27 @@ def test_model_view_undoes_the_normalisation():
 
 def test_grid_overlay_darkens_dropped_cells_and_keeps_kept_ones():
     picture = np.full((4, 4, 3), 200, dtype=np.uint8)
-    out = np.asarray(overlay.grid_overlay(picture, np.array([True, False, False, True]), ["x"], side=40))
+    out = np.asarray(overlay.grid_overlay(picture, np.array([True, False, False, True]), (2, 2), ["x"], side=40))
     assert out.shape[1] == 40 and out.shape[0] > 40  # caption band below the 40 x 40 picture
     dropped = (1 - overlay.DROPPED_ALPHA) * 200 + overlay.DROPPED_ALPHA * np.array(overlay.DROPPED_TINT)
     assert np.abs(out[10, 30].astype(float) - dropped).max() <= 1  # row 0, col 1: dropped
     assert out[10, 10].tolist() == [200, 200, 200]  # row 0, col 0: kept, untouched inside
     assert out[0, 0].tolist() == list(overlay.KEPT_OUTLINE)  # ... and outlined
-    with pytest.raises(ValueError, match="square"):
-        overlay.grid_overlay(picture, np.ones(6, dtype=bool), ["x"])
+    with pytest.raises(ValueError, match="needs 4 tokens, got 6"):
+        overlay.grid_overlay(picture, np.ones(6, dtype=bool), (2, 2), ["x"])
+    wide = np.asarray(overlay.grid_overlay(picture, np.array([False, True, False, False, False, False]), (2, 3), ["x"], side=60))
+    assert wide[10, 30].tolist() == [200, 200, 200] and wide[10, 10].tolist() != [200, 200, 200]
+
+
+def test_image_grid_square_or_from_grid_thw():
+    from types import SimpleNamespace
+
+    from vlm_prune.demo.session import image_grid
+
+    qwen = SimpleNamespace(vision_config=SimpleNamespace(spatial_merge_size=2))
+    assert image_grid(qwen, {"image_grid_thw": torch.tensor([[1, 8, 12]])}, 24) == (4, 6)
+    assert image_grid(qwen, {}, 64) == (8, 8)
+    assert image_grid(qwen, {}, 2928) is None  # LLaVA-NeXT tiles + newlines: no single grid
 
 
 def test_frame_strip_greys_frames_without_tokens():
