@@ -248,12 +248,13 @@ class Session:
     """Serves requests on one image model and one video model (possibly the same object)."""
 
     def __init__(self, image_model: LoadedModel | None, video_model: LoadedModel | None,
-                 num_frames: int = 16, max_new_tokens: int = 16) -> None:
+                 num_frames: int = 16, max_new_tokens: int = 16, timing_repeats: int = TIMING_REPEATS) -> None:
         if image_model is None and video_model is None:
             raise ValueError("a demo session needs an image model, a video model or both")
         self.models: dict[MediaKind, LoadedModel | None] = {"image": image_model, "video": video_model}
         self.num_frames = num_frames
         self.max_new_tokens = max_new_tokens
+        self.timing_repeats = timing_repeats
         self.lock = threading.Lock()
 
     def default_layer(self) -> int:
@@ -292,18 +293,17 @@ class Session:
     def _compare(self, loaded: LoadedModel, media: Media, inputs: dict[str, Any], pipeline: list[Any],
                  keep: float, notes: list[str], step: Progress) -> Outcome:
         model = loaded.model
+        self._wrap(loaded, pipeline, keep)  # fail fast on a pipeline the model does not take
+        vlm_prune.unwrap(model)
         step(0.15, "unpruned model: answer")
         answer_full = answer(loaded, inputs, self.max_new_tokens)
         step(0.3, "unpruned model: time to first token")
-        ttft_full = time_prefill(model, inputs)
+        ttft_full = time_prefill(model, inputs, self.timing_repeats)
         step(0.45, "wrapping")
-        try:
-            vlm_prune.wrap(model, pipeline, keep=keep, processor=loaded.processor)
-        except (ValueError, TypeError, RuntimeError) as err:
-            raise DemoError(f"cannot prune this model with {'+'.join(m.name for m in pipeline)}: {err}") from None
+        self._wrap(loaded, pipeline, keep)
         try:
             step(0.55, "pruned model: time to first token")
-            ttft_pruned = time_prefill(model, inputs)
+            ttft_pruned = time_prefill(model, inputs, self.timing_repeats)
             stats = dict(model.vlm_prune.last_stats)
             rows = model.vlm_prune.last_rows[0].cpu()
             step(0.75, "pruned model: answer")
@@ -315,6 +315,13 @@ class Session:
         draw = self._draw_image if media.kind == "image" else self._draw_video
         picture, extra = draw(loaded, media, inputs, rows, stats, name)
         return Outcome(answer_full, answer_pruned, ttft_full, ttft_pruned, {**stats, **extra}, picture, notes, name)
+
+    @staticmethod
+    def _wrap(loaded: LoadedModel, pipeline: list[Any], keep: float) -> None:
+        try:
+            vlm_prune.wrap(loaded.model, pipeline, keep=keep, processor=loaded.processor)
+        except (ValueError, TypeError, RuntimeError) as err:
+            raise DemoError(f"cannot prune this model with {'+'.join(m.name for m in pipeline)}: {err}") from None
 
     def _draw_image(self, loaded: LoadedModel, media: Media, inputs: dict[str, Any], rows: torch.Tensor,
                     stats: dict[str, Any], name: str) -> tuple[Image.Image, dict[str, Any]]:

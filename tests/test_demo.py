@@ -29,7 +29,7 @@ def free_port() -> int:
 
 @pytest.fixture(scope="module")
 def session() -> Session:
-    return Session(load_synthetic("image"), load_synthetic("video"), max_new_tokens=4)
+    return Session(load_synthetic("image"), load_synthetic("video"), max_new_tokens=4, timing_repeats=1)
 
 
 @pytest.fixture(scope="module")

@@ -30,7 +30,7 @@ def url():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    app = build_app(Session(load_synthetic("image"), load_synthetic("video"), max_new_tokens=4))
+    app = build_app(Session(load_synthetic("image"), None, max_new_tokens=4, timing_repeats=1))
     launch(app, port=port, block=False)
     yield f"http://127.0.0.1:{port}/"
     app.close()
