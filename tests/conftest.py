@@ -5,7 +5,7 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-torch.set_num_threads(min(2, torch.get_num_threads()))
+torch.set_num_threads(1)  # tiny models: threads only add contention (and xdist runs 2 workers)
 
 
 @pytest.fixture(autouse=True)
