@@ -1,10 +1,11 @@
 """The two tiny VLMs of the synthetic benchmark, built from the real transformers classes.
 
-image: LlavaForConditionalGeneration, CLIP tower (3 x 128, patch 8, 96x96 -> 144 tokens + CLS)
-       and a Llama decoder (3 x 192).
-video: LlavaOnevisionForConditionalGeneration, SigLIP tower (3 x 128, patch 8, 48x48 frames ->
-       36 patches, pooled 2x2 by the model to 9 tokens per frame, 16 frames -> 145 tokens with
-       the newline) and a Qwen2 decoder (3 x 192).
+image: LlavaForConditionalGeneration, CLIP tower (2 x 96, patch 8, 64x64 -> 64 tokens + CLS)
+       and a Llama decoder (2 x 128).
+video: LlavaOnevisionForConditionalGeneration, SigLIP tower (2 x 96, patch 8, 32x32 frames ->
+       16 patches, pooled 2x2 by the model to 4 tokens per frame, 16 frames -> 65 tokens with
+       the newline) and a Qwen2 decoder (2 x 128).
+Sized to train in about half an hour on two shared CPU cores.
 Trained weights ship as safetensors under eval/synthetic/models/{image,video}.
 """
 from __future__ import annotations
@@ -30,9 +31,9 @@ from vlm_prune.eval.synthetic.processing import PATCH_SIZE, build_tokenizer
 from vlm_prune.eval.synthetic.scenes import FRAME_SIZE, IMAGE_SIZE
 
 MODELS_DIR = Path(__file__).resolve().parent / "models"
-_VISION = dict(hidden_size=128, intermediate_size=512, num_hidden_layers=3, num_attention_heads=4, patch_size=PATCH_SIZE)
+_VISION = dict(hidden_size=96, intermediate_size=384, num_hidden_layers=2, num_attention_heads=4, patch_size=PATCH_SIZE)
 _TEXT = dict(
-    hidden_size=192, intermediate_size=512, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4,
+    hidden_size=128, intermediate_size=384, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
     max_position_embeddings=512, tie_word_embeddings=False,
 )
 
@@ -44,7 +45,7 @@ def build_model(kind: str) -> PreTrainedModel:
     image_id, video_id = tok.convert_tokens_to_ids("<image>"), tok.convert_tokens_to_ids("<video>")
     if kind == "image":
         config = LlavaConfig(
-            vision_config=CLIPVisionConfig(image_size=IMAGE_SIZE, projection_dim=128, **_VISION),
+            vision_config=CLIPVisionConfig(image_size=IMAGE_SIZE, projection_dim=96, **_VISION),
             text_config=LlamaConfig(**_TEXT, **ids),
             image_token_id=image_id,
             vision_feature_select_strategy="default",

@@ -2,8 +2,8 @@
 
 A ``tokenizers`` WordLevel model over the benchmark's closed vocabulary, wrapped as a
 transformers ``PreTrainedTokenizerFast`` (left padding, chat template), inside the real
-``LlavaProcessor`` (CLIP image processor, 96x96, patch 8) or ``LlavaOnevisionProcessor``
-(its image and video processors, 48x48 frames, patch 8).
+``LlavaProcessor`` (CLIP image processor, 64x64, patch 8) or ``LlavaOnevisionProcessor``
+(its image and video processors, 32x32 frames, patch 8).
 """
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 
 Fresh samples every step from the train split; loss = cross-entropy on "answer </s>" plus an
 auxiliary per-patch colour classification on the vision features entering the projector (a
-training-only head, not shipped) that makes the tiny tower learn colour and location fast.
+training-only head, not shipped) that makes the tiny tower learn colour and side fast.
 AdamW with a one-cycle schedule and fixed seeds (CPU kernels reproduce for a fixed thread
 count). Saves safetensors and the processor to eval/synthetic/models/<kind> every 200 steps and
 at the end, and prints test accuracy per question type.
@@ -23,19 +23,21 @@ from vlm_prune.eval.synthetic.models import build_model, model_path
 from vlm_prune.eval.synthetic.processing import PATCH_SIZE, build_processor
 from vlm_prune.eval.synthetic.scenes import COLOURS, Sample, make_dataset, make_sample
 
-TRAIN_QTYPES = {"image": ("colour", "exist", "position", "count"), "video": ("colour", "exist", "position")}
+TRAIN_QTYPES = {"image": ("colour", "exist", "position"), "video": ("colour", "exist", "position")}
 MIN_COVER = PATCH_SIZE * PATCH_SIZE // 4  # pixels of a colour that make a patch "that colour"
 
 
 def patch_labels(samples: list[Sample]) -> torch.Tensor:
-    """Per-patch colour class (0 = none), [N * T, patches], in the tower's row-major patch order."""
+    """Per-patch class, [N * T, patches] in the tower's row-major patch order: 0 = no colour,
+    else 2 * colour + side - 1 (side 1 = left half, 2 = right half), so features carry both."""
     maps = np.stack([s.colour_map for s in samples])
     maps = maps.reshape(-1, *maps.shape[-2:])
     n, h, w = maps.shape
     p = PATCH_SIZE
     onehot = np.eye(len(COLOURS) + 1, dtype=np.int32)[maps]  # [n, h, w, C]
     counts = onehot.reshape(n, h // p, p, w // p, p, -1).sum(axis=(2, 4))[..., 1:]
-    labels = np.where(counts.max(-1) >= MIN_COVER, counts.argmax(-1) + 1, 0)
+    right = (np.arange(w // p) >= w // p // 2).astype(np.int64)  # [w / p]
+    labels = np.where(counts.max(-1) >= MIN_COVER, 2 * counts.argmax(-1) + 1 + right, 0)
     return torch.from_numpy(labels.reshape(n, -1)).long()
 
 
@@ -44,8 +46,8 @@ def train(kind: str, steps: int, batch_size: int, lr: float, seed: int, out: Pat
     torch.manual_seed(seed)
     processor = build_processor(kind)
     model = build_model(kind).train()
-    aux = nn.Linear(model.config.vision_config.hidden_size, len(COLOURS) + 1)
-    aux_weight = torch.tensor([1.0] + [5.0] * len(COLOURS))
+    aux = nn.Linear(model.config.vision_config.hidden_size, 2 * len(COLOURS) + 1)
+    aux_weight = torch.tensor([1.0] + [5.0] * 2 * len(COLOURS))
     captured: dict[str, torch.Tensor] = {}
     hook = model.model.multi_modal_projector.register_forward_hook(lambda m, args, o: captured.__setitem__("x", args[0]))
     params = list(model.parameters()) + list(aux.parameters())
@@ -85,9 +87,9 @@ def train(kind: str, steps: int, batch_size: int, lr: float, seed: int, out: Pat
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--kind", choices=["image", "video"], default="image")
-    parser.add_argument("--steps", type=int, default=900)
+    parser.add_argument("--steps", type=int, default=1500)
     parser.add_argument("--batch-size", type=int, default=24)
-    parser.add_argument("--lr", type=float, default=1.5e-3)
+    parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", type=Path, default=None, help="output directory (default: the shipped model path)")
