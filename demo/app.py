@@ -64,14 +64,16 @@ def build_app(session: Session, examples_dir: Path = EXAMPLES_DIR) -> gr.Blocks:
     """The demo's Blocks; the endpoint ``/run`` takes (file, question, methods, keep, layer)
     and returns (unpruned answer, pruned answer, summary markdown, picture, stats)."""
 
-    def run(path: str | None, question: str, methods: list[str] | str, keep: float, layer: float | None,
-            progress: gr.Progress = gr.Progress()) -> tuple[str, str, str, Any, dict[str, Any]]:
+    def run(
+        path: str | None, question: str, methods: list[str] | str, keep: float, layer: float | None,
+        progress: gr.Progress = gr.Progress(),  # noqa: B008 - how Gradio injects a progress tracker
+    ) -> tuple[str, str, str, Any, dict[str, Any]]:
         try:
             out = session.run(path, question, methods, keep, int(layer or 0),
                               progress=lambda frac, desc: progress(frac, desc=desc))
         except DemoError as err:
             raise gr.Error(str(err), print_exception=False) from None
-        except Exception as err:  # noqa: BLE001 - the page shows a message, the console the traceback
+        except Exception as err:  # the page shows a message, the server console the traceback
             log.exception("demo request failed")
             raise gr.Error(f"the request failed ({type(err).__name__}: {err}); see the server console",
                            print_exception=False) from None

@@ -12,9 +12,10 @@ import math
 import re
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Literal
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -99,10 +100,10 @@ def load_synthetic(kind: MediaKind) -> LoadedModel:
         notes = [f"{name} from {model_path(kind)}"]
     except FileNotFoundError:
         model, processor = build_model(kind).eval(), build_processor(kind)
-        notes = [
+        notes = [(
             f"no trained weights at {model_path(kind)}: the {name} is UNTRAINED, its answers are noise "
             f"(train it with `python -m vlm_prune.eval.synthetic.train --kind {kind}`)"
-        ]
+        )]
     notes.append(f"the {name} is a toy of {model.config.get_text_config().num_hidden_layers} decoder layers: its "
                  "timings are mostly fixed overhead; pruning speeds up models of real size")
     return LoadedModel(model, processor, name, notes, word_level=True)

@@ -18,7 +18,7 @@ from vlm_prune.demo.session import (
 )
 
 gradio_client = pytest.importorskip("gradio_client")
-from vlm_prune.demo.app import EXAMPLES_DIR, build_app, launch, load_examples  # noqa: E402
+from vlm_prune.demo.app import EXAMPLES_DIR, build_app, launch, load_examples
 
 
 def free_port() -> int:
@@ -183,7 +183,7 @@ def test_errors_are_messages_and_leave_the_model_unwrapped(session):
 
 
 def test_untrained_fallback_says_so(monkeypatch):
-    import vlm_prune.eval.synthetic as synthetic
+    from vlm_prune.eval import synthetic
 
     def missing(kind):
         raise FileNotFoundError(kind)

@@ -21,8 +21,8 @@ sync_api = pytest.importorskip("playwright.sync_api", reason="pip install playwr
 if not CHROMIUM.is_file() and shutil.which("chromium") is None:
     pytest.skip("no chromium at /usr/bin/chromium: apt-get install -y chromium", allow_module_level=True)
 
-from vlm_prune.demo.app import EXAMPLES_DIR, build_app, launch  # noqa: E402
-from vlm_prune.demo.session import Session, load_synthetic  # noqa: E402
+from vlm_prune.demo.app import EXAMPLES_DIR, build_app, launch
+from vlm_prune.demo.session import Session, load_synthetic
 
 
 @pytest.fixture(scope="module")
