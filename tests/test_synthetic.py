@@ -11,6 +11,7 @@ from vlm_prune.eval.synthetic import build_processor, evaluate, load, make_datas
 from vlm_prune.eval.synthetic.ablation import frames, masked_accuracy, random_tokens
 from vlm_prune.eval.synthetic.processing import prompt
 from vlm_prune.eval.synthetic.scenes import COLOURS, COUNTS, IMAGE_QTYPES, NUM_FRAMES
+from vlm_prune.eval.synthetic.train import patch_labels
 
 NAMES = list(COLOURS)
 
@@ -71,6 +72,18 @@ def test_hand_checked_sample() -> None:
     assert np.unique(s.colour_map).tolist() == [0, NAMES.index(s.answer) + 1]
     with pytest.raises(ValueError, match="question types"):
         make_sample("video", "test", 0, qtypes=("count",))
+
+
+def test_patch_labels_mark_colour_and_side() -> None:
+    s = make_sample("image", "test", 0)
+    s.colour_map = np.zeros((64, 64), np.uint8)
+    s.colour_map[8:16, 40:48] = 2  # green fills patch (row 1, col 5): right half
+    s.colour_map[0:8, 0:3] = 1  # red covers 24 of patch (0, 0)'s 64 pixels: enough
+    s.colour_map[56:64, 0:1] = 3  # blue covers 8 (< 16): too little
+    labels = patch_labels([s]).view(8, 8)
+    expected = torch.zeros(8, 8, dtype=torch.long)
+    expected[1, 5], expected[0, 0] = 1 + 2 * 1 + 1, 1 + 2 * 0 + 0
+    assert torch.equal(labels, expected)
 
 
 @pytest.mark.parametrize("kind", ["image", "video"])

@@ -1,7 +1,7 @@
 """Train a tiny benchmark VLM from scratch: ``python -m vlm_prune.eval.synthetic.train --kind image``.
 
 Fresh samples every step from the train split; loss = cross-entropy on "answer </s>" plus an
-auxiliary per-patch colour classification on the vision features entering the projector (a
+auxiliary per-patch colour-and-side classification on the vision features entering the projector (a
 training-only head, not shipped) that makes the tiny tower learn colour and side fast.
 AdamW with a one-cycle schedule and fixed seeds (CPU kernels reproduce for a fixed thread
 count). Saves safetensors and the processor to eval/synthetic/models/<kind> every 200 steps and
@@ -28,8 +28,8 @@ MIN_COVER = PATCH_SIZE * PATCH_SIZE // 4  # pixels of a colour that make a patch
 
 
 def patch_labels(samples: list[Sample]) -> torch.Tensor:
-    """Per-patch class, [N * T, patches] in the tower's row-major patch order: 0 = no colour,
-    else 2 * colour + side - 1 (side 1 = left half, 2 = right half), so features carry both."""
+    """Per-patch class, [N * T, patches] in the tower's row-major patch order: 0 = no colour, else
+    1 + 2 * colour_index + (1 if the patch is in the right half), so features carry colour and side."""
     maps = np.stack([s.colour_map for s in samples])
     maps = maps.reshape(-1, *maps.shape[-2:])
     n, h, w = maps.shape
