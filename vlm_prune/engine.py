@@ -17,6 +17,8 @@ key-padding mask (FlashAttention-2, where proportional attention is off).
 """
 from __future__ import annotations
 
+import functools
+import inspect
 import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable
@@ -112,13 +114,25 @@ class LMSpec:
     layer_position_ids: Callable[[torch.Tensor], torch.Tensor | None] = lambda p: p[0]
 
 
-def _attr_cache(kwargs: dict[str, Any]) -> tuple[Any, str]:
-    for name in ("cache", "past_key_values"):
-        if kwargs.get(name) is not None:
-            return kwargs.pop(name), name
-    kwargs.pop("cache", None)
-    kwargs.pop("past_key_values", None)
-    return None, "cache"
+@functools.lru_cache(maxsize=None)
+def _cache_keyword_of(cls: type) -> str:
+    params = inspect.signature(cls.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def _cache_keyword(layer: torch.nn.Module) -> str:
+    """transformers renamed the decoder layers' ``past_key_values`` to ``cache`` in 5.2x."""
+    return _cache_keyword_of(type(layer))
+
+
+_OUTPUT_CACHE_FIELD = "cache" if "cache" in BaseModelOutputWithPast.__dataclass_fields__ else "past_key_values"
+
+
+def _pop_cache(kwargs: dict[str, Any]) -> Any:
+    """The KV cache, under either of its transformers 5.x names."""
+    cache = kwargs.pop("cache", None)
+    legacy = kwargs.pop("past_key_values", None)
+    return cache if cache is not None else legacy
 
 
 class PrunedDecoder:
@@ -236,7 +250,7 @@ class PrunedDecoder:
     ) -> BaseModelOutputWithPast:
         spec = self.spec
         lm = spec.lm
-        cache, cache_name = _attr_cache(kwargs)
+        cache = _pop_cache(kwargs)
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
         if inputs_embeds is None:
@@ -263,16 +277,17 @@ class PrunedDecoder:
             pos = spec.default_positions(position_ids, b, s, 0, device, None)
             hidden = self._prefill(inputs_embeds, pos, new_valid, cache, use_cache, kwargs)
         hidden = lm.norm(hidden)
-        return BaseModelOutputWithPast(last_hidden_state=hidden, **{cache_name: cache if use_cache else None})
+        return BaseModelOutputWithPast(last_hidden_state=hidden, **{_OUTPUT_CACHE_FIELD: cache if use_cache else None})
 
     def _run_layer(self, idx: int, hidden: torch.Tensor, mask: Any, pe: Any, pos: torch.Tensor, cache: Any, use_cache: bool, kwargs: dict) -> torch.Tensor:
-        out = self.spec.layers[idx](
+        layer = self.spec.layers[idx]
+        out = layer(
             hidden,
             attention_mask=mask,
             position_embeddings=pe,
             position_ids=self.spec.layer_position_ids(pos),
-            cache=cache,
             use_cache=use_cache,
+            **{_cache_keyword(layer): cache},
             **kwargs,
         )
         return out[0] if isinstance(out, tuple) else out
