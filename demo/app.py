@@ -88,7 +88,7 @@ def build_app(session: Session, examples_dir: Path = EXAMPLES_DIR) -> gr.Blocks:
                 question = gr.Textbox(label="Question", placeholder="what colour is the shape ?", elem_id="question")
                 methods = gr.Dropdown(available_methods() + PIPELINES, value=["random"], multiselect=True,
                                       allow_custom_value=True, label="Method(s)", elem_id="methods")
-                keep = gr.Slider(0.05, 1.0, value=0.25, step=0.05, label="Keep (fraction of visual tokens)")
+                keep = gr.Slider(0.05, 1.0, value=0.25, step=0.05, label="Keep", info="fraction of the visual tokens kept")
                 layer = gr.Number(session.default_layer(), precision=0, minimum=0,
                                   label="Prune layer of in-LLM methods (0 = each method's default)")
                 button = gr.Button("Run", variant="primary", elem_id="run")

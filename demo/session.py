@@ -8,6 +8,7 @@ concurrent requests never interleave) - times one prefill forward pass of each
 from __future__ import annotations
 
 import inspect
+import logging
 import math
 import re
 import threading
@@ -27,6 +28,7 @@ from vlm_prune.registry import method_class
 from vlm_prune.video import VideoError, read_frames
 
 MediaKind = Literal["image", "video"]
+log = logging.getLogger(__name__)
 TIMING_REPEATS = 3  # timed prefill passes per model (after one warm-up); the fastest is reported
 VIDEO_TIMEOUT_S = 60.0
 Progress = Callable[[float, str], None]
@@ -59,9 +61,9 @@ def read_media(path: str | Path, num_frames: int) -> Media:
     try:
         frames, _ = read_frames(path, num_frames=num_frames, timeout=VIDEO_TIMEOUT_S)
     except VideoError as err:
+        log.info("%s is not a readable video: %s", path, err)
         raise DemoError(
-            f"{path.name!r} is neither an image (PIL could not open it) nor a readable video ({err}); "
-            "upload a PNG/JPEG image or an MP4/AVI/WebM video"
+            f"{path.name!r} is neither an image nor a readable video; upload a PNG/JPEG image or an MP4/AVI/WebM video"
         ) from None
     if frames.shape[0] == 0:
         raise DemoError(f"the video {path.name!r} has no frames; upload a longer clip")
