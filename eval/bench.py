@@ -23,7 +23,7 @@ import platform
 import statistics
 import string
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -301,19 +301,18 @@ def render_for(samples: list[Sample], side: int | None, with_options: bool) -> l
     return out
 
 
-def targets(args: argparse.Namespace) -> list[tuple[str, torch.nn.Module, Any, list[Sample], tuple[float, ...]]]:
-    """(name, model, processor, test samples, keep ratios) of every model to bench."""
+def targets(args: argparse.Namespace) -> Iterator[tuple[str, torch.nn.Module, Any, list[Sample], tuple[float, ...]]]:
+    """(name, model, processor, test samples, keep ratios) of every model to bench, loaded one at a time."""
     quick = args.quick
-    n_image = args.limit or (96 if quick else 600)
-    n_video = args.limit or (48 if quick else 300)
+    n_image = args.limit or (96 if quick else 300)
+    n_video = args.limit or (48 if quick else 150)
     image_keeps = args.keep or (QUICK_IMAGE_KEEPS if quick else IMAGE_KEEPS)
     video_keeps = args.keep or (QUICK_VIDEO_KEEPS if quick else VIDEO_KEEPS)
     if args.model is None:
-        out = []
         for kind, n, keeps in (("image", n_image, image_keeps), ("video", n_video, video_keeps)):
             model, processor = load(kind)
-            out.append((f"synthetic-{kind}", model, processor, make_dataset(kind, "test", n), keeps))
-        return out
+            yield f"synthetic-{kind}", model, processor, make_dataset(kind, "test", n), keeps
+        return
     from transformers import AutoModelForImageTextToText, AutoProcessor
     from vlm_prune.adapters import find_adapter
 
@@ -322,7 +321,7 @@ def targets(args: argparse.Namespace) -> list[tuple[str, torch.nn.Module, Any, l
     video = "frames" in find_adapter(model).stages
     kind, n, keeps = ("video", n_video, video_keeps) if video else ("image", n_image, image_keeps)
     samples = render_for(make_dataset(kind, "test", n), processor_size(processor), with_options=True)
-    return [(args.model, model, processor, samples, keeps)]
+    yield args.model, model, processor, samples, keeps
 
 
 # ---- report ---------------------------------------------------------------------------------------
@@ -355,16 +354,21 @@ def markdown(rows: list[dict[str, Any]], skipped: list[dict[str, Any]]) -> str:
 
 def plot(rows: list[dict[str, Any]], path: str) -> None:
     """Accuracy against the kept fraction, one line per method, one panel per model."""
+    from matplotlib import colormaps
     from matplotlib.figure import Figure
 
+    colours = colormaps["tab20"].colors
+    markers = "os^vDPX*<>"
     models = list(dict.fromkeys(r["model"] for r in rows))
     fig = Figure(figsize=(6.5 * len(models), 4.8), layout="constrained")
     axes = fig.subplots(1, len(models), squeeze=False)[0]
     for ax, name in zip(axes, models):
         mine = [r for r in rows if r["model"] == name]
-        for method in dict.fromkeys(r["method"] for r in mine if r["method"] != "none"):
+        for i, method in enumerate(dict.fromkeys(r["method"] for r in mine if r["method"] != "none")):
             pts = sorted((r for r in mine if r["method"] == method), key=lambda r: r["kept_fraction"])
-            ax.plot([r["kept_fraction"] for r in pts], [r["accuracy"] for r in pts], marker="o", ms=3, label=method)
+            ax.plot([r["kept_fraction"] for r in pts], [r["accuracy"] for r in pts], label=method,
+                    color=colours[i % len(colours)], marker=markers[i % len(markers)], ms=4,
+                    ls="--" if "+" in method else "-")
         for r in mine:
             if r["method"] == "none":
                 ax.axhline(r["accuracy"], color="black", ls=":", label="unpruned")
@@ -404,11 +408,8 @@ def run(args: argparse.Namespace) -> int:
     if args.speed:
         from vlm_prune.eval import speed
 
-        args.repeats = args.repeats or 3
         return speed.run(args)
     torch.manual_seed(args.seed)
-    args.repeats = args.repeats or (3 if args.quick else 5)
-    args.time_batches = args.time_batches or (1 if args.quick else 2)
     start = time.perf_counter()
     rows: list[dict[str, Any]] = []
     skipped: list[dict[str, Any]] = []
@@ -448,17 +449,15 @@ def add_parser(subparsers: Any) -> None:
     )
     p.add_argument("--quick", action="store_true",
                    help="fewer samples (96 image / 48 video) and keep ratios (0.25, 0.05 / 0.25); a row per method")
-    p.add_argument("--limit", type=_positive, default=None, help="samples per model (default 600 image / 300 video)")
+    p.add_argument("--limit", type=_positive, default=None, help="samples per model (default 300 image / 150 video)")
     p.add_argument("--keep", type=_keeps, default=None, help="keep ratios for every model, e.g. 0.5,0.25")
     p.add_argument("--methods", default=None, help="comma-separated method names to run (default: all registered)")
     p.add_argument("--model", default=None, metavar="PATH_OR_HUB_ID",
                    help="bench a supported checkpoint with its own processor instead of the shipped models")
     p.add_argument("--out", default="runs/bench", help="output folder (default runs/bench)")
-    p.add_argument("--batch-size", type=_positive, default=16)
-    p.add_argument("--repeats", type=_positive, default=None,
-                   help="prefill timings per batch, the median counts (default 5; --quick 3)")
-    p.add_argument("--time-batches", type=_positive, default=None,
-                   help="batches timed per setting (default 2; --quick 1)")
+    p.add_argument("--batch-size", type=_positive, default=32)
+    p.add_argument("--repeats", type=_positive, default=3, help="prefill timings per batch, the median counts (default 3)")
+    p.add_argument("--time-batches", type=_positive, default=1, help="batches timed per setting (default 1)")
     p.add_argument("--seed", type=int, default=0)
     s = p.add_argument_group("--speed: time-to-first-token on random models of real shapes")
     s.add_argument("--speed", action="store_true", help="time LLaVA-1.5-7B / OneVision-7B shapes instead")
