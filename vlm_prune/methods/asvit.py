@@ -239,7 +239,8 @@ def calibrate(
     ``train_model`` (then the whole model too, at ``model_lr``, distilled from a frozen copy).
     ``loader`` yields (images, labels); it is cycled for ``steps`` steps. Returns the learned
     thresholds, which are also set on the method. Defaults: the paper's tau 1e-4, weights 2
-    and 0.5, target (rho) 0.7.
+    and 0.5, target (rho) 0.7. With tau 1e-4 only tokens scoring within about 1e-3 of a
+    threshold pass gradient, so a threshold far outside the scores of its stage does not move.
     """
     import copy
 
