@@ -27,12 +27,12 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-
-import vlm_prune
-from vlm_prune.api import is_wrapped
 from vlm_prune.eval import metrics
 from vlm_prune.eval.synthetic import encode, load, make_dataset
 from vlm_prune.eval.synthetic.scenes import Sample
+
+import vlm_prune
+from vlm_prune.api import is_wrapped
 from vlm_prune.registry import method_class
 
 IMAGE_KEEPS = (1.0, 0.5, 0.25, 0.11, 0.05)
@@ -285,8 +285,8 @@ def processor_size(processor: Any) -> int | None:
 
 def render_for(samples: list[Sample], side: int | None, with_options: bool) -> list[Sample]:
     """The samples upscaled (nearest) to ``side`` pixels; ``with_options`` appends the answer choices."""
-    from PIL import Image
     import numpy as np
+    from PIL import Image
 
     out = []
     for s in samples:

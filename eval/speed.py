@@ -35,20 +35,25 @@ from transformers import (
     Qwen2Config,
     SiglipVisionConfig,
 )
+from vlm_prune.eval import metrics
+from vlm_prune.eval.bench import (
+    fit_layer,
+    markdown_escape,
+    meta,
+    prefill_seconds,
+    write_outputs,
+)
 
 import vlm_prune
-from vlm_prune.eval import metrics
-from vlm_prune.eval.bench import fit_layer, markdown_escape, meta, prefill_seconds, write_outputs
-from vlm_prune.registry import method_class
 
-LLAVA_VISION = dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=24, num_attention_heads=16,
-                    image_size=336, patch_size=14)
-LLAMA_7B = dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
-                num_key_value_heads=32, vocab_size=32064)
-SIGLIP_SO400M = dict(hidden_size=1152, intermediate_size=4304, num_hidden_layers=26, num_attention_heads=16,
-                     image_size=384, patch_size=14)
-QWEN2_7B = dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
-                num_key_value_heads=4, vocab_size=152128)
+LLAVA_VISION = {"hidden_size": 1024, "intermediate_size": 4096, "num_hidden_layers": 24, "num_attention_heads": 16,
+                "image_size": 336, "patch_size": 14}
+LLAMA_7B = {"hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32, "num_attention_heads": 32,
+            "num_key_value_heads": 32, "vocab_size": 32064}
+SIGLIP_SO400M = {"hidden_size": 1152, "intermediate_size": 4304, "num_hidden_layers": 26, "num_attention_heads": 16,
+                 "image_size": 384, "patch_size": 14}
+QWEN2_7B = {"hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28, "num_attention_heads": 28,
+            "num_key_value_heads": 4, "vocab_size": 152128}
 PROMPT_TOKENS = (14, 22)  # text tokens before / after the visual tokens (system prompt, question)
 #: methods timed per model kind; quota is left out: its scorer prompts the model once per frame
 #: through the processor's chat template, which a random model without a tokenizer does not have

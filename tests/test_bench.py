@@ -4,11 +4,11 @@ from __future__ import annotations
 import json
 
 import pytest
+from vlm_prune.eval.bench import fit_layer
+from vlm_prune.eval.speed import LLAMA_7B, QWEN2_7B, scaled
 
 import vlm_prune
 from vlm_prune.cli import main
-from vlm_prune.eval.bench import fit_layer
-from vlm_prune.eval.speed import LLAMA_7B, QWEN2_7B, scaled
 from vlm_prune.registry import method_class
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
