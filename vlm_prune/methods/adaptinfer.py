@@ -60,9 +60,10 @@ def derive_counts(
     fixed fractions of the previous one, k_{i+1} = c_i k_i (default c = 0.25, 0.25 as in the
     LLaVA-1.5-7B schedule for 128 tokens); k_1 is solved for and clamped to [0, n_visual]. With
     these defaults a 32-layer model, 576 tokens and target 128 give [287, 72, 18] (published:
-    [290, 72, 18]).
+    [290, 72, 18]). A shallow model whose depth merges some of the pruning layers uses the
+    first len(after) - 1 ratios.
     """
-    if len(stage_ratios) != len(after) - 1:
+    if len(stage_ratios) < len(after) - 1:
         raise ValueError(
             f"AdaptInfer needs {len(after) - 1} stage_ratios for {len(after)} pruning layers, got {len(stage_ratios)}"
         )
