@@ -1,5 +1,6 @@
 """Built-in methods. Importing this package registers them all."""
 from vlm_prune.methods.base import (
+    FramesMethod,
     LayerContext,
     LLMMethod,
     Method,
@@ -14,12 +15,12 @@ from vlm_prune.methods.adaptinfer import AdaptInfer
 from vlm_prune.methods.visionzip import VisionZip
 from vlm_prune.methods.divprune import DivPrune
 from vlm_prune.methods.cdpruner import CDPruner
+from vlm_prune.methods.asvit import ASViT
+from vlm_prune.methods.tome import ToMe
+from vlm_prune.frames import KeyScore, QuoTA, Uniform
 
 __all__ = [
-    "Method", "VisionMethod", "LLMMethod", "Reduction", "VisionContext", "LayerContext",
-    "Random", "Pool", "FastV",
-    "PACT", "AdaptInfer", "VisionZip", "DivPrune", "CDPruner",
+    "Method", "VisionMethod", "LLMMethod", "FramesMethod", "Reduction", "VisionContext", "LayerContext",
+    "Random", "Pool", "FastV", "PACT", "AdaptInfer", "VisionZip", "DivPrune", "CDPruner",
+    "ASViT", "ToMe", "QuoTA", "KeyScore", "Uniform",
 ]
-import vlm_prune.frames  # noqa: F401,E402  (registers the frames-stage methods)
-from vlm_prune.methods.asvit import ASViT  # noqa: E402
-from vlm_prune.methods.tome import ToMe  # noqa: E402
