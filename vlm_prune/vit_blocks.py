@@ -101,6 +101,8 @@ class ViTRun:
     n_prefix: leading tokens that are never pruned or merged (CLS, distillation, registers).
     n_tokens: tokens entering block 0 (prefix + patches).
     sizes: [B, N] how many original patches each token stands for (ToMe); None = all 1.
+    slots: [B, N] index in the block-0 input of each token (a merged token: that of the token
+        it was merged into), so adapters can map survivors back to patches; None = 0 .. N-1.
     policy: [B, N] soft keep mask while calibrating AS-ViT; None = all kept.
     tokens: tokens entering each block (the tensor length; per image after pruning).
     flops: each block's FLOPs, as floats or (while calibrating) [B] tensors.
@@ -109,6 +111,7 @@ class ViTRun:
     n_prefix: int
     n_tokens: int
     sizes: torch.Tensor | None = None
+    slots: torch.Tensor | None = None
     policy: torch.Tensor | None = None
     tokens: list[int] = field(default_factory=list)
     flops: list[torch.Tensor | float] = field(default_factory=list)
@@ -117,6 +120,12 @@ class ViTRun:
     @property
     def n_patches(self) -> int:
         return self.n_tokens - self.n_prefix
+
+    def token_slots(self, batch: int, device: torch.device | str) -> torch.Tensor:
+        """[B, N] slots of the current tokens (see ``slots``)."""
+        if self.slots is not None:
+            return self.slots
+        return torch.arange(self.n_tokens, device=device).expand(batch, -1)
 
     def record(self, ops: BlockOps, x: torch.Tensor) -> None:
         n = x.shape[1]

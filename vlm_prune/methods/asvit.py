@@ -62,7 +62,10 @@ def default_locations(depth: int) -> list[int]:
     """0-indexed blocks before which AS-ViT prunes: the blocks at 1/3, 7/12 and 5/6 of the
     depth (1-indexed), i.e. [3, 6, 9] - the 4th, 7th and 10th - for 12 blocks."""
     if depth < 2:
-        raise ValueError(f"AS-ViT needs a ViT with at least 2 blocks, this one has {depth}")
+        raise ValueError(
+            f"AS-ViT needs a ViT with at least 2 blocks (in a VLM: tower layers up to the feature layer), "
+            f"this one has {depth}"
+        )
     marks = [math.floor(depth * f + 0.5) - 1 for f in (1 / 3, 7 / 12, 5 / 6)]
     return sorted({min(max(m, 1), depth - 1) for m in marks})
 
@@ -177,7 +180,9 @@ class ASViT(ViTMethod):
         if self.mode == "threshold":
             theta = self.threshold_values(run.n_patches, len(locs))[stage - 1].to(scores)
             k = int((scores > theta).sum()) // scores.shape[0]
-        return keep_top(x, scores, k, p)
+        idx = top_indices(scores, k)
+        run.slots = keep_rows(run.token_slots(x.shape[0], x.device), idx, p)
+        return keep_rows(x, idx, p)
 
     def token_scores(self, a: AttentionResult, scale: float) -> torch.Tensor:
         """[B, N] AS-ViT scores of all tokens from a block's attention (prefix included)."""
@@ -200,11 +205,20 @@ class ASViT(ViTMethod):
         return x
 
 
+def top_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """[B, k] ascending indices of each row's k highest scores (scores [B, N])."""
+    return torch.topk(scores, k, dim=1, sorted=False).indices.sort(dim=1).values
+
+
+def keep_rows(x: torch.Tensor, idx: torch.Tensor, n_prefix: int) -> torch.Tensor:
+    """x [B, P + N, ...] with its P prefix rows and the rows ``idx`` [B, k] of the N others."""
+    return torch.cat([x[:, :n_prefix], gather_tokens(x[:, n_prefix:], idx)], dim=1)
+
+
 def keep_top(x: torch.Tensor, scores: torch.Tensor, k: int, n_prefix: int) -> torch.Tensor:
     """x [B, P + N, D] with its P prefix tokens and each image's k best-scoring of the N
     others (scores [B, N]), in their original order."""
-    idx = torch.topk(scores, k, dim=1, sorted=False).indices.sort(dim=1).values
-    return torch.cat([x[:, :n_prefix], gather_tokens(x[:, n_prefix:], idx)], dim=1)
+    return keep_rows(x, top_indices(scores, k), n_prefix)
 
 
 @contextmanager

@@ -42,7 +42,13 @@ def merge_tokens(
     Merged tokens are size-weighted averages; sizes add up. Output order: the unmerged A
     tokens, then all B tokens. sum(x * sizes) and sum(sizes) are preserved.
     """
-    unmerged, src, dst = bipartite_matching(metric, r)
+    return merge_matched(x, sizes, *bipartite_matching(metric, r))
+
+
+def merge_matched(
+    x: torch.Tensor, sizes: torch.Tensor, unmerged: torch.Tensor, src: torch.Tensor, dst: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`merge_tokens` for a given matching (the output of :func:`bipartite_matching`)."""
     sizes = sizes.float()
     xs = torch.cat([x.float() * sizes[..., None], sizes[..., None]], dim=-1)
     a, b = xs[:, ::2], xs[:, 1::2]
@@ -50,6 +56,12 @@ def merge_tokens(
     out = torch.cat([gather_tokens(a, unmerged), b], dim=1)
     new_sizes = out[..., -1]
     return (out[..., :-1] / new_sizes[..., None]).to(x.dtype), new_sizes
+
+
+def merged_order(t: torch.Tensor, unmerged: torch.Tensor) -> torch.Tensor:
+    """Per-token values t [B, N, ...] (e.g. slots) in the order :func:`merge_matched` leaves
+    the tokens: the unmerged A tokens, then the B tokens (a merged token keeps its B value)."""
+    return torch.cat([gather_tokens(t[:, ::2], unmerged), t[:, 1::2]], dim=1)
 
 
 def proportional_bias(sizes: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -112,7 +124,10 @@ class ToMe(ViTMethod):
         x = x + a.out
         if r > 0:
             sizes = run.sizes if run.sizes is not None else torch.ones(x.shape[:2], device=x.device)
-            merged, new_sizes = merge_tokens(x[:, p:], sizes[:, p:], a.k.mean(dim=1)[:, p:], r)
+            match = bipartite_matching(a.k.mean(dim=1)[:, p:], r)
+            merged, new_sizes = merge_matched(x[:, p:], sizes[:, p:], *match)
+            slots = run.token_slots(x.shape[0], x.device)
+            run.slots = torch.cat([slots[:, :p], merged_order(slots[:, p:], match[0])], dim=1)
             x = torch.cat([x[:, :p], merged], dim=1)
             run.sizes = torch.cat([sizes[:, :p], new_sizes], dim=1)
         return x + ops.mlp(x)

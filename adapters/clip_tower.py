@@ -1,0 +1,197 @@
+"""ViT-stage methods (AS-ViT, ToMe) inside the CLIP vision tower of a VLM (LLaVA-1.5).
+
+The encoder layers up to the feature layer (``vision_feature_layer``: -2 for LLaVA-1.5, so 23
+of 24 layers) get, on this instance only, the method's ``block_forward`` in place of their
+``forward``; :class:`CLIPLayerOps` exposes a CLIP encoder layer's sub-computations to it
+(see vlm_prune.vit_blocks.BlockOps). Every image of a tower batch keeps the same number of
+tokens, so the tower output stays dense: the feature layer returns 1 + k tokens per image
+(CLS first), the model's own code drops CLS and projects them to [k, D], and
+:meth:`CLIPTowerStage.reductions` turns those rows into one vision-stage ``Reduction`` per
+image: ``indices`` = the original patch index (slot) of each surviving token, ``features``
+= its projected row, ``sizes`` = how many patches it stands for (ToMe). The engine then
+drops the other placeholders before decoder layer 0, keeping original position ids, and
+adds log(size) to attention logits for merged tokens.
+
+Layers after the feature layer run unchanged on the surviving tokens (their output is not
+read by the VLM). The slots travel with the tower output as its ``vlm_prune_vit`` attribute,
+because ``generate()`` encodes the images before the forward that reduces them.
+"""
+from __future__ import annotations
+
+import functools
+import importlib
+from typing import Any, Callable
+
+import torch
+
+from vlm_prune.adapters.patching import Patcher
+from vlm_prune.methods.base import Reduction
+from vlm_prune.vit_blocks import AttentionResult, ViTMethod, ViTRun, weighted_softmax
+
+
+class CLIPLayerOps:
+    """The sub-computations of one CLIP encoder layer (see vlm_prune.vit_blocks.BlockOps).
+
+    :meth:`attention` repeats ``CLIPAttention.forward`` step by step through the model's own
+    attention function (SDPA / eager), so it is bit-identical to the layer when given no bias.
+    An additive ``bias`` runs under SDPA or eager; under other kernels (FlashAttention) the
+    layer's eager function is used for that call.
+    """
+
+    def __init__(self, layer: torch.nn.Module, index: int, depth: int, forward: Callable[..., torch.Tensor],
+                 kwargs: dict[str, Any]) -> None:
+        attn = layer.self_attn
+        self.layer = layer
+        self.index = index
+        self.depth = depth
+        self.num_heads = attn.num_heads
+        self.head_dim = attn.head_dim
+        self.scale = attn.scale
+        self.dim = attn.embed_dim
+        self.mlp_hidden = layer.mlp.fc1.out_features
+        self._forward = forward
+        self._kwargs = kwargs
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._forward(x)
+
+    def attention(
+        self, x: torch.Tensor, bias: torch.Tensor | None = None, key_weights: torch.Tensor | None = None
+    ) -> AttentionResult:
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+        attn = self.layer.self_attn
+        h = self.layer.layer_norm1(x)
+        shape = (*h.shape[:-1], -1, self.head_dim)
+        q = attn.q_proj(h).view(shape).transpose(1, 2)
+        k = attn.k_proj(h).view(shape).transpose(1, 2)
+        v = attn.v_proj(h).view(shape).transpose(1, 2)
+        probs = None
+        if key_weights is not None:
+            logits = (q @ k.transpose(-1, -2)) * self.scale
+            if bias is not None:
+                logits = logits + bias
+            probs = weighted_softmax(logits, key_weights)
+            out = (probs @ v).transpose(1, 2)
+        else:
+            eager = importlib.import_module(type(attn).__module__).eager_attention_forward
+            impl = attn.config._attn_implementation
+            fn = eager if bias is not None and impl not in ("eager", "sdpa") else ALL_ATTENTION_FUNCTIONS.get_interface(impl, eager)
+            out, _ = fn(attn, q, k, v, bias, scaling=self.scale, dropout=attn.dropout if attn.training else 0.0, **self._kwargs)
+        update = attn.out_proj(out.reshape(*x.shape[:-1], -1).contiguous())
+        return AttentionResult(update, q, k, v, out.transpose(1, 2), probs)
+
+    def mlp(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layer.mlp(self.layer.layer_norm2(x))
+
+
+class CLIPTowerStage:
+    """Runs a ViT-stage method inside a CLIP vision tower (with a CLS token) of a VLM.
+
+    ``feature_layer`` is the model's ``vision_feature_layer`` (an index into the tower's hidden
+    states); ``drop_cls`` is True for the 'default' select strategy (the features leave CLS
+    out). ``active()`` False runs the tower unpruned (the adapter's bypass). Raises ValueError
+    at construction for towers or settings it cannot handle.
+    """
+
+    def __init__(self, tower: torch.nn.Module, method: ViTMethod, feature_layer: Any, select_strategy: str,
+                 patches: Patcher, active: Callable[[], bool]) -> None:
+        body = getattr(tower, "vision_model", tower)
+        name = type(tower).__name__
+        if getattr(getattr(body, "embeddings", None), "class_embedding", None) is None:
+            raise ValueError(
+                f"method {method.name!r} runs inside the vision tower and needs its CLS token; this "
+                f"{name} has none. Use a vision-stage method (e.g. 'visionzip', 'divprune') instead"
+            )
+        if not isinstance(feature_layer, int):
+            raise ValueError(
+                f"method {method.name!r} prunes inside the vision tower and follows one feature layer; "
+                f"this model concatenates layers {feature_layer}. Use a vision-stage method instead"
+            )
+        if select_strategy not in ("default", "full"):
+            raise ValueError(f"unknown vision_feature_select_strategy {select_strategy!r}; expected 'default' or 'full'")
+        self.layers = body.encoder.layers
+        for i, layer in enumerate(self.layers):
+            attn = getattr(layer, "self_attn", None)
+            if not all(hasattr(attn, a) for a in ("q_proj", "k_proj", "v_proj", "out_proj", "scale")) or not all(
+                hasattr(layer, a) for a in ("layer_norm1", "layer_norm2", "mlp")
+            ):
+                raise ValueError(
+                    f"layer {i} of this {name} is a {type(layer).__name__}; vlm_prune runs ViT-stage methods "
+                    "in CLIP encoder layers (self_attn with q/k/v/out_proj, layer_norm1/2, mlp) only"
+                )
+        #: layers whose output reaches the feature layer (hidden_states[i] is the output of layer i - 1)
+        self.depth = feature_layer % (len(self.layers) + 1)
+        if self.depth == 0:
+            raise ValueError(f"vision_feature_layer {feature_layer} reads the tower's embeddings; no layer to prune in")
+        self.tower = tower
+        self.method = method
+        self.drop_cls = select_strategy == "default"
+        self.patches = patches
+        self.active = active
+        self.run: ViTRun | None = None
+
+    def attach(self) -> None:
+        for i, layer in enumerate(self.layers[: self.depth]):
+            self.patches.set(layer, "forward", self._layer_forward(i, layer))
+        tower_forward = self.patches.original(self.tower, "forward")
+
+        @functools.wraps(tower_forward)
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            self.run = None
+            out = tower_forward(*args, **kwargs)
+            out.vlm_prune_vit = self.run  # None when the tower ran unpruned
+            self.run = None
+            return out
+
+        self.patches.set(self.tower, "forward", forward)
+
+    def _layer_forward(self, index: int, layer: torch.nn.Module) -> Callable[..., torch.Tensor]:
+        original = self.patches.original(layer, "forward")
+
+        @functools.wraps(original)
+        def forward(hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None, **kwargs: Any) -> torch.Tensor:
+            if not self.active():
+                return original(hidden_states, attention_mask, **kwargs)
+            if attention_mask is not None:
+                raise ValueError(
+                    f"vlm_prune's {self.method.name!r} changes the token count inside the vision tower and "
+                    "cannot apply an attention mask there; unwrap the model to run the tower with a mask"
+                )
+            if index == 0 or self.run is None:
+                self.run = ViTRun(n_prefix=1, n_tokens=hidden_states.shape[1])
+            ops = CLIPLayerOps(layer, index, self.depth, functools.partial(original, attention_mask=None, **kwargs), kwargs)
+            return self.method.block_forward(ops, hidden_states, self.run)
+
+        return forward
+
+    def reductions(self, out: Any) -> tuple[list[Reduction], dict[str, Any]]:
+        """One Reduction per image of an encoder output (``pooler_output``: [k, D] per image)
+        over the image's placeholders, and the stats record of the stage."""
+        run: ViTRun | None = getattr(out, "vlm_prune_vit", None)
+        feats = out.pooler_output
+        if run is None:
+            raise RuntimeError(
+                f"these image features did not come through the tower wrapped for {self.method.name!r} "
+                "(encoded before wrap(), or with pruning bypassed); pass pixel_values to the wrapped model"
+            )
+        images = out.last_hidden_state.shape[0]
+        if len(feats) != images:
+            raise ValueError(
+                f"the tower encoded {images} images but {len(feats)} feature sets reached the model; "
+                f"{self.method.name!r} does not support num_beams / num_return_sequences > 1 in generate()"
+            )
+        skip = 1 if self.drop_cls else 0
+        slots = run.token_slots(images, feats[0].device)
+        reds = []
+        for i, f in enumerate(feats):
+            sizes = run.sizes[i, skip:].to(f.device) if run.sizes is not None else None
+            reds.append(Reduction((slots[i, skip:] - skip).to(f.device), f, sizes))
+        n = run.n_tokens - skip
+        summary = run.summary()
+        record = {
+            "stage": "vit", "method": self.method.name, "modality": "image",
+            "tokens_in": [n] * len(feats), "tokens_out": [int(r.indices.numel()) for r in reds],
+            "tokens_per_layer": summary["tokens_per_block"], "flops_ratio": summary["flops_ratio"],
+        }
+        return reds, record
