@@ -17,3 +17,14 @@ class LlavaNextAdapter(HFVLMAdapter):
 
     def items(self, modality: str, out: Any) -> list[Item]:
         return [Item(f, 1, None) for f in out.pooler_output]
+
+    def check_methods(self) -> None:
+        vit = self.state.methods.get("vit")
+        if vit is not None:
+            raise ValueError(
+                f"method {vit.name!r} prunes inside the vision tower, which vlm_prune supports on LLaVA-1.5 "
+                "(LlavaForConditionalGeneration) only: LLaVA-NeXT packs its anyres tiles after the tower "
+                "(unpadding, a newline per row), so pruned tiles have no fixed place in the LLM input. Use a "
+                "vision-stage method instead, e.g. wrap(model, 'divprune', keep=...)"
+            )
+        super().check_methods()
