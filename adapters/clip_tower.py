@@ -102,7 +102,7 @@ class CLIPTowerStage:
         if getattr(getattr(body, "embeddings", None), "class_embedding", None) is None:
             raise ValueError(
                 f"method {method.name!r} runs inside the vision tower and needs its CLS token; this "
-                f"{name} has none. Use a vision-stage method (e.g. 'visionzip', 'divprune') instead"
+                f"{name} has none. Use a vision-stage method (e.g. 'divprune') instead"
             )
         if not isinstance(feature_layer, int):
             raise ValueError(
