@@ -34,7 +34,7 @@ def test_available_methods_lists_every_stage():
     ({"method": "random", "keep": 0.5, "budget": 8}, "not both"),
     ({"method": "random"}, "pass keep="),
     ({"method": ["random", "pool"], "keep": 0.5}, "at most one method per stage"),
-    ({"method": "asvit", "keep": 0.5}, "does not offer"),
+    ({"method": "quota", "keep": 0.5}, "does not offer"),
     ({"method": None}, "no method given"),
 ])
 def test_bad_arguments_name_the_fix(llava, kwargs, message):
