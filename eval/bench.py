@@ -158,39 +158,53 @@ def first_word(text: str) -> str:
 
 
 @torch.no_grad()
-def prefill_seconds(model: torch.nn.Module, inputs: dict[str, torch.Tensor]) -> float:
-    """Wall-clock seconds of one prefill forward pass (logits of the last position only)."""
+def prefill_seconds(model: torch.nn.Module, inputs: dict[str, torch.Tensor]) -> tuple[float, float]:
+    """(wall-clock, process CPU) seconds of one prefill forward pass (logits of the last position).
+
+    On a shared CPU machine the process CPU time (with ``--threads 1``) is the stable measure;
+    wall-clock time also counts the waits for other processes.
+    """
     timer = metrics.Timer(model.device)
-    start = timer.now()
+    start, cpu = timer.now(), time.process_time()
     model(**inputs, logits_to_keep=1)
-    return timer.now() - start
+    return timer.now() - start, time.process_time() - cpu
 
 
 def wrap_case(model: torch.nn.Module, case: Case, processor: Any) -> torch.nn.Module:
     return vlm_prune.wrap(model, case.build(model), keep=case.keep, processor=processor)
 
 
-def time_case(model: torch.nn.Module, case: Case | None, processor: Any, batches: list[dict[str, torch.Tensor]], repeats: int) -> tuple[float, float]:
-    """Summed over ``batches``: median prefill seconds (pruned, unpruned), interleaved per repeat.
+def time_pair(model: torch.nn.Module, wrap: Callable[[torch.nn.Module], Any] | None,
+              batches: list[dict[str, torch.Tensor]], repeats: int) -> dict[str, float]:
+    """Median prefill seconds per batch, summed over ``batches``: pruned and unpruned, wall and CPU.
 
-    Each repeat wraps the model, runs one untimed warm-up prefill, times one, unwraps and times
-    the unpruned model. ``case`` None times the unpruned model against itself.
+    Each repeat wraps the model with ``wrap``, runs one untimed warm-up prefill, times one,
+    unwraps and times the unpruned model (interleaved, so load changes hit both alike).
+    ``wrap`` None times the unpruned model against itself. Keys: wall, wall_full, cpu, cpu_full.
     """
-    pruned, full = 0.0, 0.0
+    out = dict.fromkeys(("wall", "wall_full", "cpu", "cpu_full"), 0.0)
     for inputs in batches:
-        p, f = [], []
+        runs: dict[str, list[float]] = {k: [] for k in out}
+        prefill_seconds(model, inputs)
         for _ in range(repeats):
-            if case is not None:
-                wrap_case(model, case, processor)
+            if wrap is not None:
+                wrap(model)
                 prefill_seconds(model, inputs)
-                p.append(prefill_seconds(model, inputs))
+            wall, cpu = prefill_seconds(model, inputs)
+            if wrap is not None:
                 vlm_prune.unwrap(model)
-            else:
-                p.append(prefill_seconds(model, inputs))
-            f.append(prefill_seconds(model, inputs))
-        pruned += statistics.median(p)
-        full += statistics.median(f)
-    return pruned, full
+            wall_full, cpu_full = prefill_seconds(model, inputs)
+            for key, value in zip(out, (wall, wall_full, cpu, cpu_full)):
+                runs[key].append(value)
+        for key in out:
+            out[key] += statistics.median(runs[key])
+    return out
+
+
+def ratios(t: dict[str, float], device: torch.device) -> dict[str, float | None]:
+    """Pruned / unpruned prefill time: wall-clock, and process CPU time on CPU devices."""
+    return {"prefill_ratio": t["wall"] / t["wall_full"], "prefill_s": t["wall"],
+            "prefill_cpu_ratio": t["cpu"] / t["cpu_full"] if device.type == "cpu" else None}
 
 
 def sample_flops(config: Any, seq_len: int, stats: dict[str, Any] | None, i: int) -> float:
@@ -235,11 +249,11 @@ def run_model(name: str, model: torch.nn.Module, processor: Any, samples: list[S
                for i in range(0, len(samples), args.batch_size)]
     timed = [inputs for _, inputs in batches[: args.time_batches]]
     base = accuracy_pass(model, processor, batches)
-    t_base, _ = time_case(model, None, processor, timed, args.repeats)
+    t_base = time_pair(model, None, timed, args.repeats)
     n_visual = _visual_count(model, processor, batches[0][1])
     rows = [{"model": name, "method": "none", "keep": 1.0, **base, "visual_tokens_in": n_visual,
-             "visual_tokens_out": n_visual, "kept_fraction": 1.0, "retention": 1.0, "prefill_ratio": 1.0,
-             "prefill_s": t_base, "notes": ""}]
+             "visual_tokens_out": n_visual, "kept_fraction": 1.0, "retention": 1.0,
+             **ratios(t_base, model.device), "notes": ""}]
     for case in tqdm(cases, desc=f"bench {name}", unit="setting"):
         try:
             wrap_case(model, case, processor)
@@ -250,12 +264,12 @@ def run_model(name: str, model: torch.nn.Module, processor: Any, samples: list[S
             res = accuracy_pass(model, processor, batches)
         finally:
             vlm_prune.unwrap(model)
-        t_pruned, t_full = time_case(model, case, processor, timed, args.repeats)
+        timing = time_pair(model, lambda m, c=case: wrap_case(m, c, processor), timed, args.repeats)
         rows.append({
             "model": name, "method": case.label, "keep": case.keep, **res,
             "kept_fraction": res["visual_tokens_out"] / res["visual_tokens_in"],
             "retention": res["accuracy"] / base["accuracy"] if base["accuracy"] else None,
-            "prefill_ratio": t_pruned / t_full, "prefill_s": t_pruned, "notes": case.notes,
+            **ratios(timing, model.device), "notes": case.notes,
         })
     return rows, [{"model": name, **s} for s in skipped]
 
@@ -329,21 +343,21 @@ def markdown_escape(text: str) -> str:
     return text.replace("|", "\\|")
 
 
-def _fmt(value: Any, spec: str) -> str:
+def fmt(value: Any, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
 def markdown(rows: list[dict[str, Any]], skipped: list[dict[str, Any]]) -> str:
     """The results table and the list of skipped combinations."""
     head = ["model", "method", "keep", "visual tokens", "kept", "accuracy", "retention",
-            "prefill time ratio", "FLOPs ratio (ideal)", "notes"]
+            "prefill time ratio", "prefill CPU-time ratio", "FLOPs ratio (ideal)", "notes"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
-        tokens = f"{_fmt(r['visual_tokens_out'], '.1f')} / {_fmt(r['visual_tokens_in'], '.0f')}"
+        tokens = f"{fmt(r['visual_tokens_out'], '.1f')} / {fmt(r['visual_tokens_in'], '.0f')}"
         lines.append("| " + " | ".join([
-            r["model"], r["method"], _fmt(r["keep"], "g"), tokens, _fmt(r["kept_fraction"], ".3f"),
-            _fmt(r["accuracy"], ".3f"), _fmt(r["retention"], ".3f"), _fmt(r["prefill_ratio"], ".2f"),
-            _fmt(r["flops_ratio"], ".2f"), markdown_escape(r["notes"]),
+            r["model"], r["method"], fmt(r["keep"], "g"), tokens, fmt(r["kept_fraction"], ".3f"),
+            fmt(r["accuracy"], ".3f"), fmt(r["retention"], ".3f"), fmt(r["prefill_ratio"], ".2f"),
+            fmt(r["prefill_cpu_ratio"], ".2f"), fmt(r["flops_ratio"], ".2f"), markdown_escape(r["notes"]),
         ]) + " |")
     if skipped:
         lines += ["", "Skipped (not applicable to the model):", ""]
@@ -405,6 +419,8 @@ def meta(mode: str, argv_args: argparse.Namespace) -> dict[str, Any]:
 
 # ---- command --------------------------------------------------------------------------------------
 def run(args: argparse.Namespace) -> int:
+    if args.threads:
+        torch.set_num_threads(args.threads)
     if args.speed:
         from vlm_prune.eval import speed
 
@@ -459,6 +475,8 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--repeats", type=_positive, default=3, help="prefill timings per batch, the median counts (default 3)")
     p.add_argument("--time-batches", type=_positive, default=1, help="batches timed per setting (default 1)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=_positive, default=None,
+                   help="torch CPU threads (default: torch's choice); 1 gives stable timings on a shared machine")
     s = p.add_argument_group("--speed: time-to-first-token on random models of real shapes")
     s.add_argument("--speed", action="store_true", help="time LLaVA-1.5-7B / OneVision-7B shapes instead")
     s.add_argument("--scale", type=_positive, default=8,

@@ -12,7 +12,8 @@ visual token counts stay (``--frames`` sets the video length). The pruning layer
 moves with the depth (layer * scaled depth / real depth).
 
 For every applicable method and keep ratio: median prefill seconds of the wrapped and the
-unwrapped model (interleaved), their ratio (measured), the FLOPs ratio (ideal: language model
+unwrapped model (interleaved), their ratio (measured; on CPU also the process CPU-time ratio,
+the stable one on a shared machine with ``--threads 1``), the FLOPs ratio (ideal: language model
 from ``vlm_prune.eval.metrics`` plus the vision tower, which token pruning leaves unchanged) and
 overhead = measured / ideal.
 """
@@ -20,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import statistics
 import time
 from typing import Any
 
@@ -38,9 +38,11 @@ from transformers import (
 from vlm_prune.eval import metrics
 from vlm_prune.eval.bench import (
     fit_layer,
+    fmt,
     markdown_escape,
     meta,
     prefill_seconds,
+    time_pair,
     write_outputs,
 )
 
@@ -137,21 +139,6 @@ def tower_flops(model: torch.nn.Module, kind: str, frames: int) -> float:
     return float(layer * vc.num_hidden_layers * (1 if kind == "image" else frames))
 
 
-def time_pair(model: torch.nn.Module, wrap: Any, inputs: dict[str, torch.Tensor], repeats: int) -> tuple[float, float, dict]:
-    """Median prefill seconds wrapped and unwrapped (interleaved; one untimed warm-up each), last_stats."""
-    pruned, full = [], []
-    stats: dict = {}
-    prefill_seconds(model, inputs)
-    for _ in range(repeats):
-        wrap(model)
-        prefill_seconds(model, inputs)
-        pruned.append(prefill_seconds(model, inputs))
-        stats = model.vlm_prune.last_stats
-        vlm_prune.unwrap(model)
-        full.append(prefill_seconds(model, inputs))
-    return statistics.median(pruned), statistics.median(full), stats
-
-
 def run_kind(kind: str, args: argparse.Namespace, dtype: torch.dtype) -> tuple[list[dict[str, Any]], list[dict[str, str]]]:
     from tqdm.auto import tqdm
 
@@ -176,18 +163,24 @@ def run_kind(kind: str, args: argparse.Namespace, dtype: torch.dtype) -> tuple[l
             vlm_prune.wrap(m, obj, keep=keep)
 
         try:
-            t_pruned, t_full, stats = time_pair(model, wrap, inputs, args.repeats)
+            wrap(model)
         except ValueError as err:
             skipped.append({"model": name, "method": method, "keep": keep, "reason": str(err)})
             continue
+        prefill_seconds(model, inputs)
+        stats = model.vlm_prune.last_stats
+        vlm_prune.unwrap(model)
+        t = time_pair(model, wrap, [inputs], args.repeats)
         rows_per_layer = metrics.rows_per_layer(tcfg.num_hidden_layers, seq, stats)
         flops = tower + metrics.prefill_flops(model.config, rows_per_layer)
-        measured, ideal = t_pruned / t_full, flops / full_flops
+        measured, ideal = t["wall"] / t["wall_full"], flops / full_flops
+        cpu = t["cpu"] / t["cpu_full"] if args.device == "cpu" else None
         rows.append({
             "model": name, "method": method, "keep": keep,
             "visual_tokens_in": sum(stats["visual_tokens_in"]), "visual_tokens_out": sum(stats["visual_tokens_out"]),
-            "ttft_s": t_pruned, "ttft_unpruned_s": t_full, "measured_ratio": measured,
-            "ideal_ratio": ideal, "overhead": measured / ideal,
+            "ttft_s": t["wall"], "ttft_unpruned_s": t["wall_full"], "measured_ratio": measured,
+            "cpu_ratio": cpu, "ideal_ratio": ideal, "overhead": measured / ideal,
+            "cpu_overhead": cpu / ideal if cpu is not None else None,
             "llm_flops_ratio": (flops - tower) / (full_flops - tower), "notes": note,
         })
     return rows, skipped
@@ -195,13 +188,14 @@ def run_kind(kind: str, args: argparse.Namespace, dtype: torch.dtype) -> tuple[l
 
 def markdown(rows: list[dict[str, Any]], skipped: list[dict[str, Any]]) -> str:
     head = ["model", "method", "keep", "visual tokens", "TTFT ms", "unpruned ms", "measured ratio",
-            "ideal ratio (FLOPs)", "overhead", "LLM FLOPs ratio", "notes"]
+            "CPU-time ratio", "ideal ratio (FLOPs)", "overhead", "CPU-time overhead", "LLM FLOPs ratio", "notes"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         lines.append("| " + " | ".join([
             r["model"], r["method"], f"{r['keep']:g}", f"{r['visual_tokens_out']} / {r['visual_tokens_in']}",
             f"{1000 * r['ttft_s']:.1f}", f"{1000 * r['ttft_unpruned_s']:.1f}", f"{r['measured_ratio']:.2f}",
-            f"{r['ideal_ratio']:.2f}", f"{r['overhead']:.2f}", f"{r['llm_flops_ratio']:.2f}", markdown_escape(r["notes"]),
+            fmt(r["cpu_ratio"], ".2f"), f"{r['ideal_ratio']:.2f}", f"{r['overhead']:.2f}", fmt(r["cpu_overhead"], ".2f"),
+            f"{r['llm_flops_ratio']:.2f}", markdown_escape(r["notes"]),
         ]) + " |")
     if skipped:
         lines += ["", "Skipped:", ""] + [f"- {s['model']}: {s['method']} - {s['reason']}" for s in skipped]

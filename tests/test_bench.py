@@ -4,6 +4,9 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
+from vlm_prune.adapters.llava import LlavaAdapter
+from vlm_prune.adapters.llava_onevision import LlavaOnevisionAdapter
 from vlm_prune.eval.bench import fit_layer
 from vlm_prune.eval.speed import LLAMA_7B, QWEN2_7B, scaled
 
@@ -36,8 +39,8 @@ def quick(tmp_path_factory):
 def test_quick_bench_has_a_row_per_applicable_method(quick):
     out, result = quick
     rows, skipped = result["rows"], result["skipped"]
-    for model, stages, family in (("synthetic-image", {"vision", "llm"}, "llava"),
-                                  ("synthetic-video", {"frames", "vision", "llm"}, "llava_onevision")):
+    for model, adapter in (("synthetic-image", LlavaAdapter), ("synthetic-video", LlavaOnevisionAdapter)):
+        stages, family = set(adapter.stages), adapter.family
         methods = [r["method"] for r in rows if r["model"] == model]
         assert sorted(methods) == sorted(applicable(stages, family) | {"none"})
         left_out = {s["method"] for s in skipped if s["model"] == model}
@@ -55,7 +58,7 @@ def test_quick_bench_numbers_are_consistent(quick):
     for r in rows:
         assert 0.0 <= r["accuracy"] <= 1.0 and r["n"] == 4
         assert r["retention"] == pytest.approx(r["accuracy"] / base[r["model"]]["accuracy"])
-        assert r["prefill_ratio"] > 0
+        assert r["prefill_ratio"] > 0 and r["prefill_cpu_ratio"] > 0
         if r["method"] in ("random", "pool", "divprune", "cdpruner", "visionzip") and r["model"] == "synthetic-image":
             assert r["visual_tokens_out"] == 16 and r["kept_fraction"] == 0.25  # floor(0.25 * 64)
             assert r["flops_ratio"] < 1.0
@@ -65,8 +68,12 @@ def test_quick_bench_numbers_are_consistent(quick):
 
 def test_speed_tiny_scale_reports_savings(tmp_path):
     argv = ["bench", "--speed", "--scale", "16", "--frames", "1", "--methods", "random",
-            "--speed-keeps", "0.05", "--repeats", "3", "--out", str(tmp_path)]
-    assert main(argv) == 0
+            "--speed-keeps", "0.05", "--repeats", "3", "--threads", "1", "--out", str(tmp_path)]
+    threads = torch.get_num_threads()
+    try:
+        assert main(argv) == 0
+    finally:
+        torch.set_num_threads(threads)
     rows = json.loads((tmp_path / "speed.json").read_text())["rows"]
     assert [r["method"] for r in rows] == ["random", "random"]
     image, video = rows
@@ -74,7 +81,8 @@ def test_speed_tiny_scale_reports_savings(tmp_path):
     assert video["visual_tokens_in"] == 197  # 14x14 pooled tokens + the newline
     for r in rows:
         assert 0 < r["ideal_ratio"] < 1 and r["overhead"] == pytest.approx(r["measured_ratio"] / r["ideal_ratio"])
-    assert image["measured_ratio"] < 1.0
+    assert image["cpu_ratio"] < 1.0  # process CPU time: stable on a shared machine, unlike wall-clock
+    assert image["measured_ratio"] > 0
     assert (tmp_path / "speed.md").read_text().count("| random | 0.05 |") == 2
 
 
