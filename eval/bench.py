@@ -170,8 +170,8 @@ def prefill_seconds(model: torch.nn.Module, inputs: dict[str, torch.Tensor]) -> 
     return timer.now() - start, time.process_time() - cpu
 
 
-def wrap_case(model: torch.nn.Module, case: Case, processor: Any) -> torch.nn.Module:
-    return vlm_prune.wrap(model, case.build(model), keep=case.keep, processor=processor)
+def wrap_case(model: torch.nn.Module, case: Case, processor: Any, seed: int = 0) -> torch.nn.Module:
+    return vlm_prune.wrap(model, case.build(model), keep=case.keep, processor=processor, seed=seed)
 
 
 def time_pair(model: torch.nn.Module, wrap: Callable[[torch.nn.Module], Any] | None,
@@ -238,6 +238,11 @@ def accuracy_pass(model: torch.nn.Module, processor: Any, batches: list[tuple[li
             "visual_tokens_out": tok_out / n if tok_in else None, "flops_ratio": flops / flops_full}
 
 
+def to_device(inputs: Any, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Processor outputs on the model's device, pixels in the model's dtype."""
+    return {k: v.to(model.device, dtype=model.dtype if v.is_floating_point() else v.dtype) for k, v in inputs.items()}
+
+
 def run_model(name: str, model: torch.nn.Module, processor: Any, samples: list[Sample], keeps: tuple[float, ...],
               args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[dict[str, str]]]:
     """Rows (unpruned first) and skipped combinations of one model."""
@@ -245,7 +250,7 @@ def run_model(name: str, model: torch.nn.Module, processor: Any, samples: list[S
 
     only = set(args.methods.split(",")) if args.methods else None
     cases, skipped = plan(model, processor, keeps, only)
-    batches = [(samples[i:i + args.batch_size], encode(processor, samples[i:i + args.batch_size]))
+    batches = [(samples[i:i + args.batch_size], to_device(encode(processor, samples[i:i + args.batch_size]), model))
                for i in range(0, len(samples), args.batch_size)]
     timed = [inputs for _, inputs in batches[: args.time_batches]]
     base = accuracy_pass(model, processor, batches)
@@ -256,7 +261,7 @@ def run_model(name: str, model: torch.nn.Module, processor: Any, samples: list[S
              **ratios(t_base, model.device), "notes": ""}]
     for case in tqdm(cases, desc=f"bench {name}", unit="setting"):
         try:
-            wrap_case(model, case, processor)
+            wrap_case(model, case, processor, args.seed)
         except ValueError as err:
             skipped.append({"method": case.label, "keep": case.keep, "reason": str(err)})
             continue
@@ -264,7 +269,7 @@ def run_model(name: str, model: torch.nn.Module, processor: Any, samples: list[S
             res = accuracy_pass(model, processor, batches)
         finally:
             vlm_prune.unwrap(model)
-        timing = time_pair(model, lambda m, c=case: wrap_case(m, c, processor), timed, args.repeats)
+        timing = time_pair(model, lambda m, c=case: wrap_case(m, c, processor, args.seed), timed, args.repeats)
         rows.append({
             "model": name, "method": case.label, "keep": case.keep, **res,
             "kept_fraction": res["visual_tokens_out"] / res["visual_tokens_in"],
@@ -323,6 +328,8 @@ def targets(args: argparse.Namespace) -> Iterator[tuple[str, torch.nn.Module, An
     image_keeps = args.keep or (QUICK_IMAGE_KEEPS if quick else IMAGE_KEEPS)
     video_keeps = args.keep or (QUICK_VIDEO_KEEPS if quick else VIDEO_KEEPS)
     if args.model is None:
+        if args.device != "cpu":
+            raise SystemExit("the shipped synthetic models run on CPU; --device cuda applies to --model and --speed")
         for kind, n, keeps in (("image", n_image, image_keeps), ("video", n_video, video_keeps)):
             model, processor = load(kind)
             yield f"synthetic-{kind}", model, processor, make_dataset(kind, "test", n), keeps
@@ -330,7 +337,8 @@ def targets(args: argparse.Namespace) -> Iterator[tuple[str, torch.nn.Module, An
     from transformers import AutoModelForImageTextToText, AutoProcessor
     from vlm_prune.adapters import find_adapter
 
-    model = AutoModelForImageTextToText.from_pretrained(args.model, dtype=torch.float32).eval()
+    dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
+    model = AutoModelForImageTextToText.from_pretrained(args.model, dtype=dtype).to(args.device).eval()
     processor = AutoProcessor.from_pretrained(args.model)
     video = "frames" in find_adapter(model).stages
     kind, n, keeps = ("video", n_video, video_keeps) if video else ("image", n_image, image_keeps)
@@ -425,7 +433,6 @@ def run(args: argparse.Namespace) -> int:
         from vlm_prune.eval import speed
 
         return speed.run(args)
-    torch.manual_seed(args.seed)
     start = time.perf_counter()
     rows: list[dict[str, Any]] = []
     skipped: list[dict[str, Any]] = []
@@ -474,14 +481,15 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--batch-size", type=_positive, default=32)
     p.add_argument("--repeats", type=_positive, default=3, help="prefill timings per batch, the median counts (default 3)")
     p.add_argument("--time-batches", type=_positive, default=1, help="batches timed per setting (default 1)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the sampling methods (random; default 0)")
     p.add_argument("--threads", type=_positive, default=None,
                    help="torch CPU threads (default: torch's choice); 1 gives stable timings on a shared machine")
     s = p.add_argument_group("--speed: time-to-first-token on random models of real shapes")
     s.add_argument("--speed", action="store_true", help="time LLaVA-1.5-7B / OneVision-7B shapes instead")
     s.add_argument("--scale", type=_positive, default=8,
                    help="divide hidden sizes, heads and layers by S (default 8; 1 = the real 7B shapes)")
-    s.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="cpu (float32) or cuda (bfloat16) for --model and --speed; the shipped models run on CPU")
     s.add_argument("--frames", type=_positive, default=32, help="video frames of the OneVision shape (default 32)")
     s.add_argument("--speed-keeps", type=_keeps, default=(0.25, 0.11), help="keep ratios timed (default 0.25,0.11)")
     p.set_defaults(func=run)
