@@ -255,7 +255,7 @@ def run_model(name: str, model: torch.nn.Module, processor: Any, samples: list[S
     timed = [inputs for _, inputs in batches[: args.time_batches]]
     base = accuracy_pass(model, processor, batches)
     t_base = time_pair(model, None, timed, args.repeats)
-    n_visual = _visual_count(model, processor, batches[0][1])
+    n_visual = _visual_count(model, batches[0][1])
     rows = [{"model": name, "method": "none", "keep": 1.0, **base, "visual_tokens_in": n_visual,
              "visual_tokens_out": n_visual, "kept_fraction": 1.0, "retention": 1.0,
              **ratios(t_base, model.device), "notes": ""}]
@@ -279,7 +279,7 @@ def run_model(name: str, model: torch.nn.Module, processor: Any, samples: list[S
     return rows, [{"model": name, **s} for s in skipped]
 
 
-def _visual_count(model: torch.nn.Module, processor: Any, inputs: dict[str, torch.Tensor]) -> float:
+def _visual_count(model: torch.nn.Module, inputs: dict[str, torch.Tensor]) -> float:
     """Visual tokens per sample of the unpruned model (placeholder tokens in the prompt)."""
     cfg = model.config
     placeholders = [getattr(cfg, a) for a in ("image_token_id", "video_token_id") if getattr(cfg, a, None) is not None]
