@@ -23,6 +23,7 @@ from typing import Any, Callable, ClassVar
 import torch
 
 from vlm_prune.adapters.base import Adapter
+from vlm_prune.adapters.vision_towers import FeatureLayerTap
 from vlm_prune.engine import LMSpec, Pending, PrunedDecoder
 from vlm_prune.methods.base import FramesContext, Reduction, VisionContext
 
@@ -97,9 +98,23 @@ class HFVLMAdapter(Adapter):
                 self._request, self.decoder.pending = saved
 
         self.patches.set(self.inner, "forward", forward)
+        if "vision" in self.state.methods:
+            self.tap = self.make_tap()
         if "vision" in self.state.methods or "frames" in self.state.methods:
             for modality, fname in self.feature_functions.items():
                 self._patch_features(modality, fname)
+
+    def detach(self) -> None:
+        if self.tap is not None:
+            self.tap.remove()
+            self.tap = None
+        super().detach()
+
+    #: side computation of the tower's feature-layer attention (VisionZip), when the adapter has one
+    tap: FeatureLayerTap | None = None
+
+    def make_tap(self) -> FeatureLayerTap | None:
+        return None
 
     def _patch_features(self, modality: str, fname: str) -> None:
         original = self.patches.original(self.inner, fname)
@@ -111,6 +126,8 @@ class HFVLMAdapter(Adapter):
             out = original(*args, **kwargs)
             # remember the call's arguments (grid sizes): generate() encodes before the forward
             out.vlm_prune_call = signature.bind_partial(*args, **kwargs).arguments
+            if self.tap is not None:
+                out.vlm_prune_tower_input = self.tap.input
             if self._request is not None:
                 out = self.reduce_features(modality, out)
             return out
@@ -231,7 +248,7 @@ class HFVLMAdapter(Adapter):
     def reduce_frames(self, method: Any, it: "Item", sample: int, gen: torch.Generator, index: int) -> Reduction:
         """Apply a vision method to each frame of an item (an image is one frame)."""
         n = (it.features.shape[0] - it.tail) // it.frames
-        tower_attention = self._tower_attention if it.frames == 1 else None
+        tower_attention = self._tower_attention
         text = self.text_embeds(sample).detach()
         parts = []
         for t in range(it.frames):
@@ -241,7 +258,7 @@ class HFVLMAdapter(Adapter):
                 n_keep=method.n_keep(n, 1),
                 grid=it.grid,
                 text_embeds=text,
-                tower_attention=(lambda i=index: tower_attention(i)) if tower_attention else None,
+                tower_attention=(lambda i=index, t=t: tower_attention(i, t)) if tower_attention else None,
                 generator=gen,
                 image_index=index,
             )
@@ -374,8 +391,8 @@ class HFVLMAdapter(Adapter):
         sizes[mask] = torch.cat(size_list).to(sizes.device)
         pending.keep, pending.sizes = keep, sizes
 
-    def tower_attention_fn(self, out: Any, modality: str) -> Callable[[int], tuple[torch.Tensor, torch.Tensor]] | None:
-        """Side computation of the tower's feature-layer attention for one image (VisionZip)."""
+    def tower_attention_fn(self, out: Any, modality: str) -> Callable[[int, int], tuple[torch.Tensor, torch.Tensor]] | None:
+        """callable(item, frame) -> (attention [N], keys [N, d]) for that frame's N tokens, or None."""
         return None
 
 

@@ -22,7 +22,6 @@ class LlavaAdapter(HFVLMAdapter):
     family = "llava"
     model_classes = ("LlavaForConditionalGeneration",)
     stages = ("vision", "vit", "llm")
-    tap: FeatureLayerTap | None = None
     tower_stage: CLIPTowerStage | None = None
 
     def __init__(self, model: torch.nn.Module, state: Any) -> None:
@@ -38,23 +37,21 @@ class LlavaAdapter(HFVLMAdapter):
 
     def attach(self) -> None:
         super().attach()
-        cfg = self.model.config
-        if "vision" in self.state.methods and isinstance(cfg.vision_feature_layer, int):
-            self.tap = FeatureLayerTap(
-                self.inner.vision_tower, cfg.vision_feature_layer, cfg.vision_feature_select_strategy == "default"
-            )
         if self.tower_stage is not None:
             self.tower_stage.attach()
             self._patch_features("image", "get_image_features")
 
-    def detach(self) -> None:
-        if self.tap is not None:
-            self.tap.remove()
-            self.tap = None
-        super().detach()
+    def make_tap(self) -> FeatureLayerTap:
+        cfg = self.model.config
+        return FeatureLayerTap(
+            self.inner.vision_tower, cfg.vision_feature_layer, cfg.vision_feature_select_strategy == "default"
+        )
 
-    def tower_attention_fn(self, out: Any, modality: str) -> Callable[[int], tuple[torch.Tensor, torch.Tensor]] | None:
-        return self.tap.attention if self.tap is not None else None
+    def tower_attention_fn(self, out: Any, modality: str) -> Callable[[int, int], tuple[torch.Tensor, torch.Tensor]] | None:
+        rows = getattr(out, "vlm_prune_tower_input", None)
+        if self.tap is None or rows is None:
+            return None
+        return lambda item, frame: self.tap.attention_of(rows[item])
 
     def reduce_features(self, modality: str, out: Any) -> Any:
         if self.tower_stage is None:

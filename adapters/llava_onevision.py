@@ -14,6 +14,7 @@ from typing import Any, ClassVar
 import torch
 
 from vlm_prune.adapters.hf_vlm import HFVLMAdapter, Item
+from vlm_prune.adapters.vision_towers import FeatureLayerTap, pool_grid
 from vlm_prune.methods.base import FramesContext
 
 
@@ -34,6 +35,31 @@ class LlavaOnevisionAdapter(HFVLMAdapter):
         rows, cols = self.frame_grid()
         n = rows * cols
         return [Item(v, (v.shape[0] - 1) // n, (rows, cols), tail=1) for v in out.pooler_output]
+
+    def make_tap(self) -> FeatureLayerTap:
+        cfg = self.model.config
+        return FeatureLayerTap(
+            self.inner.vision_tower, cfg.vision_feature_layer, cfg.vision_feature_select_strategy == "default"
+        )
+
+    def tower_attention_fn(self, out: Any, modality: str) -> Any:
+        """Video frames only: the tower row of frame t of video i is i * T + t; its attention and
+        keys are bilinearly pooled to the frame's token grid as the model pools the features.
+        (Image tokens are anyres tiles with newlines: no per-token tower row.)"""
+        rows = getattr(out, "vlm_prune_tower_input", None)
+        videos = getattr(out, "vlm_prune_call", {}).get("pixel_values_videos")
+        if self.tap is None or rows is None or modality != "video" or videos is None:
+            return None
+        frames = videos.shape[1]
+        vc = self.model.config.vision_config
+        side = vc.image_size // vc.patch_size
+
+        def attention(item: int, frame: int) -> tuple[torch.Tensor, torch.Tensor]:
+            received, keys = self.tap.attention_of(rows[item * frames + frame])
+            grid, out_grid = (side, side), self.frame_grid()
+            return pool_grid(received, grid, out_grid), pool_grid(keys, grid, out_grid)
+
+        return attention
 
     def frames_context(self, method: Any, it: Item, index: int, sample: int) -> FramesContext:
         ctx = super().frames_context(method, it, index, sample)

@@ -7,6 +7,9 @@ import torch
 class FeatureLayerTap:
     """Keeps the input of the tower's feature layer and recomputes its attention on the side.
 
+    Feature encoders snapshot :attr:`input` onto their output (generate() encodes images and videos
+    before the forward), and :meth:`attention_of` works on one row of it.
+
     The feature layer is the encoder layer whose output the projector reads
     (``vision_feature_layer``: -2 for LLaVA-1.5, i.e. the second-to-last layer). A forward
     pre-hook stores that layer's latest input; :meth:`attention` then recomputes, for one image,
@@ -17,6 +20,8 @@ class FeatureLayerTap:
     """
 
     def __init__(self, tower: torch.nn.Module, feature_layer: int, has_cls: bool) -> None:
+        if not isinstance(feature_layer, int):
+            raise ValueError("a list of vision_feature_layer values has no single feature layer to tap")
         encoder = getattr(tower, "vision_model", tower).encoder
         n_layers = len(encoder.layers)
         idx = feature_layer % (n_layers + 1) - 1  # hidden_states[i] is the output of layer i - 1
@@ -34,11 +39,10 @@ class FeatureLayerTap:
         self.handle.remove()
         self.input = None
 
-    def attention(self, image_index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.input is None:
-            raise RuntimeError("the vision tower has not run yet; no feature-layer input was captured")
+    def attention_of(self, row: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(attention [N], keys [N, d]) of one tower row [T, D] of the feature layer's input."""
         with torch.no_grad():
-            x = self.layer.layer_norm1(self.input[image_index : image_index + 1])
+            x = self.layer.layer_norm1(row[None])
             attn = self.layer.self_attn
             h, d = attn.num_heads, attn.head_dim
             q = attn.q_proj(x).view(1, -1, h, d).transpose(1, 2)
@@ -49,3 +53,13 @@ class FeatureLayerTap:
                 return probs[0, :, 0, 1:].mean(0), k[0, :, 1:].mean(0)
             probs = torch.softmax((q @ k.transpose(-1, -2)).float() * scale, dim=-1)
             return probs[0].mean(0).mean(0), k[0].mean(0)
+
+
+def pool_grid(values: torch.Tensor, grid: tuple[int, int], out: tuple[int, int]) -> torch.Tensor:
+    """Bilinearly resize per-token values [N, C] (or [N]) on a grid to ``out``, as LLaVA-OneVision
+    pools its video frames; returns [out_rows * out_cols, C] (or [...])."""
+    flat = values.dim() == 1
+    v = values[:, None] if flat else values
+    img = v.t().reshape(1, v.shape[1], *grid).float()
+    res = torch.nn.functional.interpolate(img, size=out, mode="bilinear")[0].reshape(v.shape[1], -1).t()
+    return res[:, 0] if flat else res

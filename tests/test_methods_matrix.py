@@ -53,3 +53,37 @@ def test_method_runs_and_honours_keep(family, method):
         assert stage["tokens_out"] == [max(1, int(0.5 * n)) for n in per_item]
     else:
         assert all(0 < o <= i // 2 + 1 for i, o in zip(n_in, n_out)), (n_in, n_out)
+
+
+@pytest.mark.parametrize("family", ["llava", "onevision"])
+def test_visionzip_tower_attention_equals_eager_weights(family):
+    """The tower attention VisionZip ranks by (computed on the side from the feature layer's
+    input) equals the tower's own eager attention weights: the CLS row on CLIP, the attention
+    each token receives on SigLIP, pooled to the frame grid as OneVision pools its features."""
+    from vlm_prune.adapters.vision_towers import pool_grid
+    from vlm_prune.methods import VisionZip
+
+    model = (T.tiny_llava if family == "llava" else T.tiny_onevision)(attn="eager")
+    inp = T.llava_inputs() if family == "llava" else T.onevision_video_inputs(model, frames=3)
+    seen = []
+
+    class Recording(VisionZip):
+        def reduce_image(self, ctx):
+            seen.append(ctx.tower_attention()[0])
+            return super().reduce_image(ctx)
+
+    vlm_prune.wrap(model, Recording(), keep=0.5)
+    try:
+        with torch.no_grad():
+            model(**inp)
+    finally:
+        vlm_prune.unwrap(model)
+    pixels = inp["pixel_values"] if family == "llava" else inp["pixel_values_videos"].flatten(0, 1)
+    with torch.no_grad():
+        layer = 0 if family == "llava" else -1  # vision_feature_layer -2 (LLaVA) / -1 (OneVision)
+        att = model.model.vision_tower(pixels, output_attentions=True).attentions[layer]
+    if family == "llava":
+        expected = att[:, :, 0, 1:].mean(1)
+    else:
+        expected = torch.stack([pool_grid(a.mean(0).mean(0), (4, 4), (2, 2)) for a in att])
+    torch.testing.assert_close(torch.stack(seen), expected.float(), atol=1e-5, rtol=0)

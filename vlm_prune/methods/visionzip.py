@@ -62,15 +62,17 @@ class VisionZip(VisionMethod):
     similarity to uniformly spaced targets (:func:`visionzip_reduce`). Defaults: 54 dominant of
     every 64 kept (``dominant_ratio`` = 54/64, the official 54 + 10 split, scaled to the
     budget). The adapter supplies ``ctx.tower_attention()`` -> (attention [N], keys [N, d]):
-    CLS attention summed over heads and the feature layer's keys averaged over heads, as the
-    official code; towers without a CLS token (SigLIP, Qwen2-VL) give the mean attention each
-    token receives instead. Difference from the official code: tokens are merged after the
+    CLS attention averaged over heads (the official code sums them: same ranking) and the feature
+    layer's keys averaged over heads. Towers without a CLS token (SigLIP in LLaVA-OneVision) give
+    the mean attention each token receives instead, bilinearly pooled to each video frame's token
+    grid as the model pools its features; OneVision's anyres image tiles and Qwen2-VL's windowed
+    tower have no per-token tower row, so VisionZip runs on LLaVA-1.5 images and OneVision video. Difference from the official code: tokens are merged after the
     projector (the vision stage sees projected features), the official code merges tower
     outputs and projects the merged tokens.
     """
 
     name = "visionzip"
-    supported = ("llava",)  # the LLaVA-1.5 adapter taps the CLIP feature layer (one tower row per image)
+    supported = ("llava", "llava_onevision")  # adapters that tap the tower feature layer (OneVision: video frames)
     paper = "VisionZip, Yang et al., CVPR 2025 (dvlab-research/VisionZip)"
 
     def __init__(self, dominant_ratio: float = 54 / 64, keep: float | None = None, budget: int | None = None):
