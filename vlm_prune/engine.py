@@ -223,12 +223,13 @@ class PrunedDecoder:
 
         The new rows are the last q keys; causality is by row order (rows are kept in their
         original order). Returns a [B, 1, q, kv] additive float mask, or for FlashAttention a
-        [B, kv] key-padding mask (None when nothing is masked).
+        [B, kv] key-padding mask.
         """
         b, kv = key_valid.shape
         q = q_valid.shape[1]
         if "flash" in self.attn_impl():
-            return None if bool(key_valid.all()) else key_valid.long()
+            # always a mask: without one, transformers reads position-id gaps as packed sequences
+            return key_valid.long()
         past = kv - q
         qi = torch.arange(q, device=key_valid.device)[:, None] + past
         ki = torch.arange(kv, device=key_valid.device)[None, :]
