@@ -154,11 +154,8 @@ class HFVLMAdapter(Adapter):
             "input_ids": input_ids,
             "attention_mask": attn if attn is not None else torch.ones_like(input_ids),
             "masks": masks,
-            "keep": {m: [] for m in ids},
-            "sizes": {m: [] for m in ids},
-            "kwargs": kwargs,
         }
-        self.decoder.pending = Pending(visual=visual, images_per_sample=self.images_per_sample(masks, kwargs))
+        self.decoder.pending = Pending(visual=visual, images_per_sample=self.images_per_sample(masks))
         encoded = kwargs.get("mm_encoder_outputs")
         if encoded:  # generate() encodes images before the prefill: reduce them here
             kwargs["mm_encoder_outputs"] = {
@@ -166,7 +163,7 @@ class HFVLMAdapter(Adapter):
                 for m, out in encoded.items()
             }
 
-    def images_per_sample(self, masks: dict[str, torch.Tensor], kwargs: dict[str, Any]) -> list[int]:
+    def images_per_sample(self, masks: dict[str, torch.Tensor]) -> list[int]:
         """How many images / videos each sample holds (budget= is per image)."""
         out = []
         for b in range(next(iter(masks.values())).shape[0]):
