@@ -1,4 +1,4 @@
-"""ViT-stage methods (AS-ViT, ToMe) inside the CLIP vision tower of a VLM (LLaVA-1.5).
+"""ViT-stage methods (AS-ViT, ToMe) inside the CLIP vision tower of a VLM (LLaVA-1.5, LLaVA-NeXT).
 
 The encoder layers up to the feature layer (``vision_feature_layer``: -2 for LLaVA-1.5, so 23
 of 24 layers) get, on this instance only, the method's ``block_forward`` in place of their
@@ -14,7 +14,9 @@ adds log(size) to attention logits for merged tokens.
 
 Layers after the feature layer run unchanged on the surviving tokens (their output is not
 read by the VLM). The slots travel with the tower output as its ``vlm_prune_vit`` attribute,
-because ``generate()`` encodes the images before the forward that reduces them.
+because ``generate()`` encodes the images before the forward that reduces them. LLaVA-NeXT
+(one tower row per anyres tile) scatters each tile's survivors back to its grid before the
+model packs the tiles, see vlm_prune.adapters.llava_next.
 """
 from __future__ import annotations
 
@@ -131,6 +133,9 @@ class CLIPTowerStage:
         self.patches = patches
         self.active = active
         self.run: ViTRun | None = None
+        #: the run of the latest tower forward (None when it ran unpruned), for code between the
+        #: tower and the model's use of its output (LLaVA-NeXT's tile packing)
+        self.finished: ViTRun | None = None
 
     def attach(self) -> None:
         for i, layer in enumerate(self.layers[: self.depth]):
@@ -141,7 +146,7 @@ class CLIPTowerStage:
         def forward(*args: Any, **kwargs: Any) -> Any:
             self.run = None
             out = tower_forward(*args, **kwargs)
-            out.vlm_prune_vit = self.run  # None when the tower ran unpruned
+            out.vlm_prune_vit = self.finished = self.run  # None when the tower ran unpruned
             self.run = None
             return out
 
@@ -166,33 +171,50 @@ class CLIPTowerStage:
 
         return forward
 
-    def reductions(self, out: Any) -> tuple[list[Reduction], dict[str, Any]]:
-        """One Reduction per image of an encoder output (``pooler_output``: [k, D] per image)
-        over the image's placeholders, and the stats record of the stage."""
+    def run_of(self, out: Any) -> ViTRun:
+        """The pruned run that produced a tower (or feature function) output."""
         run: ViTRun | None = getattr(out, "vlm_prune_vit", None)
-        feats = out.pooler_output
         if run is None:
             raise RuntimeError(
                 f"these image features did not come through the tower wrapped for {self.method.name!r} "
                 "(encoded before wrap(), or with pruning bypassed); pass pixel_values to the wrapped model"
             )
+        return run
+
+    def n_features(self, run: ViTRun) -> int:
+        """Feature tokens per tower row before pruning (patches, plus CLS with the 'full' strategy)."""
+        return run.n_tokens - (1 if self.drop_cls else 0)
+
+    def survivors(self, run: ViTRun, rows: int, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(slots [rows, k], sizes [rows, k] or None): where each surviving feature token of every
+        tower row sits among the row's :meth:`n_features` unpruned feature tokens, and how many
+        patches it stands for (ToMe)."""
+        skip = 1 if self.drop_cls else 0
+        slots = run.token_slots(rows, device)[:, skip:].to(device) - skip
+        sizes = run.sizes[:, skip:].to(device) if run.sizes is not None else None
+        return slots, sizes
+
+    def record(self, run: ViTRun, tokens_in: list[int], tokens_out: list[int]) -> dict[str, Any]:
+        """The stats record of the stage (tokens per image before / after)."""
+        summary = run.summary()
+        return {
+            "stage": "vit", "method": self.method.name, "modality": "image",
+            "tokens_in": tokens_in, "tokens_out": tokens_out,
+            "tokens_per_layer": summary["tokens_per_block"], "flops_ratio": summary["flops_ratio"],
+        }
+
+    def reductions(self, out: Any) -> tuple[list[Reduction], dict[str, Any]]:
+        """One Reduction per image of an encoder output (``pooler_output``: [k, D] per image, one
+        tower row each) over the image's placeholders, and the stats record of the stage."""
+        run = self.run_of(out)
+        feats = out.pooler_output
         images = out.last_hidden_state.shape[0]
         if len(feats) != images:
             raise ValueError(
                 f"the tower encoded {images} images but {len(feats)} feature sets reached the model; "
                 f"{self.method.name!r} does not support num_beams / num_return_sequences > 1 in generate()"
             )
-        skip = 1 if self.drop_cls else 0
-        slots = run.token_slots(images, feats[0].device)
-        reds = []
-        for i, f in enumerate(feats):
-            sizes = run.sizes[i, skip:].to(f.device) if run.sizes is not None else None
-            reds.append(Reduction((slots[i, skip:] - skip).to(f.device), f, sizes))
-        n = run.n_tokens - skip
-        summary = run.summary()
-        record = {
-            "stage": "vit", "method": self.method.name, "modality": "image",
-            "tokens_in": [n] * len(feats), "tokens_out": [int(r.indices.numel()) for r in reds],
-            "tokens_per_layer": summary["tokens_per_block"], "flops_ratio": summary["flops_ratio"],
-        }
-        return reds, record
+        slots, sizes = self.survivors(run, images, feats[0].device)
+        reds = [Reduction(slots[i], f, sizes[i] if sizes is not None else None) for i, f in enumerate(feats)]
+        n = self.n_features(run)
+        return reds, self.record(run, [n] * len(feats), [int(r.indices.numel()) for r in reds])

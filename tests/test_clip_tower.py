@@ -1,4 +1,4 @@
-"""AS-ViT and ToMe inside LLaVA-1.5's CLIP tower (vlm_prune.adapters.clip_tower).
+"""AS-ViT and ToMe inside the CLIP tower of LLaVA-1.5 and LLaVA-NeXT (vlm_prune.adapters.clip_tower).
 
 References are built only from the unwrapped model's own modules: an eager CLIP tower that
 masks pruned tokens as keys (AS-ViT) or merges tokens in per-image loops with log-size
@@ -34,6 +34,52 @@ def tiny_llava_deep(layers: int = 6, seed: int = 0):
     model = LlavaForConditionalGeneration(cfg).eval()
     model.set_attn_implementation("sdpa")
     return model
+
+
+def tiny_llava_next_deep(layers: int = 6, seed: int = 0):
+    """tiny_llava_next with a deeper CLIP tower: 32 px tiles of 4 x 4 patches, 5 layers to prune in."""
+    from transformers import CLIPVisionConfig, LlavaNextConfig, LlavaNextForConditionalGeneration
+
+    torch.manual_seed(seed)
+    cfg = LlavaNextConfig(
+        vision_config=CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                                       num_attention_heads=2, image_size=32, patch_size=8),
+        text_config=T._llama(),
+        image_token_id=T.IMAGE_TOKEN,
+        image_grid_pinpoints=[[32, 64], [64, 32], [64, 64]],
+        vision_feature_layer=-2,
+    )
+    model = LlavaNextForConditionalGeneration(cfg).eval()
+    model.set_attn_implementation("sdpa")
+    return model
+
+
+#: (height, width) of the two LLaVA-NeXT test images -> grid rows kept by unpadding; both are
+#: a base tile plus a 1 x 2 tile grid (a 4 x 8 token canvas); 16 x 64 crops it to rows 1 and 2
+NEXT_IMAGES = {(32, 64): range(4), (16, 64): range(1, 3)}
+
+
+def next_inputs():
+    """Batch 2, left padded: one image each (52 and 34 placeholders: 16 base + rows x (8 + newline))."""
+    g = torch.Generator().manual_seed(3)
+    counts = [16 + len(rows) * 9 for rows in NEXT_IMAGES.values()]
+    ids, mask = T.prompts([[(T.IMAGE_TOKEN, n)] for n in counts])
+    return {"input_ids": ids, "attention_mask": mask, "pixel_values": torch.randn(2, 3, 3, 32, 32, generator=g),
+            "image_sizes": torch.tensor(list(NEXT_IMAGES))}
+
+
+def next_layout(crop):
+    """(tile, slot) of each placeholder of one packed LLaVA-NeXT image, None for a newline:
+    the base tile's 16 patches, then each kept canvas row y: 8 patches of tiles 1, 2 and a newline."""
+    out = [(0, s) for s in range(16)]
+    for y in crop:
+        out += [(1 + x // 4, y * 4 + x % 4) for x in range(8)] + [None]
+    return out
+
+
+@pytest.fixture(scope="module")
+def next_deep():
+    return tiny_llava_next_deep()
 
 
 @pytest.fixture(scope="module")
@@ -130,11 +176,16 @@ def tome_tower(model, pixels, depth, r):
 def hand_built_logits(model, inp, b, feats, slots, sizes, positions):
     """Logits of sample b's valid text rows plus the image placeholders at ``slots`` (holding
     the projected ``feats``), at their original positions, log(size) added for those keys."""
+    return hand_built_from_embeds(model, inp, b, model.model.multi_modal_projector(feats), slots, sizes, positions)
+
+
+def hand_built_from_embeds(model, inp, b, embeds, slots, sizes, positions):
+    """As hand_built_logits, the placeholders at ``slots`` holding LLM input rows ``embeds``."""
     ids = inp["input_ids"][b]
     lm = model.model.language_model
     vis = torch.nonzero(ids == T.IMAGE_TOKEN).squeeze(1)
     emb = lm.embed_tokens(ids).clone()
-    emb[vis[slots]] = model.model.multi_modal_projector(feats)
+    emb[vis[slots]] = embeds
     keep = inp["attention_mask"][b].bool() & (ids != T.IMAGE_TOKEN)
     keep[vis[slots]] = True
     bias = torch.zeros(ids.shape[0])
@@ -308,7 +359,7 @@ def test_full_strategy_keeps_the_cls_placeholder():
 
 @pytest.mark.parametrize("make, method, message", [
     (T.tiny_llava, "asvit", "at least 2 blocks (in a VLM: tower layers up to the feature layer)"),
-    (T.tiny_llava_next, "asvit", "LLaVA-1.5 (LlavaForConditionalGeneration) only"),
+    (T.tiny_llava_next, "asvit", "at least 2 blocks (in a VLM: tower layers up to the feature layer)"),
     (T.tiny_onevision, "tome", "does not offer"),
     (T.tiny_qwen2_vl, "tome", "does not offer"),
     (lambda: _llava_with(siglip=True, vision_feature_select_strategy="full", vision_feature_layer=-1), "tome", "needs its CLS token"),
@@ -321,3 +372,89 @@ def test_unsupported_models_fail_at_wrap_time(make, method, message):
         vlm_prune.wrap(model, method, keep=0.5)
     assert message in str(err.value)
     assert not hasattr(model, "vlm_prune")
+
+
+# ---- LLaVA-NeXT: one tower row per anyres tile -------------------------------------------------
+@pytest.mark.parametrize("method", [lambda: ASViT(keep=1.0), lambda: ToMe(r=0)])
+def test_next_identity_when_nothing_is_pruned(next_deep, method):
+    """keep=1.0 / r=0 on LLaVA-NeXT equals the unwrapped model (two image sizes, one cropped by
+    unpadding): prefill logits at valid rows and a 20-step greedy generate, batch 2."""
+    inp = next_inputs()
+    valid = inp["attention_mask"].bool()
+    ref_logits, ref_gen = run(next_deep, inp)
+    vlm_prune.wrap(next_deep, method())
+    try:
+        logits, gen = run(next_deep, inp)
+        stats = next_deep.vlm_prune.last_stats
+    finally:
+        vlm_prune.unwrap(next_deep)
+    torch.testing.assert_close(logits[valid], ref_logits[valid], atol=1e-5, rtol=0)
+    assert torch.equal(gen, ref_gen)
+    assert [r["stage"] for r in stats["stages"]] == ["vit"]
+    assert stats["visual_tokens_out"] == stats["visual_tokens_in"] == [52, 34]
+
+
+@pytest.mark.parametrize("name", ["asvit", "tome"])
+def test_pruned_next_equals_hand_built_input(next_deep, name):
+    """Every tile is pruned in the tower like a LLaVA-1.5 image (eager reference towers); the
+    wrapped model's logits equal the unwrapped decoder run on the text rows and, in the packed
+    order laid out by hand (base tile, unpadded canvas rows, a newline ending each), only the
+    placeholders of surviving patches (projected reference features) and every newline, at
+    their original positions with log(size) bias; generate's prefill is the same forward."""
+    inp = next_inputs()
+    method = ASViT(keep=0.7) if name == "asvit" else ToMe(r=2)
+    vlm_prune.wrap(next_deep, method)
+    try:
+        with torch.no_grad():
+            logits = next_deep(**inp).logits
+            rows, stats = next_deep.vlm_prune.last_rows, next_deep.vlm_prune.last_stats
+            gen = next_deep.generate(**inp, max_new_tokens=1, do_sample=False)
+        assert next_deep.vlm_prune.last_stats["stages"] == stats["stages"]
+    finally:
+        vlm_prune.unwrap(next_deep)
+    assert torch.equal(gen[:, -1], logits[:, -1].argmax(-1))
+    tiles = inp["pixel_values"].flatten(0, 1)  # 3 tiles per image: base, left, right
+    with torch.no_grad(), capture_lm_inputs(next_deep) as seen:
+        next_deep(**inp)
+        b, s = inp["input_ids"].shape
+        positions = positions_of(seen[0], b, s)
+        if name == "asvit":
+            ref = asvit_tower(next_deep, tiles, 5, {0: 11, 1: 7, 2: 5})
+        else:
+            ref = tome_tower(next_deep, tiles, 5, 2)
+        newline = next_deep.model.image_newline
+        kept_counts = []
+        for i, crop in enumerate(NEXT_IMAGES.values()):
+            survivors = [{int(sl): (f, sz) for f, sl, sz in zip(*ref[3 * i + t])} for t in range(3)]
+            slots, embeds, sizes = [], [], []
+            for p, token in enumerate(next_layout(crop)):
+                if token is None or token[1] in survivors[token[0]]:
+                    f, sz = (None, 1.0) if token is None else survivors[token[0]][token[1]]
+                    slots.append(p)
+                    embeds.append(newline if f is None else next_deep.model.multi_modal_projector(f))
+                    sizes.append(float(sz))
+            sizes = torch.tensor(sizes)
+            if name == "tome":
+                assert sizes.max() > 1
+            kept, expected = hand_built_from_embeds(next_deep, inp, i, torch.stack(embeds), torch.tensor(slots),
+                                                    sizes, positions)
+            assert torch.equal(rows[i][rows[i] >= 0], kept)
+            torch.testing.assert_close(logits[i, rows[i] >= 0], expected, atol=1e-5, rtol=0)
+            kept_counts.append(len(slots))
+    assert stats["visual_tokens_in"] == [52, 34]
+    assert stats["visual_tokens_out"] == stats["stages"][0]["tokens_out"] == kept_counts
+    assert all(o < n for o, n in zip(kept_counts, [52, 34]))
+
+
+def test_next_unwrap_restores_bit_identical(next_deep):
+    inp = next_inputs()
+    modules = list(next_deep.modules())
+    ref, ref_gen = run(next_deep, inp, steps=3)
+    before = [set(vars(m)) for m in modules]
+    vlm_prune.wrap(next_deep, ToMe(r=2))
+    pruned, _ = run(next_deep, inp, steps=3)
+    vlm_prune.unwrap(next_deep)
+    out, gen = run(next_deep, inp, steps=3)
+    assert not torch.equal(pruned, ref)
+    assert torch.equal(out, ref) and torch.equal(gen, ref_gen)
+    assert [set(vars(m)) for m in modules] == before
