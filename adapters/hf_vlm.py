@@ -212,11 +212,13 @@ class HFVLMAdapter(Adapter):
         samples = self.sample_of_items(modality, [it.features.shape[0] for it in items])
         t0 = time.perf_counter()
         new_feats, keep_list, size_list, n_in, n_out, extra = [], [], [], [], [], []
+        offset = 0
         for i, it in enumerate(items):
             body = it.features.shape[0] - it.tail
             with torch.no_grad():
                 if frames_m is not None:
                     plan = frames_m.allocate(self.frames_context(frames_m, it, i, samples[i]))
+                    self.frames_planned(modality, it, offset, plan)
                     red = plan.reduction
                     extra.append({"tokens_per_frame": plan.tokens_per_frame, "kept_frames": plan.kept_frames,
                                   "frame_scores": None if plan.frame_scores is None else plan.frame_scores.tolist()})
@@ -232,6 +234,7 @@ class HFVLMAdapter(Adapter):
             size_list.append(torch.cat([sizes, torch.ones(it.tail, device=sizes.device)]))
             n_in.append(body)
             n_out.append(int(keep[:body].sum()))
+            offset += it.features.shape[0]
         secs = time.perf_counter() - t0
         self._commit_vision(modality, keep_list, size_list)
         record = {"stage": "frames" if frames_m is not None else "vision",
@@ -270,6 +273,10 @@ class HFVLMAdapter(Adapter):
         if any(p.sizes is not None for p in parts):
             sizes = torch.cat([p.sizes if p.sizes is not None else torch.ones(p.indices.numel()) for p in parts])
         return Reduction(torch.cat([p.indices for p in parts]), feats, sizes)
+
+    def frames_planned(self, modality: str, it: "Item", offset: int, plan: Any) -> None:
+        """Hook after a frames plan for the item whose slots start at flat placeholder ``offset``
+        (models with spatial position ids place resized tokens here)."""
 
     def frames_context(self, method: Any, it: "Item", index: int, sample: int) -> FramesContext:
         n = (it.features.shape[0] - it.tail) // it.frames

@@ -13,7 +13,8 @@ from typing import Any, ClassVar
 import torch
 
 from vlm_prune.adapters.hf_vlm import HFVLMAdapter, Item
-from vlm_prune.engine import LMSpec, default_positions
+from vlm_prune.engine import LMSpec, PositionRewrite, default_positions
+from vlm_prune.methods.base import FramesContext
 
 
 def _rope_positions(p: torch.Tensor) -> torch.Tensor:
@@ -51,3 +52,40 @@ class Qwen2VLAdapter(HFVLMAdapter):
         for f, (t, h, w) in zip(out.pooler_output, grids.tolist()):
             out_items.append(Item(f, int(t), (int(h) // merge, int(w) // merge)))
         return out_items
+
+    def frames_planned(self, modality: str, it: Item, offset: int, plan: Any) -> None:
+        """Resized frame maps (QuoTA) get M-RoPE positions of their resized grid: each token keeps
+        its source slice's temporal position, and (row, col) in the new grid from the video's
+        spatial origin (as get_rope_index lays out a video of that grid)."""
+        if plan.token_coords is None:
+            return
+        flat = torch.nonzero(self._request["masks"][modality])
+        n_native = it.grid[0] * it.grid[1]
+        coords = plan.token_coords.to(flat.device)
+        k = coords.shape[0]
+        rows = flat[offset : offset + k, 1]
+        frame_rows = flat[offset + coords[:, 0] * n_native, 1]
+        self.decoder.pending.position_rewrites.append(
+            PositionRewrite(int(flat[offset, 0]), rows, frame_rows, int(flat[offset, 1]), coords[:, 1:])
+        )
+
+    def frames_context(self, method: Any, it: Item, index: int, sample: int) -> FramesContext:
+        ctx = super().frames_context(method, it, index, sample)
+        call = getattr(self._current_out, "vlm_prune_call", {})
+        patches, grids = call.get("pixel_values_videos"), call.get("video_grid_thw")
+        if patches is not None and grids is not None:
+            start = int(grids[:index].prod(-1).sum())
+            t, h, w = (int(x) for x in grids[index])
+            ctx.pixels = unpatchify(patches[start : start + t * h * w], (t, h, w), self.model.config.vision_config)
+        return ctx
+
+
+def unpatchify(patches: torch.Tensor, grid: tuple[int, int, int], vc: Any) -> torch.Tensor:
+    """Frames [t, C, H, W] (the first frame of each temporal patch) from Qwen2-VL's flattened
+    patches [t*h*w, C*tp*p*p], inverting the order its image processor flattens them in:
+    (t, h/m, w/m, m, m, C, tp, p, p) from (t, tp, C, h/m, m, p, w/m, m, p)."""
+    t, h, w = grid
+    m, tp, p = vc.spatial_merge_size, vc.temporal_patch_size, vc.patch_size
+    c = patches.shape[1] // (tp * p * p)
+    x = patches.reshape(t, h // m, w // m, m, m, c, tp, p, p).permute(0, 6, 5, 1, 3, 7, 2, 4, 8)
+    return x.reshape(t, tp, c, h * p, w * p)[:, 0]

@@ -94,6 +94,65 @@ def test_quota_without_processor_is_refused_at_wrap_time():
         vlm_prune.wrap(T.tiny_onevision(), "quota", keep=0.5)
 
 
-def test_quota_on_qwen2_vl_says_what_to_use_instead():
-    with pytest.raises(ValueError, match="uniform"):
-        vlm_prune.wrap(T.tiny_qwen2_vl(), QuoTA(scorer=lambda p, q: torch.ones(2)), keep=0.5)
+def test_quota_on_qwen2_vl_without_a_scorer_says_what_to_pass():
+    with pytest.raises(ValueError, match="scorer="):
+        vlm_prune.wrap(T.tiny_qwen2_vl(), "quota", keep=0.5, processor=eval_tiny.build_processor())
+
+
+def test_qwen2_vl_unpatchify_recovers_the_processed_frames():
+    from transformers import Qwen2VLImageProcessor
+
+    from vlm_prune.adapters.qwen2_vl import unpatchify
+
+    proc = Qwen2VLImageProcessor(min_pixels=56 * 56, max_pixels=56 * 56, do_resize=False)
+    img = (torch.rand(56, 56, 3) * 255).to(torch.uint8).numpy()
+    out = proc(images=[img], return_tensors="pt")
+    frames = unpatchify(out["pixel_values"], tuple(out["image_grid_thw"][0].tolist()), _qwen_vc(proc))
+    mean = torch.tensor(proc.image_mean).view(3, 1, 1)
+    std = torch.tensor(proc.image_std).view(3, 1, 1)
+    expected = (torch.from_numpy(img).permute(2, 0, 1).float() / 255 - mean) / std
+    torch.testing.assert_close(frames[0], expected, atol=1e-4, rtol=0)
+
+
+def _qwen_vc(proc):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(spatial_merge_size=proc.merge_size, temporal_patch_size=proc.temporal_patch_size,
+                           patch_size=proc.patch_size)
+
+
+def test_quota_on_qwen2_vl_places_resized_frames_on_their_own_m_rope_grid():
+    """QuoTA's resized slice keeps its temporal position and gets (row, col) positions of its new
+    grid from the video's origin; the result equals the unwrapped language model run on the
+    kept tokens at those positions."""
+    from reference import capture_lm_inputs
+
+    model = T.tiny_qwen2_vl()
+    inp = T.qwen2_vl_inputs(model, video=True, batch=1)
+    quota = QuoTA(scorer=lambda pixels, prompt: torch.tensor([0.1, 0.9]))  # 2 temporal slices of 4 x 4
+    vlm_prune.wrap(model, quota, budget=9)
+    try:
+        with torch.no_grad(), capture_lm_inputs(model) as seen:
+            logits = model(**inp).logits
+        rows = model.vlm_prune.last_rows[0]
+        (rec,) = model.vlm_prune.last_stats["stages"]
+    finally:
+        vlm_prune.unwrap(model)
+    assert rec["videos"][0]["kept_frames"] == [1] and rec["videos"][0]["tokens_per_frame"] == [0, 6]
+    pos = seen[0]["position_ids"]
+    pos = pos[1:] if pos.shape[0] == 4 else pos  # [3, 1, S] original M-RoPE positions
+    video = torch.nonzero(inp["input_ids"][0] == T.VIDEO_TOKEN).squeeze(1)
+    origin = pos[:, 0, video[0]]
+    slice1_t = pos[0, 0, video[16]]  # first token of the second temporal slice
+    kept_video = [int(r) for r in rows if int(r) in set(video.tolist())]
+    assert kept_video == video[:6].tolist()
+    expected = pos.clone()
+    for k, r in enumerate(kept_video):  # grid_for(8) = 3 x 2, row-major
+        expected[:, 0, r] = torch.stack([slice1_t, origin[1] + k // 2, origin[2] + k % 2])
+    keep = rows[rows >= 0]
+    lm = model.model.language_model
+    with torch.no_grad():
+        h = lm(inputs_embeds=seen[0]["inputs_embeds"][:, keep], position_ids=expected[:, :, keep],
+               attention_mask=torch.ones(1, keep.numel(), dtype=torch.long)).last_hidden_state
+        ref = model.lm_head(h)[0]
+    torch.testing.assert_close(logits[0, rows >= 0], ref, atol=1e-5, rtol=0)

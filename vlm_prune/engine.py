@@ -60,6 +60,32 @@ class Pending:
     images_per_sample: list[int] | None = None
     records: list[dict[str, Any]] = field(default_factory=list)
     visual_in: list[int] | None = None  # visual tokens per sample before any reduction
+    #: resized frame maps (QuoTA on M-RoPE models): new spatial positions for some rows
+    position_rewrites: list["PositionRewrite"] = field(default_factory=list)
+
+
+@dataclass
+class PositionRewrite:
+    """Place resized frame tokens of one video of sample ``b`` on M-RoPE's (t, h, w) axes.
+
+    rows: [K] sequence rows of the tokens; frame_rows: [K] the row of the first slot of each
+    token's source frame (its temporal position is kept); base_row: the video's first slot,
+    whose h / w positions are the grid origin; rel: [K, 2] (row, col) in the resized grid.
+    """
+
+    b: int
+    rows: torch.Tensor
+    frame_rows: torch.Tensor
+    base_row: int
+    rel: torch.Tensor
+
+    def apply(self, pos: torch.Tensor) -> None:
+        """Rewrite the last three (t, h, w) position rows of ``pos`` [P, B, S] in place."""
+        t, h, w = pos.shape[0] - 3, pos.shape[0] - 2, pos.shape[0] - 1
+        rel = self.rel.to(pos.device)
+        pos[t, self.b, self.rows] = pos[t, self.b, self.frame_rows]
+        pos[h, self.b, self.rows] = pos[h, self.b, self.base_row] + rel[:, 0]
+        pos[w, self.b, self.rows] = pos[w, self.b, self.base_row] + rel[:, 1]
 
 
 @dataclass
@@ -300,6 +326,10 @@ class PrunedDecoder:
         visual = pending.visual.to(device) if pending is not None else torch.zeros(b, s, dtype=torch.bool, device=device)
         sizes = pending.sizes.to(device).float() if pending is not None and pending.sizes is not None else torch.ones(b, s, device=device)
         origin = torch.arange(s, device=device).expand(b, s).clone()
+        if pending is not None and pending.position_rewrites:
+            pos = pos.clone()
+            for rewrite in pending.position_rewrites:
+                rewrite.apply(pos)
         rows = Rows(embeds, pos, valid, visual, sizes, origin)
         stats_in = (visual & valid).sum(1).tolist()
         if pending is not None:

@@ -189,8 +189,7 @@ def resize_frame(tokens: torch.Tensor, grid: tuple[int, int], n: int, variant: s
     if variant in ("v1", "v2"):
         h, w = grid_for(n)
         if variant == "v2":
-            h = min(h, rows)
-            w = min(w, cols, n // h)
+            h, w = min(h, rows), _v2_width(grid, n)
         fmap = tokens.float().t().reshape(1, d, rows, cols)
         if variant == "v1":
             out = F.interpolate(fmap, size=(h, w), mode="bilinear", align_corners=False)
@@ -232,11 +231,12 @@ def quota_plan(
     n = allocate_tokens(w, n_total, cap)
     if int(n.sum()) == 0:
         n[int(torch.argmax(w))] = min(n_total, n_native) if cap else n_total
-    pieces, per_frame = [], [0] * t
+    pieces, per_frame, coords = [], [0] * t, []
     for i in torch.nonzero(n).flatten().tolist():
         piece = resize_frame(features[i], grid, int(n[i]), variant)
         pieces.append(piece)
         per_frame[i] = piece.shape[0]
+        coords.append(frame_coords(i, grid, int(n[i]), piece.shape[0], variant))
     kept = torch.cat(pieces)
     reduction = Reduction(torch.arange(kept.shape[0], device=features.device), features=kept)
     return FramesPlan(
@@ -244,7 +244,36 @@ def quota_plan(
         kept_frames=[i for i, k in enumerate(per_frame) if k > 0],
         tokens_per_frame=per_frame,
         frame_scores=scores.detach().float().cpu(),
+        token_coords=torch.cat(coords),
     )
+
+
+def frame_coords(frame: int, grid: tuple[int, int], n: int, count: int, variant: str) -> torch.Tensor:
+    """(frame, row, col) of the ``count`` tokens :func:`resize_frame` returns for one frame.
+
+    v1 / v2: the resized grid, row-major. v3: each subsampled token's own place in the native
+    grid. v4 (merged tokens have no place of their own): row-major over rows of width
+    grid_for(n)[1] (our choice).
+    """
+    rows, cols = grid
+    if variant in ("v1", "v2"):
+        width = grid_for(n)[1] if variant == "v1" else _v2_width(grid, n)
+        k = torch.arange(count)
+        return torch.stack([torch.full_like(k, frame), k // width, k % width], 1)
+    if variant == "v3":
+        idx = torch.linspace(0, rows * cols - 1, n).round().long()
+        return torch.stack([torch.full_like(idx, frame), idx // cols, idx % cols], 1)
+    width = grid_for(n)[1]
+    k = torch.arange(count)
+    return torch.stack([torch.full_like(k, frame), k // width, k % width], 1)
+
+
+def _v2_width(grid: tuple[int, int], n: int) -> int:
+    """The width :func:`resize_frame` pools to in v2 (grid_for(n) clamped to the native grid)."""
+    rows, cols = grid
+    h, w = grid_for(n)
+    h = min(h, rows)
+    return min(w, cols, n // h)
 
 
 Scorer = Callable[[torch.Tensor, str], torch.Tensor]
@@ -306,10 +335,10 @@ class QuoTA(FramesMethod):
 
     def check_model(self, adapter: Any) -> None:
         super().check_model(adapter)
-        if adapter.family == "qwen2_vl":
+        if adapter.family == "qwen2_vl" and self._scorer is None:
             raise ValueError(
-                "quota resizes each frame's token map, which on Qwen2-VL needs new M-RoPE positions for the "
-                "resized grids; that is not implemented yet. Use frames='uniform' or 'keyscore' on Qwen2-VL."
+                "quota on Qwen2-VL needs a frame scorer: QuoTA(scorer=callable(pixels [T, C, H, W], prompt) -> p [T]) "
+                "(the model-as-scorer default is implemented for LLaVA-OneVision only)"
             )
 
     def frame_scores(self, ctx: FramesContext) -> torch.Tensor:

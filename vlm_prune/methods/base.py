@@ -155,12 +155,16 @@ class FramesPlan:
     kept_frames: indices of the frames that keep at least one token.
     tokens_per_frame: [T] tokens allotted to each frame (0 = dropped).
     frame_scores: [T] the scores the allocation came from (for stats and plots).
+    token_coords: [K, 3] long (frame, row, col) of every kept token in its frame's (resized)
+        grid, when the plan resizes frames; None when kept tokens stay at their own slots. Models
+        with spatial position ids (Qwen2-VL's M-RoPE) place resized tokens by these coordinates.
     """
 
     reduction: Reduction
     kept_frames: list[int]
     tokens_per_frame: list[int]
     frame_scores: torch.Tensor | None = None
+    token_coords: torch.Tensor | None = None
 
 
 class Method:
