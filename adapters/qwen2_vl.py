@@ -76,8 +76,34 @@ class Qwen2VLAdapter(HFVLMAdapter):
         if patches is not None and grids is not None:
             start = int(grids[:index].prod(-1).sum())
             t, h, w = (int(x) for x in grids[index])
-            ctx.pixels = unpatchify(patches[start : start + t * h * w], (t, h, w), self.model.config.vision_config)
+            item = patches[start : start + t * h * w]
+            ctx.pixels = unpatchify(item, (t, h, w), self.model.config.vision_config)
+            if self.state.processor is not None:
+                ctx.score_frames = lambda prompts, item=item, grid=(t, h, w): self.score_frames(item, grid, prompts)
         return ctx
+
+    def score_frames(self, patches: torch.Tensor, grid: tuple[int, int, int], prompts: list[str]) -> torch.Tensor:
+        """QuoTA's default scorer: the model itself on each temporal slice (a one-slice video of the
+        slice's own patches) with the yes/no prompt, P("A") of the answer. Returns p [t]."""
+        t, h, w = grid
+        prompts = prompts * t if len(prompts) == 1 else prompts
+        merge = self.model.config.vision_config.spatial_merge_size
+        seqs = [self.chat_ids(p, "video", h * w // merge**2) for p in prompts]
+        width = max(s.numel() for s in seqs)
+        ids = torch.zeros(t, width, dtype=torch.long)
+        mask = torch.zeros(t, width, dtype=torch.long)
+        for i, s in enumerate(seqs):
+            ids[i, width - s.numel():] = s
+            mask[i, width - s.numel():] = 1
+        video = self.placeholder_ids()["video"]
+        device = self.model.device
+        with self.unpruned(), torch.no_grad():
+            logits = self.model(
+                input_ids=ids.to(device), attention_mask=mask.to(device), pixel_values_videos=patches.to(device),
+                video_grid_thw=torch.tensor([[1, h, w]] * t, device=device),
+                mm_token_type_ids=((ids == video) * 2).int().to(device),
+            ).logits[:, -1]
+        return torch.softmax(logits.float(), dim=-1)[:, self.answer_letter_id("A")].cpu()
 
 
 def unpatchify(patches: torch.Tensor, grid: tuple[int, int, int], vc: Any) -> torch.Tensor:

@@ -94,9 +94,9 @@ def test_quota_without_processor_is_refused_at_wrap_time():
         vlm_prune.wrap(T.tiny_onevision(), "quota", keep=0.5)
 
 
-def test_quota_on_qwen2_vl_without_a_scorer_says_what_to_pass():
-    with pytest.raises(ValueError, match="scorer="):
-        vlm_prune.wrap(T.tiny_qwen2_vl(), "quota", keep=0.5, processor=eval_tiny.build_processor())
+def test_quota_on_qwen2_vl_without_processor_is_refused_at_wrap_time():
+    with pytest.raises(ValueError, match="processor=processor"):
+        vlm_prune.wrap(T.tiny_qwen2_vl(), "quota", keep=0.5)
 
 
 def test_qwen2_vl_unpatchify_recovers_the_processed_frames():
@@ -156,3 +156,64 @@ def test_quota_on_qwen2_vl_places_resized_frames_on_their_own_m_rope_grid():
                attention_mask=torch.ones(1, keep.numel(), dtype=torch.long)).last_hidden_state
         ref = model.lm_head(h)[0]
     torch.testing.assert_close(logits[0, rows >= 0], ref, atol=1e-5, rtol=0)
+
+
+def test_another_vlm_scores_frames_for_quota():
+    """QuoTA(scorer=vlm_scorer(other_model, other_processor)): P("A") from another VLM, one frame
+    per image turn, equals that model run by hand; and it drives QuoTA inside a wrapped model."""
+    from vlm_prune.frames import vlm_scorer
+    from vlm_prune.frames.keyscore import pixels_to_rgb
+
+    scorer_model, scorer_proc = eval_tiny.build_model(seed=3), eval_tiny.build_processor()
+    scorer = vlm_scorer(scorer_model, scorer_proc, batch_size=2)
+    pixels = torch.randn(3, 3, 48, 48)
+    p = scorer(pixels, "is the shape red ?")
+    text = scorer_proc.apply_chat_template(
+        [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "is the shape red ?"}]}],
+        add_generation_prompt=True)
+    a = scorer_proc.tokenizer.encode("A", add_special_tokens=False)[-1]
+    expected = []
+    for img in pixels_to_rgb(pixels):
+        inputs = scorer_proc(images=[img], text=[text], return_tensors="pt")
+        with torch.no_grad():
+            expected.append(torch.softmax(scorer_model(**inputs).logits[0, -1], -1)[a])
+    torch.testing.assert_close(p, torch.stack(expected), atol=1e-5, rtol=0)
+
+    model = T.tiny_onevision()
+    inp = T.onevision_video_inputs(model, frames=4)
+    _, stats = run(model, QuoTA(scorer=scorer, variant="v2"), inp, steps=2, keep=0.5)
+    (video, _) = stats["stages"][0]["videos"]
+    assert len(video["frame_scores"]) == 4 and sum(video["tokens_per_frame"]) <= 8
+
+
+def test_qwen2_vl_scores_its_own_slices_for_quota():
+    """Default QuoTA scorer on Qwen2-VL: each temporal slice as a one-slice video through the
+    unpruned model, P("A"), equal to running the model by hand; then the allocation follows."""
+    model = T.tiny_qwen2_vl()
+    tok = T.qwen_tokenizer()
+    inp = T.qwen2_vl_inputs(model, video=True, batch=1)
+    _, stats = run(model, QuoTA(decouple=False), inp, steps=2, budget=16, processor=tok)
+    (video,) = stats["stages"][0]["videos"]
+    from vlm_prune.frames.quota import frame_prompt
+
+    text = tok.apply_chat_template([{"role": "user", "content": [{"type": "video"}, {"type": "text",
+                                    "text": frame_prompt(_question(tok, inp), [])}]}], add_generation_prompt=True,
+                                   tokenize=False)
+    ids = [x for i in tok(text, add_special_tokens=False).input_ids for x in ([T.VIDEO_TOKEN] * 16 if i == T.VIDEO_TOKEN else [i])]
+    ids = torch.tensor([ids])
+    a = tok.encode("A", add_special_tokens=False)[-1]
+    expected = []
+    for j in range(2):
+        with torch.no_grad():
+            logits = model(input_ids=ids, pixel_values_videos=inp["pixel_values_videos"][j * 64:(j + 1) * 64],
+                           video_grid_thw=torch.tensor([[1, 8, 8]]), mm_token_type_ids=((ids == T.VIDEO_TOKEN) * 2).int()).logits
+        expected.append(torch.softmax(logits[0, -1], -1)[a])
+    torch.testing.assert_close(torch.tensor(video["frame_scores"]), torch.stack(expected), atol=1e-5, rtol=0)
+    assert sum(video["tokens_per_frame"]) <= 16
+
+
+def _question(tok, inp):
+    """The question text after the last video token, as the adapter recovers it."""
+    ids = inp["input_ids"][0]
+    after = ids[int(torch.nonzero(ids == T.VIDEO_TOKEN).max()) + 1:]
+    return tok.decode(after, skip_special_tokens=True).strip()

@@ -193,3 +193,27 @@ def qwen2_vl_inputs(model, batch: int = 2, pad: str = "left", seed: int = 1, vid
     out = {"input_ids": ids, "attention_mask": mask, f"pixel_values{'_videos' if video else ''}": pixels,
            f"{key}_grid_thw": grid, "mm_token_type_ids": mm}
     return out
+
+
+def qwen_tokenizer():
+    """A word-level tokenizer with the tiny Qwen2-VL's special ids and a chat template, usable as
+    the ``processor`` QuoTA prompts the model with (apply_chat_template + encode)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    special = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 4, "<|image_pad|>": IMAGE_TOKEN,
+               "<|video_pad|>": VIDEO_TOKEN, "<|vision_start|>": 92, "<|vision_end|>": 93}
+    words = ["A", "B", "user", "assistant", ":", "Does", "the", "image", "contain", "sufficient", "information",
+             "to", "answer", "given", "question?", "yes", "no", "A.", "B.", "what", "colour", "is", "shape", "?"]
+    vocab = dict(special)
+    free = (i for i in range(VOCAB) if i not in special.values())
+    for word in words:
+        vocab[word] = next(free)
+    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    template = ("{% for m in messages %}{{ m['role'] }} :{% for part in m['content'] %}"
+                "{% if part['type'] == 'video' %} <|vision_start|> <|video_pad|> <|vision_end|>"
+                "{% elif part['type'] == 'text' %} {{ part['text'] }}{% endif %}{% endfor %} {% endfor %}"
+                "{% if add_generation_prompt %}assistant :{% endif %}")
+    return PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", bos_token="<s>", eos_token="</s>",
+                                   unk_token="<unk>", chat_template=template)

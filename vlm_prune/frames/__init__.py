@@ -5,6 +5,7 @@ and "uniform"; :func:`select_frames` chooses keyframes outside any model.
 """
 from vlm_prune.frames.keyscore import HFImageTextEncoder, KeyScore, load_encoder
 from vlm_prune.frames.quota import QuoTA
+from vlm_prune.frames.scorers import vlm_scorer
 from vlm_prune.frames.select import FrameSelection, select_frames
 from vlm_prune.frames.uniform import Uniform
 
@@ -13,6 +14,7 @@ __all__ = [
     "HFImageTextEncoder",
     "KeyScore",
     "QuoTA",
+    "vlm_scorer",
     "Uniform",
     "load_encoder",
     "select_frames",

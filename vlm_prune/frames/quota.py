@@ -16,7 +16,6 @@ import ast
 import math
 import re
 from collections.abc import Callable
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -332,14 +331,6 @@ class QuoTA(FramesMethod):
     def needs_processor(self) -> bool:
         """The default scorer (the wrapped model) builds its prompts with the processor."""
         return self._scorer is None
-
-    def check_model(self, adapter: Any) -> None:
-        super().check_model(adapter)
-        if adapter.family == "qwen2_vl" and self._scorer is None:
-            raise ValueError(
-                "quota on Qwen2-VL needs a frame scorer: QuoTA(scorer=callable(pixels [T, C, H, W], prompt) -> p [T]) "
-                "(the model-as-scorer default is implemented for LLaVA-OneVision only)"
-            )
 
     def frame_scores(self, ctx: FramesContext) -> torch.Tensor:
         """p [T] in [0, 1] for the frames of ``ctx``."""
