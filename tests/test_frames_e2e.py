@@ -20,7 +20,12 @@ def run(model, methods, inp, steps=20, **kw):
         vlm_prune.unwrap(model)
 
 
-@pytest.mark.parametrize("frames", ["uniform", "keyscore"])
+def _prefer_first_half(pixels, prompt):
+    t = pixels.shape[0]
+    return torch.tensor([0.9] * (t // 2) + [0.3] * (t - t // 2))
+
+
+@pytest.mark.parametrize("frames", ["uniform", "keyscore", "quota"])
 @pytest.mark.parametrize("family", ["onevision", "qwen2_vl"])
 def test_frames_then_llm_generate_batch2(frames, family):
     if family == "onevision":
@@ -31,15 +36,21 @@ def test_frames_then_llm_generate_batch2(frames, family):
         model = T.tiny_qwen2_vl()
         inp = T.qwen2_vl_inputs(model, video=True)
         per_frame, n_frames = 16, 2
-    gen, stats = run(model, [frames, "fastv"], inp, budget=per_frame * n_frames // 2)
+    method = QuoTA(scorer=_prefer_first_half, variant="v2") if frames == "quota" else frames
+    gen, stats = run(model, [method, "fastv"], inp, budget=per_frame * n_frames // 2)
     assert gen.shape == (2, inp["input_ids"].shape[1] + 20)
     frames_rec, llm_rec = stats["stages"]
     assert frames_rec["stage"] == "frames" and llm_rec["stage"] == "llm"
     assert frames_rec["tokens_in"] == [per_frame * n_frames] * 2
-    assert frames_rec["tokens_out"] == [per_frame * n_frames // 2] * 2
-    for video in frames_rec["videos"]:
-        assert len(video["kept_frames"]) == n_frames // 2
-        assert sum(video["tokens_per_frame"]) == per_frame * n_frames // 2
+    budget = per_frame * n_frames // 2
+    for video, out in zip(frames_rec["videos"], frames_rec["tokens_out"]):
+        assert sum(video["tokens_per_frame"]) == out
+        if frames == "quota":  # the preferred first half gets the most; floors and the grid rule may leave some over
+            half = n_frames // 2
+            assert set(range(half)) <= set(video["kept_frames"]) and 0 < out <= budget
+            assert min(video["tokens_per_frame"][:half]) > max(video["tokens_per_frame"][half:])
+        else:
+            assert len(video["kept_frames"]) == n_frames // 2 and out == budget
     tail = 1 if family == "onevision" else 0  # OneVision's video newline is always kept
     assert llm_rec["tokens_in"] == [n + tail for n in frames_rec["tokens_out"]]
     assert stats["visual_tokens_out"] == llm_rec["tokens_out"]
