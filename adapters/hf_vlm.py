@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import importlib
 import inspect
 import math
 import time
@@ -64,8 +65,7 @@ class HFVLMAdapter(Adapter):
         return out
 
     def apply_rope(self) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
-        import importlib
-
+        """The rotary function of the language model's own modeling module."""
         module = importlib.import_module(type(self.language_model.layers[0].self_attn).__module__)
         return module.apply_rotary_pos_emb
 
