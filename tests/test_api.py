@@ -167,3 +167,34 @@ def test_fastv_side_scores_equal_eager_attention(llava_eager, query):
         t = captured["text"].float()
         expected = (head_mean * t[:, :, None]).sum(1) / t.sum(1, keepdim=True)
     torch.testing.assert_close(captured["scores"][valid], expected[valid], atol=1e-5, rtol=0)
+
+
+def test_accelerate_hooks_stay_in_front_and_unwrap_keeps_them():
+    """Modules hooked by accelerate (device_map="auto" models) are patched behind their hook:
+    pruning runs, identity holds, and unwrap leaves the hooks in place."""
+    accelerate_hooks = pytest.importorskip("accelerate.hooks")
+    model = T.tiny_llava()
+    hooked = [model.model.language_model, model.model, model.model.language_model.layers[0]]
+    for module in hooked:
+        accelerate_hooks.add_hook_to_module(module, accelerate_hooks.AlignDevicesHook(execution_device="cpu",
+                                                                                     io_same_device=True))
+    inp = T.llava_inputs()
+    valid = inp["attention_mask"].bool()
+    with torch.no_grad():
+        ref = model(**inp).logits
+    vlm_prune.wrap(model, ["random", vlm_prune.methods.FastV(keep=1.0)], keep=1.0)
+    try:
+        with torch.no_grad():
+            out = model(**inp).logits
+        assert [s["stage"] for s in model.vlm_prune.last_stats["stages"]] == ["vision", "llm"]
+        vlm_prune.unwrap(model)
+        vlm_prune.wrap(model, "fastv", keep=0.25)
+        with torch.no_grad():
+            model(**inp)
+        assert model.vlm_prune.last_stats["visual_tokens_out"] == [4, 4]
+    finally:
+        vlm_prune.unwrap(model)
+    torch.testing.assert_close(out[valid], ref[valid], atol=1e-5, rtol=0)
+    with torch.no_grad():
+        assert torch.equal(model(**inp).logits, ref)
+    assert all(hasattr(m, "_hf_hook") and "_old_forward" in vars(m) for m in hooked)
