@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from vlm_prune.adapters.hf_vlm import HFVLMAdapter
 from vlm_prune.adapters.patching import Patcher
 from vlm_prune.methods.base import Reduction
 from vlm_prune.vit_blocks import AttentionResult, ViTMethod, ViTRun, weighted_softmax
@@ -218,3 +219,35 @@ class CLIPTowerStage:
         reds = [Reduction(slots[i], f, sizes[i] if sizes is not None else None) for i, f in enumerate(feats)]
         n = self.n_features(run)
         return reds, self.record(run, [n] * len(feats), [int(r.indices.numel()) for r in reds])
+
+
+class CLIPTowerAdapter(HFVLMAdapter):
+    """Base of the LLaVA adapters whose CLIP tower hosts a ViT-stage method (AS-ViT, ToMe).
+
+    Builds the :class:`CLIPTowerStage` at wrap time (so methods can check the tower's depth)
+    and attaches it; subclasses hand its survivors to the engine in ``reduce_features``.
+    """
+
+    stages = ("vision", "vit", "llm")
+    tower_stage: CLIPTowerStage | None = None
+
+    def __init__(self, model: torch.nn.Module, state: Any) -> None:
+        super().__init__(model, state)
+        if "vit" in state.methods:
+            cfg = model.config
+            self.tower_stage = CLIPTowerStage(
+                model.model.vision_tower, state.methods["vit"], cfg.vision_feature_layer,
+                cfg.vision_feature_select_strategy, self.patches, active=lambda: not self.decoder.bypass,
+            )
+            #: tower layers the ViT-stage method spans (up to the feature layer)
+            self.depth = self.tower_stage.depth
+
+    def attach(self) -> None:
+        super().attach()
+        if self.tower_stage is not None:
+            self.tower_stage.attach()
+            self.attach_tower_outputs()
+            self._patch_features("image", "get_image_features")
+
+    def attach_tower_outputs(self) -> None:
+        """Hook for patches between the tower and the feature function (LLaVA-NeXT's tile packing)."""

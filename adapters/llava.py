@@ -5,12 +5,12 @@ from typing import Any, Callable
 
 import torch
 
-from vlm_prune.adapters.clip_tower import CLIPTowerStage
-from vlm_prune.adapters.hf_vlm import HFVLMAdapter, scatter_reduction
+from vlm_prune.adapters.clip_tower import CLIPTowerAdapter
+from vlm_prune.adapters.hf_vlm import scatter_reduction
 from vlm_prune.adapters.vision_towers import FeatureLayerTap
 
 
-class LlavaAdapter(HFVLMAdapter):
+class LlavaAdapter(CLIPTowerAdapter):
     """576 visual tokens per 336px image on a 24 x 24 grid (CLS dropped by the 'default' strategy).
 
     One tower row per image, so vision methods that need the tower's attention (VisionZip) get
@@ -21,26 +21,6 @@ class LlavaAdapter(HFVLMAdapter):
 
     family = "llava"
     model_classes = ("LlavaForConditionalGeneration",)
-    stages = ("vision", "vit", "llm")
-    tower_stage: CLIPTowerStage | None = None
-
-    def __init__(self, model: torch.nn.Module, state: Any) -> None:
-        super().__init__(model, state)
-        if "vit" in state.methods:
-            cfg = model.config
-            self.tower_stage = CLIPTowerStage(
-                model.model.vision_tower, state.methods["vit"], cfg.vision_feature_layer,
-                cfg.vision_feature_select_strategy, self.patches, active=lambda: not self.decoder.bypass,
-            )
-            #: tower layers the ViT-stage method spans (up to the feature layer)
-            self.depth = self.tower_stage.depth
-
-    def attach(self) -> None:
-        super().attach()
-        if self.tower_stage is not None:
-            self.tower_stage.attach()
-            self._patch_features("image", "get_image_features")
-
     def make_tap(self) -> FeatureLayerTap:
         cfg = self.model.config
         return FeatureLayerTap(

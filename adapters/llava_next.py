@@ -16,42 +16,22 @@ from __future__ import annotations
 
 import functools
 import importlib
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 
-from vlm_prune.adapters.clip_tower import CLIPTowerStage
-from vlm_prune.adapters.hf_vlm import HFVLMAdapter, Item
+from vlm_prune.adapters.clip_tower import CLIPTowerAdapter
+from vlm_prune.adapters.hf_vlm import Item
 
 
-class LlavaNextAdapter(HFVLMAdapter):
+class LlavaNextAdapter(CLIPTowerAdapter):
     family = "llava_next"
     model_classes = ("LlavaNextForConditionalGeneration",)
-    stages: ClassVar[tuple[str, ...]] = ("vision", "vit", "llm")
-    tower_stage: CLIPTowerStage | None = None
-
-    def __init__(self, model: torch.nn.Module, state: Any) -> None:
-        super().__init__(model, state)
-        if "vit" in state.methods:
-            cfg = model.config
-            self.tower_stage = CLIPTowerStage(
-                model.model.vision_tower, state.methods["vit"], cfg.vision_feature_layer,
-                cfg.vision_feature_select_strategy, self.patches, active=lambda: not self.decoder.bypass,
-            )
-            #: tower layers the ViT-stage method spans (up to the feature layer)
-            self.depth = self.tower_stage.depth
 
     def items(self, modality: str, out: Any) -> list[Item]:
         return [Item(f, 1, None) for f in out.pooler_output]
 
-    def attach(self) -> None:
-        super().attach()
-        if self.tower_stage is not None:
-            self.tower_stage.attach()
-            self._patch_packing()
-            self._patch_features("image", "get_image_features")
-
-    def _patch_packing(self) -> None:
+    def attach_tower_outputs(self) -> None:
         """Scatter a pruned tower's per-tile survivors back to full tiles before the model packs them."""
         original = self.patches.original(self.inner, "pack_image_features")
 

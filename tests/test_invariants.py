@@ -36,6 +36,24 @@ def run(model, inp, steps=20):
     return logits, gen
 
 
+def pruned_prefill(model, method, inp, **kw):
+    """(logits, last_rows) of one prefill of ``model`` wrapped with ``method``; unwrapped after."""
+    vlm_prune.wrap(model, method, **kw)
+    try:
+        with torch.no_grad():
+            logits = model(**inp).logits
+        return logits, model.vlm_prune.last_rows
+    finally:
+        vlm_prune.unwrap(model)
+
+
+def assert_kept_rows_equal(logits, rows, ref):
+    """The pruned logits equal the full-sequence reference at the rows each sample kept."""
+    for i in range(logits.shape[0]):
+        kept = rows[i] >= 0
+        torch.testing.assert_close(logits[i, kept], ref[i, rows[i][kept]], atol=1e-5, rtol=0)
+
+
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
 @pytest.mark.parametrize("case", list(CASES))
 def test_identity_when_everything_is_kept(case, attn):
@@ -115,20 +133,12 @@ def test_llm_stage_equals_masked_reference(case, attn):
     masked as keys from layer K on."""
     model, make = build(case, attn)
     inp = make()
-    vlm_prune.wrap(model, vlm_prune.methods.FastV(layer=2), keep=0.25)
-    try:
-        with torch.no_grad():
-            logits = model(**inp).logits
-        rows = model.vlm_prune.last_rows
-    finally:
-        vlm_prune.unwrap(model)
+    logits, rows = pruned_prefill(model, vlm_prune.methods.FastV(layer=2), inp, keep=0.25)
     b, s = inp["input_ids"].shape
     kept = torch.zeros(b, s, dtype=torch.bool)
     for i in range(b):
         kept[i, rows[i][rows[i] >= 0]] = True
-    ref = masked_llm_reference(model, inp, 2, kept)
-    for i in range(b):
-        torch.testing.assert_close(logits[i, rows[i] >= 0], ref[i, rows[i][rows[i] >= 0]], atol=1e-5, rtol=0)
+    assert_kept_rows_equal(logits, rows, masked_llm_reference(model, inp, 2, kept))
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -183,13 +193,7 @@ def test_pact_merging_equals_masked_reference_with_log_size_bias(case):
             seen["origin"], seen["reds"] = ctx.extras["origin"], reds
             return reds
 
-    vlm_prune.wrap(model, Recording(layer=2, cutoff=0.6), keep=0.75)
-    try:
-        with torch.no_grad():
-            logits = model(**inp).logits
-        rows = model.vlm_prune.last_rows
-    finally:
-        vlm_prune.unwrap(model)
+    logits, rows = pruned_prefill(model, Recording(layer=2, cutoff=0.6), inp, keep=0.75)
     b, s = inp["input_ids"].shape
     d = model.config.text_config.hidden_size
     kept = torch.zeros(b, s, dtype=torch.bool)
@@ -206,8 +210,6 @@ def test_pact_merging_equals_masked_reference_with_log_size_bias(case):
             sizes[i, origin] = red.sizes.float()
     assert (sizes > 1).any(), "the test needs at least one real merge"
     n_clusters = [(sizes[i] > 1).sum().item() for i in range(b)]
-    ref = masked_llm_reference(model, inp, 2, kept, merged=(centre, feats, sizes))
-    for i in range(b):
-        torch.testing.assert_close(logits[i, rows[i] >= 0], ref[i, rows[i][rows[i] >= 0]], atol=1e-5, rtol=0)
+    assert_kept_rows_equal(logits, rows, masked_llm_reference(model, inp, 2, kept, merged=(centre, feats, sizes)))
     if case == "qwen2_vl_image":  # these inputs give the two samples different cluster counts
         assert n_clusters[0] != n_clusters[1]
