@@ -4,8 +4,11 @@ Pass 1 (``_row_stats``): one program per (batch*head, block of query rows) strea
 and keeps a running max ``m`` and normaliser ``l`` per row (online softmax).
 Pass 2 recomputes each logits tile and turns it into probabilities exp(x - m) / l:
 ``_rows_out`` writes the head mean per (row, key), ``_keys_out`` sums rows and heads per key.
-Inputs are upcast to float32 in registers and multiplied with IEEE float32 dots (no TF32), so
-results match the float32 reference to rounding.
+The dots take q and k in their own dtype and accumulate in float32: bfloat16 / float16 inputs run
+on tensor cores (their products are exact in float32, so results match the float32 reference up
+to summation order); float32 inputs use exact IEEE float32 dots (no TF32) on smaller tiles.
+Block sizes were chosen so no launch spills registers on sm_80 or sm_90
+(``python -m vlm_prune.eval.kernel_report``).
 """
 from __future__ import annotations
 
@@ -19,7 +22,7 @@ def _scores_tile(q_tile, qp, k_base, mask_base, kpos_base, offs_q, offs_s, offs_
                  sks, skd, smq, sms, skps, scale, HAS_MASK: tl.constexpr, CAUSAL: tl.constexpr):
     """Logits [BLOCK_Q, BLOCK_S] (-inf where not allowed) and the allowed mask."""
     k_tile = tl.load(k_base + offs_s[:, None] * sks + offs_d[None, :] * skd,
-                     mask=(offs_s[:, None] < S) & (offs_d[None, :] < D), other=0.0).to(tl.float32)
+                     mask=(offs_s[:, None] < S) & (offs_d[None, :] < D), other=0.0)
     logits = tl.dot(q_tile, tl.trans(k_tile), input_precision="ieee") * scale
     allowed = (offs_q[:, None] < Q) & (offs_s[None, :] < S)
     if HAS_MASK:
@@ -43,7 +46,7 @@ def _row_stats(q_ptr, k_ptr, mask_ptr, qpos_ptr, kpos_ptr, m_ptr, l_ptr,
     offs_q = tl.program_id(1) * BLOCK_Q + tl.arange(0, BLOCK_Q)
     offs_d = tl.arange(0, BLOCK_D)
     q_tile = tl.load(q_ptr + b * sqb + h * sqh + offs_q[:, None] * sqq + offs_d[None, :] * sqd,
-                     mask=(offs_q[:, None] < Q) & (offs_d[None, :] < D), other=0.0).to(tl.float32)
+                     mask=(offs_q[:, None] < Q) & (offs_d[None, :] < D), other=0.0)
     qp = tl.load(qpos_ptr + b * sqpb + offs_q * sqpq, mask=offs_q < Q, other=0) if CAUSAL else offs_q
     k_base = k_ptr + b * skb + (h // GROUP) * skh
     m_i = tl.full([BLOCK_Q], float("-inf"), tl.float32)
@@ -68,7 +71,7 @@ def _prob_tile(q_ptr, k_ptr, mask_ptr, qpos_ptr, kpos_ptr, m_ptr, l_ptr, b, h, p
                HAS_MASK: tl.constexpr, CAUSAL: tl.constexpr):
     """Normalised probabilities [BLOCK_Q, BLOCK_S] of head h (0 where not allowed)."""
     q_tile = tl.load(q_ptr + b * sqb + h * sqh + offs_q[:, None] * sqq + offs_d[None, :] * sqd,
-                     mask=(offs_q[:, None] < Q) & (offs_d[None, :] < D), other=0.0).to(tl.float32)
+                     mask=(offs_q[:, None] < Q) & (offs_d[None, :] < D), other=0.0)
     qp = tl.load(qpos_ptr + b * sqpb + offs_q * sqpq, mask=offs_q < Q, other=0) if CAUSAL else offs_q
     logits, allowed = _scores_tile(q_tile, qp, k_ptr + b * skb + (h // GROUP) * skh, mask_ptr + b * smb,
                                    kpos_ptr + b * skpb, offs_q, offs_s, offs_d, Q, S, D, sks, skd, smq, sms, skps,
@@ -121,9 +124,18 @@ def _keys_out(q_ptr, k_ptr, mask_ptr, qpos_ptr, kpos_ptr, m_ptr, l_ptr, w_ptr, o
     tl.store(out_ptr + b * S + offs_s, acc * head_scale, mask=offs_s < S)
 
 
-def _blocks(q: torch.Tensor) -> tuple[int, int, int]:
+def _launch_config(q: torch.Tensor) -> tuple[tuple[int, int, int], dict]:
+    """((BLOCK_Q, BLOCK_S, BLOCK_D), launch options) for q's dtype (see the module docstring)."""
     nq, d = q.shape[2], q.shape[3]
-    return min(64, max(16, triton.next_power_of_2(nq))), 64, max(16, triton.next_power_of_2(d))
+    bd = max(16, triton.next_power_of_2(d))
+    if q.dtype == torch.float32:
+        return (min(32, max(16, triton.next_power_of_2(nq))), 64, bd), {"num_warps": 8, "num_stages": 2}
+    return (min(64, max(16, triton.next_power_of_2(nq))), 64, bd), {"num_warps": 8, "num_stages": 3}
+
+
+def _same_dtype(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A dot needs one operand dtype: mixed inputs are both computed in float32."""
+    return (q, k) if q.dtype == k.dtype else (q.float(), k.float())
 
 
 def _common(q, k, mask, q_pos, k_pos):
@@ -144,38 +156,40 @@ def _common(q, k, mask, q_pos, k_pos):
     return ptrs, sizes, strides, {"HAS_MASK": mask is not dummy, "CAUSAL": q_pos is not None}
 
 
-def _stats(q, k, scale, ptrs, sizes, strides, flags, blocks):
+def _stats(q, k, scale, ptrs, sizes, strides, flags, config):
     b, h, nq, _ = q.shape
     m = torch.empty(b, h, nq, dtype=torch.float32, device=q.device)
     l = torch.empty_like(m)
-    bq, bs, bd = blocks
+    (bq, bs, bd), options = config
     _row_stats[(b * h, triton.cdiv(nq, bq))](*ptrs, m, l, *sizes, scale, *strides, **flags,
-                                            BLOCK_Q=bq, BLOCK_S=bs, BLOCK_D=bd)
+                                            BLOCK_Q=bq, BLOCK_S=bs, BLOCK_D=bd, **options)
     return m, l
 
 
 def attention_to_keys_triton(q: torch.Tensor, k: torch.Tensor, key_mask: torch.Tensor, scale: float) -> torch.Tensor:
     """Triton path of :func:`vlm_prune.kernels.attention_to_keys` (arguments checked there)."""
+    q, k = _same_dtype(q, k)
     b, _, nq, _ = q.shape
     s = k.shape[2]
     ptrs, sizes, strides, flags = _common(q, k, key_mask, None, None)
-    blocks = _blocks(q)
-    m, l = _stats(q, k, scale, ptrs, sizes, strides, flags, blocks)
+    config = _launch_config(q)
+    m, l = _stats(q, k, scale, ptrs, sizes, strides, flags, config)
     out = torch.empty(b, nq, s, dtype=torch.float32, device=q.device)
-    bq, bs, bd = blocks
+    (bq, bs, bd), options = config
     _rows_out[(b, triton.cdiv(nq, bq), triton.cdiv(s, bs))](*ptrs, m, l, out, *sizes, scale, *strides, **flags,
-                                                            BLOCK_Q=bq, BLOCK_S=bs, BLOCK_D=bd)
+                                                            BLOCK_Q=bq, BLOCK_S=bs, BLOCK_D=bd, **options)
     return out
 
 
 def attention_key_scores_triton(q, k, *, scale, key_mask=None, q_pos=None, k_pos=None, row_weights=None,
                                 head_reduce="mean") -> torch.Tensor:
     """Triton path of :func:`vlm_prune.kernels.attention_key_scores` (arguments checked there)."""
+    q, k = _same_dtype(q, k)
     b, h = q.shape[:2]
     s = k.shape[2]
     ptrs, sizes, strides, flags = _common(q, k, None if key_mask is None else key_mask[:, None, :], q_pos, k_pos)
-    blocks = _blocks(q)
-    m, l = _stats(q, k, scale, ptrs, sizes, strides, flags, blocks)
+    config = _launch_config(q)
+    m, l = _stats(q, k, scale, ptrs, sizes, strides, flags, config)
     if row_weights is None:
         w, wstr = m, (0, 0, 0)
     elif row_weights.dim() == 2:
@@ -183,8 +197,8 @@ def attention_key_scores_triton(q, k, *, scale, key_mask=None, q_pos=None, k_pos
     else:
         w, wstr = row_weights, row_weights.stride()
     out = torch.empty(b, s, dtype=torch.float32, device=q.device)
-    bq, bs, bd = blocks
+    (bq, bs, bd), options = config
     head_scale = 1.0 / h if head_reduce == "mean" else 1.0
     _keys_out[(b, triton.cdiv(s, bs))](*ptrs, m, l, w, out, *sizes, scale, head_scale, *strides, *wstr, **flags,
-                                       HAS_W=row_weights is not None, BLOCK_Q=bq, BLOCK_S=bs, BLOCK_D=bd)
+                                       HAS_W=row_weights is not None, BLOCK_Q=bq, BLOCK_S=bs, BLOCK_D=bd, **options)
     return out

@@ -1,7 +1,11 @@
 """Triton kernels behind :mod:`vlm_prune.kernels.density_peaks` (imported only when used).
 
-Every kernel builds cosine-distance tiles [BLOCK_N, BLOCK_M] from float32 IEEE dots over
-BLOCK_D-wide slices of the features, scaled by inverse norms computed once in PyTorch.
+Every kernel builds cosine-distance tiles [BLOCK_N, BLOCK_M] from dots over BLOCK_D-wide slices
+of the features, accumulated in float32 and scaled by inverse norms computed once in PyTorch.
+bfloat16 / float16 features feed tensor cores (their products are exact in float32, so results
+match the float32 reference up to summation order); float32 features use exact IEEE dots on
+smaller tiles. Block sizes were chosen so no launch spills registers on sm_80 or sm_90
+(``python -m vlm_prune.eval.kernel_report``).
 ``_density`` and ``_nearest_denser`` reduce each tile into per-row registers (a sum, a running
 min with its index), so the N x N matrix is never stored.
 """
@@ -22,9 +26,9 @@ def _dist_tile(x_ptr, y_ptr, inv_x, inv_y, offs_n, offs_m, N, M, D, sxn, sxd, sy
     for d0 in range(0, D, BLOCK_D):
         offs_d = d0 + tl.arange(0, BLOCK_D)
         xt = tl.load(x_ptr + offs_n[:, None] * sxn + offs_d[None, :] * sxd,
-                     mask=(offs_n[:, None] < N) & (offs_d[None, :] < D), other=0.0).to(tl.float32)
+                     mask=(offs_n[:, None] < N) & (offs_d[None, :] < D), other=0.0)
         yt = tl.load(y_ptr + offs_m[:, None] * syn + offs_d[None, :] * syd,
-                     mask=(offs_m[:, None] < M) & (offs_d[None, :] < D), other=0.0).to(tl.float32)
+                     mask=(offs_m[:, None] < M) & (offs_d[None, :] < D), other=0.0)
         acc = tl.dot(xt, tl.trans(yt), acc, input_precision="ieee")
     return tl.maximum(1.0 - acc * inv_x[:, None] * inv_y[None, :], 0.0)
 
@@ -82,7 +86,11 @@ def _nearest_denser(x_ptr, inv_ptr, valid_ptr, rho_ptr, delta_ptr, parent_ptr, N
     tl.store(parent_ptr + offs_n, tl.where(found, arg, -1), mask=offs_n < N)
 
 
-BLOCK_N, BLOCK_M, BLOCK_D = 64, 64, 32
+def _launch_config(x: torch.Tensor) -> dict:
+    """Block sizes and launch options for the features' dtype (see the module docstring)."""
+    if x.dtype == torch.float32:
+        return {"BLOCK_N": 32, "BLOCK_M": 32, "BLOCK_D": 64, "num_warps": 4, "num_stages": 2}
+    return {"BLOCK_N": 32, "BLOCK_M": 64, "BLOCK_D": 64, "num_warps": 4, "num_stages": 2}
 
 
 def _inv_norm(x: torch.Tensor) -> torch.Tensor:
@@ -96,13 +104,15 @@ def _valid_u8(valid: torch.Tensor | None, n: int, device: torch.device) -> torch
 
 def cosine_distance_triton(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """Triton path of :func:`vlm_prune.kernels.cosine_distance` (arguments checked there)."""
+    if x.dtype != y.dtype:  # a dot needs one operand dtype
+        x, y = x.float(), y.float()
     n, d = x.shape
     m = y.shape[0]
     out = torch.empty(n, m, dtype=torch.float32, device=x.device)
     if n and m:
-        _cosine[(triton.cdiv(n, BLOCK_N), triton.cdiv(m, BLOCK_M))](
-            x, y, _inv_norm(x), _inv_norm(y), out, n, m, d, *x.stride(), *y.stride(),
-            BLOCK_N=BLOCK_N, BLOCK_M=BLOCK_M, BLOCK_D=BLOCK_D)
+        config = _launch_config(x)
+        _cosine[(triton.cdiv(n, config["BLOCK_N"]), triton.cdiv(m, config["BLOCK_M"]))](
+            x, y, _inv_norm(x), _inv_norm(y), out, n, m, d, *x.stride(), *y.stride(), **config)
     return out
 
 
@@ -111,8 +121,9 @@ def density_triton(x: torch.Tensor, bandwidth: float = 2.0, valid: torch.Tensor 
     n, d = x.shape
     out = torch.empty(n, dtype=torch.float32, device=x.device)
     if n:
-        _density[(triton.cdiv(n, BLOCK_N),)](x, _inv_norm(x), _valid_u8(valid, n, x.device), out, n, d, *x.stride(),
-                                            1.0 / bandwidth, BLOCK_N=BLOCK_N, BLOCK_M=BLOCK_M, BLOCK_D=BLOCK_D)
+        config = _launch_config(x)
+        _density[(triton.cdiv(n, config["BLOCK_N"]),)](x, _inv_norm(x), _valid_u8(valid, n, x.device), out, n, d,
+                                                      *x.stride(), 1.0 / bandwidth, **config)
     return out
 
 
@@ -123,7 +134,8 @@ def nearest_denser_triton(x: torch.Tensor, rho: torch.Tensor, valid: torch.Tenso
     delta = torch.empty(n, dtype=torch.float32, device=x.device)
     parent = torch.empty(n, dtype=torch.long, device=x.device)
     if n:
-        _nearest_denser[(triton.cdiv(n, BLOCK_N),)](
+        config = _launch_config(x)
+        _nearest_denser[(triton.cdiv(n, config["BLOCK_N"]),)](
             x, _inv_norm(x), _valid_u8(valid, n, x.device), rho.float().contiguous(), delta, parent, n, d,
-            *x.stride(), BLOCK_N=BLOCK_N, BLOCK_M=BLOCK_M, BLOCK_D=BLOCK_D)
+            *x.stride(), **config)
     return delta, parent

@@ -10,7 +10,9 @@ import importlib
 import math
 import os
 import sys
+from contextlib import contextmanager
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -21,7 +23,7 @@ from vlm_prune import kernels as K
 
 TRITON_MODULES = [f"vlm_prune.kernels.{m}" for m in ("attention_rows_triton", "euti_triton", "density_peaks_triton", "merge_triton")]
 FAST = settings(max_examples=8, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
-DTYPES = st.sampled_from([torch.float32, torch.bfloat16])
+DTYPES = st.sampled_from([torch.float32, torch.bfloat16, torch.float16])
 
 needs_triton = pytest.mark.skipif(not _dispatch.triton_available(), reason="triton is not installed")
 
@@ -31,6 +33,29 @@ def _drop_triton_modules() -> None:
         sys.modules.pop(name, None)
         if hasattr(K, name.rsplit(".", 1)[1]):
             delattr(K, name.rsplit(".", 1)[1])
+
+
+@contextmanager
+def _bfloat16_dots_by_value():
+    """The interpreter keeps bfloat16 as uint16 and its ``tl.dot`` multiplies those bit patterns
+    (triton-lang/triton#11584, not fixed upstream). Convert bfloat16 dot operands to float32
+    first, as the GPU's tensor cores do exactly; float16 dots need no help."""
+    from triton import language as tl
+    from triton.runtime import interpreter
+
+    original = interpreter.InterpreterBuilder.create_dot
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        a, b = (interpreter.TensorHandle(interpreter._convert_float(t.data, tl.bfloat16, tl.float32, None)
+                                         .view(np.float32), tl.float32) if t.dtype.scalar == tl.bfloat16 else t
+                for t in (a, b))
+        return original(self, a, b, d, input_precision, max_num_imprecise_acc)
+
+    interpreter.InterpreterBuilder.create_dot = create_dot
+    try:
+        yield
+    finally:
+        interpreter.InterpreterBuilder.create_dot = original
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +68,8 @@ def interpreted():
     _drop_triton_modules()
     for name in TRITON_MODULES:
         importlib.import_module(name)
-    yield
+    with _bfloat16_dots_by_value():
+        yield
     _drop_triton_modules()
     if old is None:
         del os.environ["TRITON_INTERPRET"]
@@ -320,7 +346,7 @@ def test_edge_cases_triton(interpreted):
     assert K.density(x, backend="triton").tolist() == [1.0]
     delta, parent = K.nearest_denser(x, torch.zeros(1), backend="triton")
     assert delta.tolist() == [float("inf")] and parent.tolist() == [-1]
-    x = torch.randn(129, 33)  # 2 full blocks of 64 and one row more
+    x = torch.randn(129, 33)  # a multiple of no block size: full blocks and one row more
     close(K.density(x, backend="triton"), K.density_torch(x))
     means, sizes = K.scatter_mean(x, torch.full((129,), -1), 2, backend="triton")  # everything discarded
     assert torch.all(means == 0) and torch.all(sizes == 0)
