@@ -107,8 +107,14 @@ def build(kind: str, scale: int, dtype: torch.dtype, device: str) -> torch.nn.Mo
         raise ValueError(f"kind must be 'image' or 'video', got {kind!r}")
     torch.manual_seed(0)
     config.text_config._attn_implementation = "sdpa"
-    model = cls(config).to(dtype=dtype, device=device).eval()
-    return model
+    default_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # built in place: a full-scale 7B never passes through float32 on the CPU
+    try:
+        with torch.device(device):
+            model = cls(config)
+    finally:
+        torch.set_default_dtype(default_dtype)
+    return model.eval()
 
 
 def inputs_for(model: torch.nn.Module, kind: str, frames: int) -> dict[str, torch.Tensor]:
