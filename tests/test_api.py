@@ -95,6 +95,20 @@ def test_budget_above_the_visual_count_keeps_all(llava, method):
     assert stats["visual_tokens_out"] == [16, 16]
 
 
+def test_last_rows_mark_padding_even_when_nothing_is_pruned(llava):
+    inp = T.llava_inputs(pad="left")
+    vlm_prune.wrap(llava, "fastv", keep=1.0)
+    try:
+        with torch.no_grad():
+            llava(**inp)
+        rows = llava.vlm_prune.last_rows
+    finally:
+        vlm_prune.unwrap(llava)
+    valid = inp["attention_mask"].bool()
+    expected = torch.where(valid, torch.arange(valid.shape[1]), -1)
+    assert torch.equal(rows, expected)
+
+
 @pytest.mark.parametrize("method, kw, expected", [
     ("random", {"keep": 0.25}, 4),
     ("pool", {"keep": 0.25}, 4),

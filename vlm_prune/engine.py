@@ -325,7 +325,7 @@ class PrunedDecoder:
         device = embeds.device
         visual = pending.visual.to(device) if pending is not None else torch.zeros(b, s, dtype=torch.bool, device=device)
         sizes = pending.sizes.to(device).float() if pending is not None and pending.sizes is not None else torch.ones(b, s, device=device)
-        origin = torch.arange(s, device=device).expand(b, s).clone()
+        origin = torch.where(valid, torch.arange(s, device=device), -1)
         if pending is not None and pending.position_rewrites:
             pos = pos.clone()
             for rewrite in pending.position_rewrites:
