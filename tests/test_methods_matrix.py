@@ -87,3 +87,19 @@ def test_visionzip_tower_attention_equals_eager_weights(family):
     else:
         expected = torch.stack([pool_grid(a.mean(0).mean(0), (4, 4), (2, 2)) for a in att])
     torch.testing.assert_close(torch.stack(seen), expected.float(), atol=1e-5, rtol=0)
+
+
+def test_visionzip_on_onevision_images_says_what_is_supported():
+    """OneVision's anyres image tiles have no per-token tower row: a clear error at run time (the
+    same wrapped model takes videos, where VisionZip runs)."""
+    model = T.tiny_onevision()
+    vlm_prune.wrap(model, "visionzip", keep=0.5)
+    try:
+        with pytest.raises(ValueError, match="LLaVA-OneVision videos"), torch.no_grad():
+            model(**T.onevision_image_inputs(model))
+        with torch.no_grad():
+            model(**T.onevision_video_inputs(model, frames=2))
+        stats = model.vlm_prune.last_stats
+        assert all(o < i for o, i in zip(stats["visual_tokens_out"], stats["visual_tokens_in"]))
+    finally:
+        vlm_prune.unwrap(model)

@@ -87,8 +87,9 @@ class VisionZip(VisionMethod):
             return Reduction.keep_all(n, ctx.features.device)
         if ctx.tower_attention is None:
             raise ValueError(
-                "visionzip needs the vision tower's attention and keys (VisionContext.tower_attention), "
-                "which this model's adapter does not provide; use divprune, cdpruner, pool or random instead"
+                "visionzip needs the vision tower's attention and keys (VisionContext.tower_attention), which "
+                "this model's adapter does not provide for this input: VisionZip runs on LLaVA-1.5 images and "
+                "LLaVA-OneVision videos (not OneVision's anyres image tiles); use divprune, cdpruner, pool or random"
             )
         attention, keys = ctx.tower_attention()
         if attention.shape[0] != n or keys.shape[0] != n:
