@@ -201,6 +201,11 @@ def table(rows: list[Row]) -> str:
     body = [[r.kernel, r.shape, _fmt(r.torch_ms), _fmt(r.triton_ms), _fmt(r.dense_ms), _ratio(r.torch_ms, r.triton_ms),
              _ratio(r.dense_ms, r.triton_ms), _ratio(r.dense_ms, r.torch_ms), _fmt(r.torch_mb, ".1f"),
              _fmt(r.triton_mb, ".1f"), _fmt(r.dense_mb, ".1f"), _fmt(r.max_abs_diff, ".1e")] for r in rows]
+    return text_table(head, body)
+
+
+def text_table(head: list[str], body: list[list[str]]) -> str:
+    """Columns padded to their widest cell, a rule under the header."""
     widths = [max(len(x) for x in col) for col in zip(head, *body)]
     lines = [" | ".join(x.ljust(w) for x, w in zip(line, widths)) for line in [head, *body]]
     lines.insert(1, "-+-".join("-" * w for w in widths))

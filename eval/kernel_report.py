@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass
 import torch
 from tqdm import tqdm
 
-from vlm_prune.eval.bench_kernels import SHAPES
+from vlm_prune.eval.bench_kernels import SHAPES, text_table
 
 TENSOR_CORE_OPS = re.compile(r"\b(HMMA|HGMMA|IMMA|QGMMA|DMMA)\b")
 # most shared memory one thread block may use (opt-in), bytes, by compute capability x10
@@ -172,10 +172,7 @@ def table(rows: list[Launch]) -> str:
              " ".join(f"{k.removeprefix('BLOCK_')}{v}" for k, v in r.constexprs.items() if k.startswith("BLOCK_")),
              str(r.num_warps), str(r.num_stages), str(r.registers), str(r.stack_bytes), f"{r.shared_bytes / 1024:.0f}",
              {True: "yes", False: "NO", None: "?"}[r.fits], str(r.tensor_core_ops)] for r in rows]
-    widths = [max(len(x) for x in col) for col in zip(head, *body)]
-    lines = [" | ".join(x.ljust(w) for x, w in zip(line, widths)) for line in [head, *body]]
-    lines.insert(1, "-+-".join("-" * w for w in widths))
-    return "\n".join(lines)
+    return text_table(head, body)
 
 
 def main(argv: list[str] | None = None) -> None:
