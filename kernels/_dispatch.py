@@ -1,7 +1,9 @@
 """Choosing between a Triton kernel and its PyTorch reference.
 
 Every public kernel takes ``backend="auto" | "triton" | "torch"``. ``"auto"`` runs Triton when
-the tensors live on a CUDA device and Triton is installed, and the PyTorch reference otherwise.
+the tensors live on a CUDA device of compute capability 8.0 or newer (Ampere, Ada, Hopper: the
+kernels are built for their tensor cores and checked on sm_80 / sm_90 by
+``vlm_prune.eval.kernel_report``) and Triton is installed, and the PyTorch reference otherwise.
 ``"triton"`` forces the kernel: on CPU tensors it needs Triton's interpreter, which Triton enables
 only when ``TRITON_INTERPRET=1`` was set before the kernel modules were imported (tests do this).
 Triton is an optional extra (``pip install vlm-prune[kernels]``) and is imported lazily.
@@ -16,11 +18,17 @@ from types import ModuleType
 import torch
 
 BACKENDS = ("auto", "triton", "torch")
+MIN_CAPABILITY = (8, 0)
 
 
 def triton_available() -> bool:
     """True when the ``triton`` package can be imported."""
     return importlib.util.find_spec("triton") is not None
+
+
+def recent_gpu(device: torch.device) -> bool:
+    """True for a CUDA device of compute capability >= ``MIN_CAPABILITY``."""
+    return torch.cuda.get_device_capability(device) >= MIN_CAPABILITY
 
 
 def resolve_backend(backend: str, *tensors: torch.Tensor) -> str:
@@ -31,7 +39,7 @@ def resolve_backend(backend: str, *tensors: torch.Tensor) -> str:
     if backend == "torch":
         return "torch"
     if backend == "auto":
-        return "triton" if on_cuda and triton_available() else "torch"
+        return "triton" if on_cuda and triton_available() and recent_gpu(tensors[0].device) else "torch"
     if not triton_available():
         raise ImportError("backend='triton' needs Triton: pip install 'vlm-prune[kernels]', or use backend='torch'")
     if not on_cuda and os.environ.get("TRITON_INTERPRET") != "1":

@@ -228,3 +228,27 @@ def _question(tok, inp):
     ids = inp["input_ids"][0]
     after = ids[int(torch.nonzero(ids == T.VIDEO_TOKEN).max()) + 1:]
     return tok.decode(after, skip_special_tokens=True).strip()
+
+
+def test_keyscore_default_embeddings_are_projected_frames_and_question_words():
+    """KeyScore's in-model embeddings: each frame's projected, pooled tokens (not the newline)
+    mean-pooled, against the input embeddings of the question's words only - no padding, chat
+    template, placeholders or assistant prefix - for every video of a left-padded batch."""
+    from vlm_prune.frames.keyscore import keyscore
+
+    model, proc = eval_tiny.build_model(), eval_tiny.build_processor()
+    questions = ["what colour is the shape ?", "is the shape red ?"]
+    texts = [proc.apply_chat_template([{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": q}]}],
+                                      add_generation_prompt=True) for q in questions]
+    gen = torch.Generator().manual_seed(0)
+    videos = [(torch.rand(5, 48, 48, 3, generator=gen) * 255).to(torch.uint8).numpy() for _ in questions]
+    inp = proc(text=texts, videos=videos, return_tensors="pt", padding=True)
+    assert (inp["attention_mask"] == 0).any()  # the shorter question is left-padded
+    _, stats = run(model, "keyscore", inp, steps=1, keep=0.4, processor=proc)
+    embed = model.get_input_embeddings()
+    with torch.no_grad():
+        feats = model.model.get_video_features(inp["pixel_values_videos"]).pooler_output
+        for q, f, video in zip(questions, feats, stats["stages"][0]["videos"]):
+            words = torch.tensor(proc.tokenizer.encode(q, add_special_tokens=False))
+            expected = keyscore(f[:45].reshape(5, 9, -1).mean(1), embed(words).mean(0)).score
+            torch.testing.assert_close(torch.tensor(video["frame_scores"]), expected, atol=1e-5, rtol=0)

@@ -107,6 +107,19 @@ def test_auto_on_cpu_runs_the_reference_without_triton(monkeypatch):
         K.attention_key_scores(q, k, scale=0.5, backend="triton")
 
 
+def test_auto_uses_triton_on_ampere_and_newer_only(monkeypatch):
+    """Pre-Ampere GPUs have no bfloat16 tensor cores: the kernels would spill there (kernel_report
+    --arch 75), so "auto" keeps the references on them."""
+    from types import SimpleNamespace
+
+    on_gpu = SimpleNamespace(is_cuda=True, device=torch.device("cuda", 0))  # resolve_backend reads only these
+    monkeypatch.setattr(_dispatch, "triton_available", lambda: True)
+    for capability, expected in (((7, 5), "torch"), ((8, 0), "triton"), ((9, 0), "triton")):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, c=capability: c)
+        assert _dispatch.resolve_backend("auto", on_gpu, on_gpu) == expected
+        assert _dispatch.resolve_backend("triton", on_gpu) == "triton"  # forcing still works
+
+
 @needs_triton
 def test_triton_on_cpu_without_interpreter_says_how_to_fix(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
