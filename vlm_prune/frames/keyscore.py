@@ -183,8 +183,11 @@ class KeyScore(FramesMethod):
         (from ctx.pixels, min-max rescaled to RGB) with k in (max(2, n_frames), k_max).
       encoder=None: frame embedding = the frame's tokens (ctx.features) mean-pooled, caption
         embedding = the query's input embeddings (ctx.text_features) mean-pooled - both in the
-        LLM's input space. Or any callable (frames uint8 [T, H, W, 3], [query]) -> (frame_emb,
-        text_emb), given frames from ctx.pixels. Without text only S_temp ranks the frames.
+        LLM's input space. No training objective aligns projected frame tokens with word
+        embeddings, so this cosine can rank relevance arbitrarily (backwards on the synthetic
+        video model, see BENCHMARKS.md). Or any callable (frames uint8 [T, H, W, 3], [query])
+        -> (frame_emb, text_emb), given frames from ctx.pixels, e.g. load_encoder(CLIP /
+        SigLIP). Without text only S_temp ranks the frames.
       k_max=16, gamma_time=0.5: STACFP settings.
     """
 
