@@ -318,6 +318,18 @@ class HFVLMAdapter(Adapter):
             ids = torch.tensor(parts)
         return ids
 
+    def chat_batch(self, prompts: list[str], media: str | None, n_media_tokens: int = 0
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`chat_ids` of each prompt, left-padded: (input_ids, attention_mask) [len(prompts), width]."""
+        seqs = [self.chat_ids(p, media, n_media_tokens) for p in prompts]
+        width = max(s.numel() for s in seqs)
+        ids = torch.zeros(len(seqs), width, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, s in enumerate(seqs):
+            ids[i, width - s.numel():] = s
+            mask[i, width - s.numel():] = 1
+        return ids, mask
+
     def answer_letter_id(self, letter: str = "A") -> int:
         """The scorer tokenizer's id of the answer letter (never hard-coded)."""
         tok = self.tokenizer()

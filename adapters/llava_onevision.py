@@ -79,13 +79,7 @@ class LlavaOnevisionAdapter(HFVLMAdapter):
         t = pixels.shape[0]
         prompts = prompts * t if len(prompts) == 1 else prompts
         rows, cols = self.frame_grid()
-        seqs = [self.chat_ids(p, "video", rows * cols + 1) for p in prompts]
-        width = max(s.numel() for s in seqs)
-        ids = torch.zeros(t, width, dtype=torch.long)
-        mask = torch.zeros(t, width, dtype=torch.long)
-        for i, s in enumerate(seqs):
-            ids[i, width - s.numel():] = s
-            mask[i, width - s.numel():] = 1
+        ids, mask = self.chat_batch(prompts, "video", rows * cols + 1)
         letter = self.answer_letter_id("A")
         device = self.model.device
         with self.unpruned(), torch.no_grad():

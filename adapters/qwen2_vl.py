@@ -88,13 +88,7 @@ class Qwen2VLAdapter(HFVLMAdapter):
         t, h, w = grid
         prompts = prompts * t if len(prompts) == 1 else prompts
         merge = self.model.config.vision_config.spatial_merge_size
-        seqs = [self.chat_ids(p, "video", h * w // merge**2) for p in prompts]
-        width = max(s.numel() for s in seqs)
-        ids = torch.zeros(t, width, dtype=torch.long)
-        mask = torch.zeros(t, width, dtype=torch.long)
-        for i, s in enumerate(seqs):
-            ids[i, width - s.numel():] = s
-            mask[i, width - s.numel():] = 1
+        ids, mask = self.chat_batch(prompts, "video", h * w // merge**2)
         video = self.placeholder_ids()["video"]
         device = self.model.device
         with self.unpruned(), torch.no_grad():
