@@ -234,7 +234,7 @@ def test_keyscore_default_embeddings_are_projected_frames_and_question_words():
     """KeyScore's in-model embeddings: each frame's projected, pooled tokens (not the newline)
     mean-pooled, against the input embeddings of the question's words only - no padding, chat
     template, placeholders or assistant prefix - for every video of a left-padded batch."""
-    from vlm_prune.frames.keyscore import keyscore
+    from vlm_prune.frames.keyscore import KeyScore, keyscore
 
     model, proc = eval_tiny.build_model(), eval_tiny.build_processor()
     questions = ["what colour is the shape ?", "is the shape red ?"]
@@ -244,7 +244,7 @@ def test_keyscore_default_embeddings_are_projected_frames_and_question_words():
     videos = [(torch.rand(5, 48, 48, 3, generator=gen) * 255).to(torch.uint8).numpy() for _ in questions]
     inp = proc(text=texts, videos=videos, return_tensors="pt", padding=True)
     assert (inp["attention_mask"] == 0).any()  # the shorter question is left-padded
-    _, stats = run(model, "keyscore", inp, steps=1, keep=0.4, processor=proc)
+    _, stats = run(model, KeyScore(proposals="all"), inp, steps=1, keep=0.4, processor=proc)  # every frame scored
     embed = model.get_input_embeddings()
     with torch.no_grad():
         feats = model.model.get_video_features(inp["pixel_values_videos"]).pooler_output

@@ -87,17 +87,17 @@ def _one_hot_video(t: int = 5, n: int = 4, d: int = 8) -> torch.Tensor:
     return torch.eye(d)[:t, None, :].expand(t, n, d).clone()
 
 
-def test_keyscore_method_keeps_the_frame_matching_the_query():
+def test_keyscore_method_keeps_the_frame_matching_the_query():  # scoring only: every frame a candidate
     feats = _one_hot_video()
     ctx = FramesContext(features=feats, grid=(2, 2), n_total=4, text_features=torch.eye(8)[[2, 2, 2]])
-    plan = KeyScore(budget=4).allocate(ctx)
+    plan = KeyScore(budget=4, proposals="all").allocate(ctx)
     assert plan.kept_frames == [2] and plan.tokens_per_frame == [0, 0, 4, 0, 0]
     assert plan.reduction.indices.tolist() == [8, 9, 10, 11] and plan.reduction.features is None
     assert int(torch.argmax(plan.frame_scores)) == 2
     ctx.n_total = 8
-    assert 2 in KeyScore().allocate(ctx).kept_frames and len(KeyScore().allocate(ctx).kept_frames) == 2
+    assert 2 in KeyScore(proposals="all").allocate(ctx).kept_frames and len(KeyScore(proposals="all").allocate(ctx).kept_frames) == 2
     ctx.n_total = 3  # below one frame: the best frame keeps 3 evenly spaced tokens
-    plan = KeyScore().allocate(ctx)
+    plan = KeyScore(proposals="all").allocate(ctx)
     assert plan.reduction.indices.tolist() == [8, 10, 11] and plan.tokens_per_frame == [0, 0, 3, 0, 0]
 
 
@@ -111,7 +111,7 @@ def test_keyscore_method_with_encoder_and_stacfp_proposals():
         return torch.from_numpy(rgb.reshape(len(rgb), -1, 3).mean(1)).float(), torch.tensor([[0.0, 1.0, 0.0]])
 
     ctx = FramesContext(features=torch.randn(9, 4, 5), grid=(2, 2), n_total=4, query="green", pixels=pixels)
-    plan = KeyScore(proposals="stacfp", encoder=encoder).allocate(ctx)
+    plan = KeyScore(encoder=encoder).allocate(ctx)  # STACFP proposals by default, as in the paper
     assert plan.kept_frames == [4]  # the middle green frame, the green segment's medoid
     assert calls == [(3, ["green"])]  # only the three proposals were embedded
 
@@ -140,3 +140,13 @@ def test_uniform_method():
     assert plan.kept_frames == [2] and plan.reduction.indices.tolist() == [8, 10, 11]
     plan = Uniform(keep=1.0).allocate(FramesContext(features=feats, grid=(2, 2), n_total=24))
     assert plan.reduction.indices.tolist() == list(range(24))
+
+
+def test_stacfp_without_its_packages_says_what_to_install(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "cv2" else real(name, *a))
+    with pytest.raises(ImportError, match=r"opencv-python-headless: pip install 'vlm-prune\[video\]'"):
+        KeyScore(keep=0.5)
+    assert KeyScore(keep=0.5, proposals="all").proposals == "all"  # scoring every frame needs neither

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from vlm_prune.frames.stacfp import stacfp_proposals
+from vlm_prune.frames.stacfp import require_stacfp_packages, stacfp_proposals
 from vlm_prune.frames.uniform import frames_plan, partial_frame_plan
 from vlm_prune.methods.base import FramesContext, FramesMethod, FramesPlan
 from vlm_prune.registry import register
@@ -179,8 +179,10 @@ class KeyScore(FramesMethod):
     resolution; below one frame's worth the best frame keeps n_total evenly spaced tokens.
     Knobs:
       weights=(1/3, 1/3, 1/3): (a, b, c) of S_sem, S_temp, S_drop (unverified).
-      proposals="all": every sampled frame is a candidate; "stacfp" clusters the frames first
-        (from ctx.pixels, min-max rescaled to RGB) with k in (max(2, n_frames), k_max).
+      proposals="stacfp": the paper's pipeline - STACFP clusters the frames first (from ctx.pixels,
+        min-max rescaled to RGB; k in (max(2, n_frames), k_max) by silhouette) and KeyScore ranks
+        the cluster medoids; needs the ``video`` extra (OpenCV, scikit-learn). "all": every
+        sampled frame is a candidate.
       encoder=None: frame embedding = the frame's tokens (ctx.features) mean-pooled, caption
         embedding = the query's input embeddings (ctx.text_features) mean-pooled - both in the
         LLM's input space. No training objective aligns projected frame tokens with word
@@ -199,7 +201,7 @@ class KeyScore(FramesMethod):
         keep: float | None = None,
         budget: int | None = None,
         weights: tuple[float, float, float] = DEFAULT_WEIGHTS,
-        proposals: str = "all",
+        proposals: str = "stacfp",
         encoder: Encoder | None = None,
         k_max: int = 16,
         gamma_time: float = 0.5,
@@ -209,6 +211,8 @@ class KeyScore(FramesMethod):
             raise ValueError(f"KeyScore proposals must be 'all' or 'stacfp', got {proposals!r}")
         if len(weights) != 3:
             raise ValueError(f"KeyScore weights are (a, b, c) for S_sem, S_temp, S_drop, got {weights!r}")
+        if proposals == "stacfp":
+            require_stacfp_packages()
         self.weights = tuple(float(w) for w in weights)
         self.proposals = proposals
         self.k_max = k_max
@@ -217,7 +221,7 @@ class KeyScore(FramesMethod):
 
     def _candidates(self, ctx: FramesContext, n_frames: int) -> list[int]:
         t = ctx.features.shape[0]
-        if self.proposals == "all":
+        if self.proposals == "all" or t <= n_frames:
             return list(range(t))
         if ctx.pixels is None:
             raise ValueError("KeyScore proposals='stacfp' needs the frames' pixels, but the context has none")

@@ -26,6 +26,17 @@ class Proposals:
     silhouette: float
 
 
+def require_stacfp_packages() -> None:
+    """STACFP needs OpenCV (HSV histograms) and scikit-learn (k-means, silhouette): the ``video`` extra."""
+    import importlib.util
+
+    missing = [pkg for mod, pkg in (("cv2", "opencv-python-headless"), ("sklearn", "scikit-learn"))
+               if importlib.util.find_spec(mod) is None]
+    if missing:
+        raise ImportError(f"STACFP frame proposals need {' and '.join(missing)}: pip install 'vlm-prune[video]'"
+                          " (or, for KeyScore inside a model, KeyScore(proposals='all') to score every frame)")
+
+
 def hsv_histograms(frames: np.ndarray, bins: tuple[int, int, int] = (8, 4, 4)) -> np.ndarray:
     """[T, H, W, 3] uint8 RGB frames -> [T, prod(bins)] L2-normalised HSV colour histograms."""
     import cv2
@@ -96,5 +107,6 @@ def stacfp_proposals(
     seed: int = 0,
 ) -> Proposals:
     """STACFP on uint8 RGB frames [T, H, W, 3]: one medoid proposal per colour-time cluster."""
+    require_stacfp_packages()
     x = stacfp_features(hsv_histograms(frames, bins), gamma_time)
     return cluster_proposals(x, k_range, seed)
