@@ -347,6 +347,8 @@ def test_adaptinfer_published_schedules():
 
 def test_adaptinfer_derived_schedule_reproduces_paper_accounting():
     assert derive_counts(576, 128, [1, 10, 20], 32, (0.25, 0.25)) == [287, 72, 18]
+    assert derive_counts(64, 64, [0, 2, 4], 6, (0.25, 0.25)) == [64, 64, 64]  # keep=1.0 prunes nothing
+    assert derive_counts(64, 48, [0, 2, 4], 6, (0.25, 0.25)) == [64, 16, 4]  # k1 clamped: average below target
     # the paper's accounting of its own published schedules: depth average ~ target
     for target, counts in SCHEDULES["llava-1.5-7b"].counts.items():
         avg = (1 * 576 + 9 * counts[0] + 10 * counts[1] + 12 * counts[2]) / 32

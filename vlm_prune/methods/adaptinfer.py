@@ -61,12 +61,14 @@ def derive_counts(
     LLaVA-1.5-7B schedule for 128 tokens); k_1 is solved for and clamped to [0, n_visual]. With
     these defaults a 32-layer model, 576 tokens and target 128 give [287, 72, 18] (published:
     [290, 72, 18]). A shallow model whose depth merges some of the pruning layers uses the
-    first len(after) - 1 ratios.
+    first len(after) - 1 ratios. A target of every visual token (keep=1.0) prunes nothing.
     """
     if len(stage_ratios) < len(after) - 1:
         raise ValueError(
             f"AdaptInfer needs {len(after) - 1} stage_ratios for {len(after)} pruning layers, got {len(stage_ratios)}"
         )
+    if target >= n_visual:
+        return [n_visual] * len(after)
     bounds = list(after) + [num_layers]
     weight, factor = 0.0, 1.0
     factors = []
