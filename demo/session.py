@@ -261,10 +261,10 @@ class Session:
         self.lock = threading.Lock()
 
     def default_layer(self) -> int:
-        """The prune layer the UI proposes: 1 on models shallower than 8 decoder layers (the
-        methods' defaults assume deep LLMs), else 0 = each method's own default."""
+        """The prune layer the UI proposes: 0 = each method's own default, or 1 on a model too
+        shallow for those defaults (PACT prunes before layer 4, so fewer than 5 decoder layers)."""
         depths = [m.depth for m in self.models.values() if m is not None]
-        return 1 if min(depths) < 8 else 0
+        return 1 if min(depths) < 5 else 0
 
     def run(self, path: str | Path | None, question: str, methods: list[str] | str, keep: float,
             layer: int | None = None, progress: Progress | None = None) -> Outcome:

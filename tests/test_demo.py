@@ -157,6 +157,12 @@ def test_run_matches_the_model_and_unwraps(session):
     assert "| visual tokens | 64 | 16 (25%) |" in out.markdown()
 
 
+def test_default_layer_follows_the_models_depth(session, monkeypatch):
+    assert session.default_layer() == 0  # the shipped 6-layer models take every method's own layer
+    monkeypatch.setattr(type(session.models["video"]), "depth", property(lambda m: 4))
+    assert session.default_layer() == 1  # too shallow for PACT's layer 4
+
+
 def test_keep_everything_answers_like_the_unpruned_model(session):
     out = session.run(EXAMPLES_DIR / "synthetic_position_2.png", "is the coloured shape left or right ?",
                       ["random"], keep=1.0)

@@ -11,7 +11,7 @@ from vlm_prune.eval.synthetic import build_processor, evaluate, load, make_datas
 from vlm_prune.eval.synthetic.ablation import frames, masked_accuracy, random_tokens
 from vlm_prune.eval.synthetic.processing import prompt
 from vlm_prune.eval.synthetic.scenes import COLOURS, COUNTS, IMAGE_QTYPES, NUM_FRAMES
-from vlm_prune.eval.synthetic.train import patch_labels
+from vlm_prune.eval.synthetic.train import colours_present, patch_labels
 
 NAMES = list(COLOURS)
 
@@ -86,6 +86,16 @@ def test_patch_labels_mark_colour_and_side() -> None:
     assert torch.equal(labels, expected)
 
 
+def test_cls_target_lists_the_colours_present() -> None:
+    a, b = make_sample("image", "test", 0), make_sample("image", "test", 1)
+    a.colour_map = np.zeros((64, 64), np.uint8)
+    b.colour_map = np.zeros((64, 64), np.uint8)
+    a.colour_map[3, 3], a.colour_map[40, 9] = 2, 4  # a single pixel counts
+    expected = torch.zeros(2, len(COLOURS))
+    expected[0, [1, 3]] = 1
+    assert torch.equal(colours_present([a, b]), expected)
+
+
 @pytest.mark.parametrize("kind", ["image", "video"])
 def test_processor_round_trip_from_disk(kind: str, tmp_path) -> None:
     built = build_processor(kind)
@@ -127,3 +137,14 @@ def test_shipped_model_is_accurate_and_blind_pruning_hurts(shipped) -> None:
     assert keep_all == accuracy  # the masking path is exact when nothing is dropped
     blind = random_tokens(0.11) if kind == "image" else frames([0, 5, 10, 15])
     assert masked_accuracy(model, processor, samples, blind, batch_size=32) <= accuracy - 0.10
+
+
+def test_ablation_command_prints_every_setting(capsys) -> None:
+    from vlm_prune.eval.synthetic.ablation import BLIND, main
+
+    main(["--samples", "4"])
+    out = capsys.readouterr().out
+    assert out.count("unpruned {") == 2
+    for kind, selectors in BLIND.items():
+        for name in selectors:
+            assert f"{kind}: {name} -> " in out

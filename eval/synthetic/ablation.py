@@ -3,16 +3,19 @@
 Dropped visual tokens are hidden through the attention mask while every token keeps its
 original position id, which is the same as removing them from the sequence (the library's
 physical-removal invariant). This is an independent reference for ``vlm_prune.wrap``.
+
+    python -m vlm_prune.eval.synthetic.ablation      # the shipped models on 256 test samples each
 """
 from __future__ import annotations
 
+import argparse
 from typing import Callable
 
 import torch
 from transformers import PreTrainedModel, ProcessorMixin
 
 from vlm_prune.eval.synthetic.evaluate import encode
-from vlm_prune.eval.synthetic.scenes import NUM_FRAMES, Sample
+from vlm_prune.eval.synthetic.scenes import NUM_FRAMES, Sample, make_dataset
 
 Selector = Callable[[int, torch.Generator], list[int]]
 
@@ -55,3 +58,31 @@ def masked_accuracy(model: PreTrainedModel, processor: ProcessorMixin, samples: 
         texts = processor.tokenizer.batch_decode(out[:, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
         hits += sum((t.split() or [""])[0].lower() == s.answer.lower() for t, s in zip(texts, chunk))
     return hits / len(samples)
+
+
+BLIND = {
+    "image": {f"random keep {k}": random_tokens(k) for k in (0.5, 0.25, 0.11)},
+    "video": {"uniform frames [0, 5, 10, 15]": frames([0, 5, 10, 15]),
+              "every other frame": frames(list(range(0, NUM_FRAMES, 2)))},
+}
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Print each shipped model's test accuracy unpruned and under blind dropping."""
+    from vlm_prune.eval.synthetic.evaluate import accuracy_by_qtype
+    from vlm_prune.eval.synthetic.models import load
+
+    p = argparse.ArgumentParser(description="Blind token / frame dropping on the shipped synthetic models")
+    p.add_argument("--samples", type=int, default=256, help="test samples per model (default 256)")
+    args = p.parse_args(argv)
+    torch.manual_seed(0)
+    for kind, selectors in BLIND.items():
+        model, processor = load(kind)
+        samples = make_dataset(kind, "test", args.samples)
+        print(f"{kind}: unpruned {accuracy_by_qtype(model, processor, samples, 32)}")
+        for name, select in selectors.items():
+            print(f"{kind}: {name} -> {masked_accuracy(model, processor, samples, select, batch_size=32):.3f}")
+
+
+if __name__ == "__main__":
+    main()

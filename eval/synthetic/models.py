@@ -1,11 +1,12 @@
 """The two tiny VLMs of the synthetic benchmark, built from the real transformers classes.
 
 image: LlavaForConditionalGeneration, CLIP tower (2 x 96, patch 8, 64x64 -> 64 tokens + CLS)
-       and a Llama decoder (2 x 128).
+       and a Llama decoder (6 x 128).
 video: LlavaOnevisionForConditionalGeneration, SigLIP tower (2 x 96, patch 8, 32x32 frames ->
        16 patches, pooled 2x2 by the model to 4 tokens per frame, 16 frames -> 65 tokens with
-       the newline) and a Qwen2 decoder (2 x 128).
-Sized to train in about half an hour on two shared CPU cores.
+       the newline) and a Qwen2 decoder (6 x 128).
+Six decoder layers let the in-LLM methods prune at their own default layers (FastV K=2, PACT 4).
+Sized to train in 5-11 minutes on two CPU cores (BENCHMARKS.md has the commands).
 Trained weights ship as safetensors under eval/synthetic/models/{image,video}.
 """
 from __future__ import annotations
@@ -33,7 +34,7 @@ from vlm_prune.eval.synthetic.scenes import FRAME_SIZE, IMAGE_SIZE
 MODELS_DIR = Path(__file__).resolve().parent / "models"
 _VISION = dict(hidden_size=96, intermediate_size=384, num_hidden_layers=2, num_attention_heads=4, patch_size=PATCH_SIZE)
 _TEXT = dict(
-    hidden_size=128, intermediate_size=384, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+    hidden_size=128, intermediate_size=384, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=4,
     max_position_embeddings=512, tie_word_embeddings=False,
 )
 

@@ -2,7 +2,11 @@
 
 Fresh samples every step from the train split; loss = cross-entropy on "answer </s>" plus an
 auxiliary per-patch colour-and-side classification on the vision features entering the projector (a
-training-only head, not shipped) that makes the tiny tower learn colour and side fast.
+training-only head, not shipped) that makes the tiny tower learn colour and side fast. The image
+model's CLIP tower also trains its CLS token, as CLIP pre-training does: a second training-only
+head predicts from the CLS output which colours the image holds (multi-label). LLaVA drops the CLS
+output, so without this its last-layer query would stay at its random initialisation, and the
+methods that rank patches by CLS attention (VisionZip, AS-ViT) would rank by noise.
 AdamW with a one-cycle schedule and fixed seeds (CPU kernels reproduce for a fixed thread
 count). Saves safetensors and the processor to eval/synthetic/models/<kind> every 200 steps and
 at the end, and prints test accuracy per question type.
@@ -41,6 +45,12 @@ def patch_labels(samples: list[Sample]) -> torch.Tensor:
     return torch.from_numpy(labels.reshape(n, -1)).long()
 
 
+def colours_present(samples: list[Sample]) -> torch.Tensor:
+    """[N, len(COLOURS)] multi-hot: which shape colours appear anywhere in each sample's image."""
+    maps = np.stack([s.colour_map for s in samples]).reshape(len(samples), -1)
+    return torch.from_numpy(np.stack([(maps == k + 1).any(1) for k in range(len(COLOURS))], 1)).float()
+
+
 def train(kind: str, steps: int, batch_size: int, lr: float, seed: int, out: Path, threads: int) -> None:
     torch.set_num_threads(threads)
     torch.manual_seed(seed)
@@ -49,8 +59,12 @@ def train(kind: str, steps: int, batch_size: int, lr: float, seed: int, out: Pat
     aux = nn.Linear(model.config.vision_config.hidden_size, 2 * len(COLOURS) + 1)
     aux_weight = torch.tensor([1.0] + [5.0] * 2 * len(COLOURS))
     captured: dict[str, torch.Tensor] = {}
-    hook = model.model.multi_modal_projector.register_forward_hook(lambda m, args, o: captured.__setitem__("x", args[0]))
-    params = list(model.parameters()) + list(aux.parameters())
+    hooks = [model.model.multi_modal_projector.register_forward_hook(lambda m, args, o: captured.__setitem__("x", args[0]))]
+    cls_head = nn.Linear(model.config.vision_config.hidden_size, len(COLOURS)) if kind == "image" else None
+    if cls_head is not None:  # CLIP's CLS token: row 0 of the tower's last hidden state
+        hooks.append(model.model.vision_tower.register_forward_hook(
+            lambda m, args, o: captured.__setitem__("cls", o.last_hidden_state[:, 0])))
+    params = list(model.parameters()) + list(aux.parameters()) + (list(cls_head.parameters()) if cls_head else [])
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.01)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=steps, pct_start=0.1)
     val = make_dataset(kind, "val", 64, qtypes=TRAIN_QTYPES[kind])
@@ -67,6 +81,8 @@ def train(kind: str, steps: int, batch_size: int, lr: float, seed: int, out: Pat
         aux_logits = aux(captured["x"])
         aux_loss = nn.functional.cross_entropy(aux_logits.flatten(0, 1), patch_labels(samples).flatten(), weight=aux_weight)
         loss = lm_loss + aux_loss
+        if cls_head is not None:
+            loss = loss + nn.functional.binary_cross_entropy_with_logits(cls_head(captured["cls"]), colours_present(samples))
         opt.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -79,7 +95,8 @@ def train(kind: str, steps: int, batch_size: int, lr: float, seed: int, out: Pat
             model.save_pretrained(out)
             model.train()
             print(f"step {step + 1} {time.time() - start:.0f}s lm {lm_loss.item():.3f} aux {aux_loss.item():.3f} val {accs}", flush=True)
-    hook.remove()
+    for hook in hooks:
+        hook.remove()
     test = make_dataset(kind, "test", 256)
     print(f"trained {kind} in {time.time() - start:.0f}s; test accuracy {accuracy_by_qtype(model, processor, test, 32)}", flush=True)
 
