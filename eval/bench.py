@@ -142,7 +142,11 @@ def plan(model: torch.nn.Module, processor: Any, keeps: tuple[float, ...], only:
         if cls.supported is not None and adapter.family not in cls.supported:
             skipped.append({"method": name, "reason": f"supports {', '.join(cls.supported)} models only"})
             continue
-        make, note = single(name)
+        try:
+            make, note = single(name)
+        except ImportError as err:  # e.g. KeyScore's STACFP without the video extra
+            skipped.append({"method": name, "reason": str(err)})
+            continue
         cases += [Case(name, lambda m, make=make: [make(m)], k, note) for k in keeps]
         if cls.stage == "frames" and (only is None or FRAMES_PARTNER in only):
             partner, partner_note = single(FRAMES_PARTNER)

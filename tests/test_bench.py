@@ -103,3 +103,17 @@ def test_fit_layer_moves_pruning_inside_shallow_models():
     assert pact.layer == 1
     ada, note = fit_layer("adaptinfer", 2)
     assert ada.stage_ratios == () and "1 pruning step" in note
+
+
+def test_methods_missing_an_extra_are_skipped_with_the_install_hint(monkeypatch):
+    import importlib.util
+
+    from vlm_prune.eval.bench import plan
+    from vlm_prune.eval.synthetic import load
+
+    model, processor = load("video")
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "cv2" else real(name, *a))
+    cases, skipped = plan(model, processor, (0.25,), {"keyscore", "uniform"})
+    assert [c.label for c in cases] == ["uniform"]
+    assert skipped == [{"method": "keyscore", "reason": skipped[0]["reason"]}] and "vlm-prune[video]" in skipped[0]["reason"]
