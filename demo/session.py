@@ -141,10 +141,11 @@ def build_pipeline(methods: list[str] | str, layer: int | None) -> list[Any]:
             cls = method_class(name)
         except ValueError as err:
             raise DemoError(str(err)) from None
-        if layer and "layer" in inspect.signature(cls.__init__).parameters:
-            pipeline.append(cls(layer=int(layer)))
-        else:
-            pipeline.append(cls())
+        try:
+            pipeline.append(cls(layer=int(layer)) if layer and "layer" in inspect.signature(cls.__init__).parameters
+                            else cls())
+        except ImportError as err:  # an optional dependency of the method (e.g. KeyScore's STACFP)
+            raise DemoError(str(err)) from None
     return pipeline
 
 

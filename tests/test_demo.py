@@ -109,6 +109,15 @@ def test_build_pipeline_splits_stages_and_sets_the_llm_layer():
         build_pipeline([], layer=0)
 
 
+def test_build_pipeline_reports_a_missing_extra(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "sklearn" else real(name, *a))
+    with pytest.raises(DemoError, match=r"scikit-learn: pip install 'vlm-prune\[video\]'"):
+        build_pipeline(["keyscore"], layer=0)
+
+
 def test_normalise_question_for_the_word_level_vocabulary():
     assert normalise_question("What colour is the Shape?") == "what colour is the shape ?"
 
