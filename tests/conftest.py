@@ -1,3 +1,4 @@
+import importlib.util
 import os
 import sys
 
@@ -16,3 +17,14 @@ torch.set_num_threads(1)  # tiny models: threads only add contention (and xdist 
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+@pytest.fixture
+def hide_module(monkeypatch):
+    """``hide_module("cv2")``: ``importlib.util.find_spec`` reports that module as not installed."""
+    real = importlib.util.find_spec
+
+    def hide(module: str) -> None:
+        monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == module else real(name, *a))
+
+    return hide

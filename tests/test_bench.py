@@ -105,15 +105,12 @@ def test_fit_layer_moves_pruning_inside_shallow_models():
     assert ada.stage_ratios == () and "1 pruning step" in note
 
 
-def test_methods_missing_an_extra_are_skipped_with_the_install_hint(monkeypatch):
-    import importlib.util
-
+def test_methods_missing_an_extra_are_skipped_with_the_install_hint(hide_module):
     from vlm_prune.eval.bench import plan
     from vlm_prune.eval.synthetic import load
 
     model, processor = load("video")
-    real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "cv2" else real(name, *a))
+    hide_module("cv2")
     cases, skipped = plan(model, processor, (0.25,), {"keyscore", "uniform"})
     assert [c.label for c in cases] == ["uniform"]
     assert skipped == [{"method": "keyscore", "reason": skipped[0]["reason"]}] and "vlm-prune[video]" in skipped[0]["reason"]

@@ -109,11 +109,8 @@ def test_build_pipeline_splits_stages_and_sets_the_llm_layer():
         build_pipeline([], layer=0)
 
 
-def test_build_pipeline_reports_a_missing_extra(monkeypatch):
-    import importlib.util
-
-    real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "sklearn" else real(name, *a))
+def test_build_pipeline_reports_a_missing_extra(hide_module):
+    hide_module("sklearn")
     with pytest.raises(DemoError, match=r"scikit-learn: pip install 'vlm-prune\[video\]'"):
         build_pipeline(["keyscore"], layer=0)
 

@@ -142,11 +142,8 @@ def test_uniform_method():
     assert plan.reduction.indices.tolist() == list(range(24))
 
 
-def test_stacfp_without_its_packages_says_what_to_install(monkeypatch):
-    import importlib.util
-
-    real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "cv2" else real(name, *a))
+def test_stacfp_without_its_packages_says_what_to_install(hide_module):
+    hide_module("cv2")
     with pytest.raises(ImportError, match=r"opencv-python-headless: pip install 'vlm-prune\[video\]'"):
         KeyScore(keep=0.5)
     assert KeyScore(keep=0.5, proposals="all").proposals == "all"  # scoring every frame needs neither
