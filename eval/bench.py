@@ -23,7 +23,7 @@ import platform
 import statistics
 import string
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -437,16 +437,23 @@ def run(args: argparse.Namespace) -> int:
         from vlm_prune.eval import speed
 
         return speed.run(args)
+    parts = (run_model(name, model, processor, samples, keeps, args)
+             for name, model, processor, samples, keeps in targets(args))
+    return run_and_write("bench", args, parts, markdown, plot=True)
+
+
+def run_and_write(mode: str, args: argparse.Namespace, parts: Iterable[tuple[list[dict[str, Any]], list[dict[str, Any]]]],
+                  to_markdown: Callable[[list[dict[str, Any]], list[dict[str, Any]]], str], plot: bool) -> int:
+    """Run every (rows, skipped) part lazily, then write bench.json / .md (and the plot) and print the table."""
     start = time.perf_counter()
     rows: list[dict[str, Any]] = []
     skipped: list[dict[str, Any]] = []
-    for name, model, processor, samples, keeps in targets(args):
-        r, s = run_model(name, model, processor, samples, keeps, args)
+    for r, s in parts:
         rows += r
         skipped += s
-    table = markdown(rows, skipped)
-    payload = {"meta": {**meta("bench", args), "seconds": time.perf_counter() - start}, "rows": rows, "skipped": skipped}
-    paths = write_outputs(args.out, payload, table, rows)
+    table = to_markdown(rows, skipped)
+    payload = {"meta": {**meta(mode, args), "seconds": time.perf_counter() - start}, "rows": rows, "skipped": skipped}
+    paths = write_outputs(args.out, payload, table, rows if plot else None)
     print(table)
     print("wrote " + ", ".join(paths.values()))
     return 0

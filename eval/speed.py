@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import time
 from typing import Any
 
 import torch
@@ -40,10 +39,9 @@ from vlm_prune.eval.bench import (
     fit_layer,
     fmt,
     markdown_escape,
-    meta,
     prefill_seconds,
+    run_and_write,
     time_pair,
-    write_outputs,
 )
 
 import vlm_prune
@@ -213,16 +211,4 @@ def run(args: argparse.Namespace) -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: no CUDA device is visible to torch; use --device cpu")
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
-    start = time.perf_counter()
-    rows: list[dict[str, Any]] = []
-    skipped: list[dict[str, Any]] = []
-    for kind in ("image", "video"):
-        r, s = run_kind(kind, args, dtype)
-        rows += r
-        skipped += s
-    table = markdown(rows, skipped)
-    payload = {"meta": {**meta("speed", args), "seconds": time.perf_counter() - start}, "rows": rows, "skipped": skipped}
-    paths = write_outputs(args.out, payload, table, None)
-    print(table)
-    print("wrote " + ", ".join(paths.values()))
-    return 0
+    return run_and_write("speed", args, (run_kind(kind, args, dtype) for kind in ("image", "video")), markdown, plot=False)
