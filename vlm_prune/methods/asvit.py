@@ -122,8 +122,7 @@ class ASViT(ViTMethod):
                 "AS-ViT threshold mode sets its budget through learned thresholds; drop keep/budget and "
                 "run vlm_prune.methods.asvit.calibrate(model, loader, target=...) instead"
             )
-        validate_budget(keep, budget, required=self.mode == "keep", method=self.name)
-        self.keep, self.budget = keep, budget
+        self.keep, self.budget = validate_budget(keep, budget, required=self.mode == "keep", method=self.name)
 
     def check_model(self, adapter: Any) -> None:
         super().check_model(adapter)

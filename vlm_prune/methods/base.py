@@ -192,8 +192,7 @@ class Method:
         """Validate and set keep / budget given to wrap(); values set on the object win."""
         keep = self.keep if self.keep is not None else keep
         budget = self.budget if self.budget is not None else budget
-        validate_budget(keep, budget, required=not self.own_schedule, method=self.name)
-        self.keep, self.budget = keep, budget
+        self.keep, self.budget = validate_budget(keep, budget, required=not self.own_schedule, method=self.name)
 
     def n_keep(self, n_tokens: int, n_images: int = 1) -> int:
         """Tokens to keep out of ``n_tokens`` visual tokens spread over ``n_images`` images.
@@ -231,9 +230,22 @@ def _plain(v: Any) -> bool:
     return v is None or isinstance(v, (bool, int, float, str, tuple, list))
 
 
-def validate_budget(keep: float | None, budget: int | None, *, required: bool, method: str = "") -> None:
-    """The rules every wrap() call obeys: exactly one of keep / budget, each in range."""
+def _plain_number(value: Any) -> Any:
+    """A Python number for a one-element numpy / torch scalar (np.float32(0.5), torch.tensor(4))."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.dtype.is_complex:
+        return value.item()
+    if type(value).__module__ == "numpy" and getattr(value, "shape", None) == () and hasattr(value, "item"):
+        return value.item()
+    return value
+
+
+def validate_budget(keep: Any, budget: Any, *, required: bool, method: str = "") -> tuple[float | None, int | None]:
+    """The rules every wrap() call obeys: exactly one of keep / budget, each in range.
+
+    Returns (keep, budget) as plain Python numbers (numpy and torch scalars are accepted).
+    """
     who = f" for method '{method}'" if method else ""
+    keep, budget = _plain_number(keep), _plain_number(budget)
     if keep is not None and budget is not None:
         raise ValueError(f"give either keep= (a fraction) or budget= (tokens per image){who}, not both")
     if required and keep is None and budget is None:
@@ -247,6 +259,7 @@ def validate_budget(keep: float | None, budget: int | None, *, required: bool, m
     if budget is not None:
         if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
             raise ValueError(f"budget must be a whole number of tokens >= 1, got {budget!r}{who}")
+    return keep, budget
 
 
 class FramesMethod(Method):

@@ -98,8 +98,7 @@ class ToMe(ViTMethod):
         budget = self.budget if self.budget is not None else budget
         if self.r is not None and (keep is not None or budget is not None):
             raise ValueError("ToMe takes either r= (tokens merged per block) or keep= / budget=, not both")
-        validate_budget(keep, budget, required=self.r is None, method=self.name)
-        self.keep, self.budget = keep, budget
+        self.keep, self.budget = validate_budget(keep, budget, required=self.r is None, method=self.name)
 
     def merges(self, block: int, depth: int, n_patches: int) -> int:
         """Tokens to merge in ``block`` before the half-of-the-tokens cap."""
