@@ -12,8 +12,11 @@ rows between layers:
   every cache segment are kept on the cache object, so decode steps of ``generate()`` attend
   to the right keys and continue positions from the unpruned length.
 
-The layers themselves are called unchanged with an explicit 4-D mask (SDPA / eager) or a 2-D
-key-padding mask (FlashAttention-2, where proportional attention is off).
+The layers themselves are called unchanged with the fastest exact mask of each segment
+(:func:`segment_mask`): none where no key is padding or merged (SDPA's and FlashAttention's
+causal kernels), a boolean mask where only padding needs one, the additive float mask only
+where merged keys carry log(size) (SDPA) or under eager attention; FlashAttention-2 gets a 2-D
+key-padding mask where there is padding (proportional attention is off there).
 """
 from __future__ import annotations
 
@@ -245,25 +248,9 @@ class PrunedDecoder:
 
     # ---- masks ------------------------------------------------------------------------------
     def _mask(self, key_valid: torch.Tensor, key_bias: torch.Tensor, q_valid: torch.Tensor, dtype: torch.dtype) -> Any:
-        """Mask for the newest ``q`` rows against all ``kv`` keys of a segment.
-
-        The new rows are the last q keys; causality is by row order (rows are kept in their
-        original order). Returns a [B, 1, q, kv] additive float mask, or for FlashAttention a
-        [B, kv] key-padding mask.
-        """
-        b, kv = key_valid.shape
-        q = q_valid.shape[1]
-        if "flash" in self.attn_impl():
-            # always a mask: without one, transformers reads position-id gaps as packed sequences
-            return key_valid.long()
-        past = kv - q
-        qi = torch.arange(q, device=key_valid.device)[:, None] + past
-        ki = torch.arange(kv, device=key_valid.device)[None, :]
-        allowed = (ki <= qi)[None] & key_valid[:, None, :]  # [B, q, kv]
-        minv = torch.finfo(dtype).min
-        mask = torch.zeros(b, q, kv, dtype=dtype, device=key_valid.device)
-        mask = mask.masked_fill(~allowed, minv) + key_bias[:, None, :].to(dtype).masked_fill(~allowed, 0.0)
-        return mask[:, None]
+        """The fastest exact mask of the newest ``q`` rows against the ``kv`` keys of a segment
+        (:func:`segment_mask` for this model's attention implementation)."""
+        return segment_mask(self.attn_impl(), key_valid, key_bias, q_valid, dtype)
 
     # ---- the forward ------------------------------------------------------------------------
     def forward(
@@ -308,11 +295,14 @@ class PrunedDecoder:
 
     def _run_layer(self, idx: int, hidden: torch.Tensor, mask: Any, pe: Any, pos: torch.Tensor, cache: Any, use_cache: bool, kwargs: dict) -> torch.Tensor:
         layer = self.spec.layers[idx]
+        # FlashAttention reads position ids only to find packed sequences (gaps after a removal
+        # look like packing); without a mask every row is real, so the dense kernel is right
+        flash_dense = mask is None and "flash" in self.attn_impl()
         out = layer(
             hidden,
             attention_mask=mask,
             position_embeddings=pe,
-            position_ids=self.spec.layer_position_ids(pos),
+            position_ids=None if flash_dense else self.spec.layer_position_ids(pos),
             use_cache=use_cache,
             **{_cache_keyword(layer): cache},
             **kwargs,
@@ -398,6 +388,54 @@ class PrunedDecoder:
         for idx in range(len(spec.layers)):
             hidden = self._run_layer(idx, hidden, masks[segs.layer_segment[idx]], pe, pos, cache, True, kwargs)
         return hidden
+
+
+def allowed_keys(key_valid: torch.Tensor, q_valid: torch.Tensor) -> torch.Tensor:
+    """[B, q, kv] bool: which keys each of the newest ``q`` rows attends to.
+
+    The new rows are the last ``q`` keys and causality is by row order (rows keep their
+    original order): valid keys up to the row itself. A padding row sees only itself, so no
+    row is fully masked (its output stays finite and is never read).
+    """
+    q, kv = q_valid.shape[1], key_valid.shape[1]
+    qi = torch.arange(q, device=key_valid.device)[:, None] + (kv - q)
+    ki = torch.arange(kv, device=key_valid.device)[None, :]
+    return ((ki <= qi)[None] & key_valid[:, None, :]) | ((ki == qi)[None] & ~q_valid[:, :, None])
+
+
+def float_mask(key_valid: torch.Tensor, key_bias: torch.Tensor, q_valid: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[B, 1, q, kv] additive float mask: 0 + log-size bias where allowed, dtype min elsewhere
+    (what eager attention needs, and SDPA where merged keys carry a bias)."""
+    allowed = allowed_keys(key_valid, q_valid)
+    bias = key_bias[:, None, :].to(dtype).masked_fill(~allowed, 0.0)
+    return bias.masked_fill(~allowed, torch.finfo(dtype).min)[:, None]
+
+
+def segment_mask(
+    impl: str, key_valid: torch.Tensor, key_bias: torch.Tensor, q_valid: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor | None:
+    """The fastest exact mask of the newest ``q`` rows against the ``kv`` keys of one segment.
+
+    - FlashAttention: None without padding (the dense causal kernel, bottom-right aligned, so
+      also right for decode steps), else the [B, kv] key-padding mask; merged keys count as one
+      token there (no bias).
+    - SDPA: None (its causal fast path) when no key is padding, no key carries a log-size bias
+      and the rows are the whole segment (prefill) or a single decode row; SDPA's ``is_causal``
+      is top-left aligned and crops the keys, so several new rows after a cache need a mask. A
+      [B, 1, q, kv] boolean mask where only padding (or that alignment) needs one; the additive
+      float mask (:func:`float_mask`) only where merged keys carry log(size).
+    - Any other implementation (eager, ...): the additive float mask.
+    Every form gives the valid rows the same result as the float mask (tests pin them bit-exact).
+    """
+    has_pad = not bool(key_valid.all())
+    if "flash" in impl:
+        return key_valid.long() if has_pad else None
+    if impl != "sdpa" or bool((key_bias != 0).any()):
+        return float_mask(key_valid, key_bias, q_valid, dtype)
+    q, kv = q_valid.shape[1], key_valid.shape[1]
+    if not has_pad and (q == kv or q == 1):
+        return None
+    return allowed_keys(key_valid, q_valid)[:, None]
 
 
 def apply(rows: Rows, reds: list[Reduction]) -> Rows:
