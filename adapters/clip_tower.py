@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from vlm_prune.adapters.base import PerThread
 from vlm_prune.adapters.hf_vlm import HFVLMAdapter
 from vlm_prune.adapters.patching import Patcher
 from vlm_prune.methods.base import Reduction
@@ -98,6 +99,12 @@ class CLIPTowerStage:
     at construction for towers or settings it cannot handle.
     """
 
+    #: the run of the calling thread's tower forward in progress
+    run: ViTRun | None = PerThread()
+    #: the run of the calling thread's latest tower forward (None when it ran unpruned), for code
+    #: between the tower and the model's use of its output (LLaVA-NeXT's tile packing)
+    finished: ViTRun | None = PerThread()
+
     def __init__(self, tower: torch.nn.Module, method: ViTMethod, feature_layer: Any, select_strategy: str,
                  patches: Patcher, active: Callable[[], bool]) -> None:
         body = getattr(tower, "vision_model", tower)
@@ -133,10 +140,6 @@ class CLIPTowerStage:
         self.drop_cls = select_strategy == "default"
         self.patches = patches
         self.active = active
-        self.run: ViTRun | None = None
-        #: the run of the latest tower forward (None when it ran unpruned), for code between the
-        #: tower and the model's use of its output (LLaVA-NeXT's tile packing)
-        self.finished: ViTRun | None = None
 
     def attach(self) -> None:
         for i, layer in enumerate(self.layers[: self.depth]):
@@ -145,7 +148,7 @@ class CLIPTowerStage:
 
         @functools.wraps(tower_forward)
         def forward(*args: Any, **kwargs: Any) -> Any:
-            self.run = None
+            self.run = self.finished = None
             out = tower_forward(*args, **kwargs)
             out.vlm_prune_vit = self.finished = self.run  # None when the tower ran unpruned
             self.run = None
@@ -237,7 +240,7 @@ class CLIPTowerAdapter(HFVLMAdapter):
             cfg = model.config
             self.tower_stage = CLIPTowerStage(
                 model.model.vision_tower, state.methods["vit"], cfg.vision_feature_layer,
-                cfg.vision_feature_select_strategy, self.patches, active=lambda: not self.decoder.bypass,
+                cfg.vision_feature_select_strategy, self.patches, active=lambda: not self.bypassed,
             )
             #: tower layers the ViT-stage method spans (up to the feature layer)
             self.depth = self.tower_stage.depth

@@ -23,7 +23,7 @@ from typing import Any, Callable, ClassVar
 
 import torch
 
-from vlm_prune.adapters.base import Adapter
+from vlm_prune.adapters.base import Adapter, ContextSlot
 from vlm_prune.adapters.vision_towers import FeatureLayerTap
 from vlm_prune.engine import LMSpec, Pending, PrunedDecoder
 from vlm_prune.methods.base import FramesContext, Reduction, VisionContext
@@ -38,6 +38,23 @@ class Item:
     frames: int
     grid: tuple[int, int] | None
     tail: int = 0
+
+
+@dataclass
+class Request:
+    """One prefill of the wrapped model: its inputs and what the stages learnt about it.
+
+    It lives in a :class:`ContextSlot` for the length of the model's forward, so every thread
+    calling the model has its own, and nothing of it survives the call (not even a failed one).
+    """
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    masks: dict[str, torch.Tensor]  # modality -> [B, S] placeholder rows
+    pending: Pending  # handed to the engine
+    #: the encoder output being reduced and its tower attention (set by reduce_features)
+    out: Any = None
+    tower_attention: Callable[[int, int], tuple[torch.Tensor, torch.Tensor]] | None = None
 
 
 class HFVLMAdapter(Adapter):
@@ -79,23 +96,38 @@ class HFVLMAdapter(Adapter):
         return (side, side) if side * side == n_tokens else None
 
     # ---- attach / detach ----------------------------------------------------------------------
+    def __init__(self, model: torch.nn.Module, state: Any) -> None:
+        super().__init__(model, state)
+        self._request: ContextSlot[Request | None] = ContextSlot("request", None)
+        self._bypass: ContextSlot[bool] = ContextSlot("bypass", False)
+
+    @property
+    def request(self) -> Request | None:
+        """The calling thread's current prefill (None outside one, in decode steps and unpruned runs)."""
+        return self._request.get()
+
+    @property
+    def bypassed(self) -> bool:
+        """True while the calling thread runs the model unpruned (see :meth:`unpruned`)."""
+        return self._bypass.get()
+
     def attach(self) -> None:
         lm = self.language_model
-        self.decoder = PrunedDecoder(self.lm_spec(), self.state, lambda: lm.config._attn_implementation)
+        self.decoder = PrunedDecoder(
+            self.lm_spec(), self.state, lambda: lm.config._attn_implementation,
+            pending=lambda: None if (r := self.request) is None else r.pending, bypassed=self._bypass.get,
+        )
         self.patches.set(lm, "forward", self.decoder.forward)
         inner_forward = self.patches.original(self.inner, "forward")
 
         @functools.wraps(inner_forward)
         def forward(*args: Any, **kwargs: Any) -> Any:
-            saved = (self._request, self.decoder.pending)
-            if self.decoder.bypass:
-                self._request, self.decoder.pending = None, None
-            else:
-                self.before_forward(args, kwargs)
-            try:
+            request = None if self.bypassed else self.new_request(args, kwargs)
+            # a nested call (a frame scorer inside a prefill) gets its own scope and gives the outer one back
+            with self._request.use(request):
+                if request is not None:
+                    self.reduce_encoded(kwargs)
                 return inner_forward(*args, **kwargs)
-            finally:  # a nested call (a frame scorer inside a prefill) gives the request back
-                self._request, self.decoder.pending = saved
 
         self.patches.set(self.inner, "forward", forward)
         if "vision" in self.state.methods:
@@ -128,36 +160,36 @@ class HFVLMAdapter(Adapter):
             out.vlm_prune_call = signature.bind_partial(*args, **kwargs).arguments
             if self.tap is not None:
                 out.vlm_prune_tower_input = self.tap.input
-            if self._request is not None:
+            if self.request is not None:
                 out = self.reduce_features(modality, out)
             return out
 
         self.patches.set(self.inner, fname, features)
 
     # ---- per request --------------------------------------------------------------------------
-    _request: dict[str, Any] | None = None
-
-    def before_forward(self, args: tuple, kwargs: dict[str, Any]) -> None:
-        """Record the visual rows of a prefill for the engine (decode steps pass through)."""
+    def new_request(self, args: tuple, kwargs: dict[str, Any]) -> Request | None:
+        """The request of a prefill: its visual rows for the engine (None for decode steps)."""
         input_ids = kwargs.get("input_ids", args[0] if args else None)
         cache = kwargs.get("cache", kwargs.get("past_key_values"))
         if input_ids is None or (cache is not None and cache.get_seq_length() > 0):
-            self._request = None
-            return
+            return None
         ids = self.placeholder_ids()
         masks = {m: input_ids == t for m, t in ids.items()}
         visual = torch.zeros_like(input_ids, dtype=torch.bool)
         for m in masks.values():
             visual |= m
         attn = kwargs.get("attention_mask")
-        self._request = {
-            "input_ids": input_ids,
-            "attention_mask": attn if attn is not None else torch.ones_like(input_ids),
-            "masks": masks,
-        }
-        self.decoder.pending = Pending(visual=visual, images_per_sample=self.images_per_sample(masks))
+        return Request(
+            input_ids=input_ids,
+            attention_mask=attn if attn is not None else torch.ones_like(input_ids),
+            masks=masks,
+            pending=Pending(visual=visual, images_per_sample=self.images_per_sample(masks)),
+        )
+
+    def reduce_encoded(self, kwargs: dict[str, Any]) -> None:
+        """generate() encodes images before the prefill: reduce them here (in this call's kwargs)."""
         encoded = kwargs.get("mm_encoder_outputs")
-        if encoded:  # generate() encodes images before the prefill: reduce them here
+        if encoded:
             kwargs["mm_encoder_outputs"] = {
                 m: (self.reduce_features(m, out) if out is not None and m in self.feature_functions else out)
                 for m, out in encoded.items()
@@ -176,7 +208,7 @@ class HFVLMAdapter(Adapter):
 
     def sample_of_items(self, modality: str, counts: list[int]) -> list[int]:
         """Sample index of each image / video whose features have ``counts`` tokens, in order."""
-        mask = self._request["masks"][modality]
+        mask = self.request.masks[modality]
         flat_sample = torch.nonzero(mask)[:, 0]
         out, offset = [], 0
         for n in counts:
@@ -207,8 +239,9 @@ class HFVLMAdapter(Adapter):
         if frames_m is None and vision_m is None:
             return out
         items = self.items(modality, out)
-        self._current_out = out
-        self._tower_attention = self.tower_attention_fn(out, modality)
+        request = self.request
+        request.out = out
+        request.tower_attention = self.tower_attention_fn(out, modality)
         samples = self.sample_of_items(modality, [it.features.shape[0] for it in items])
         t0 = time.perf_counter()
         new_feats, keep_list, size_list, n_in, n_out, extra = [], [], [], [], [], []
@@ -242,13 +275,13 @@ class HFVLMAdapter(Adapter):
                   "tokens_in": n_in, "tokens_out": n_out, "seconds": secs}
         if extra:
             record["videos"] = extra
-        self.decoder.pending.records.append(record)
+        request.pending.records.append(record)
         return self.rebuild(modality, out, new_feats)
 
     def reduce_frames(self, method: Any, it: "Item", sample: int, gen: torch.Generator, index: int) -> Reduction:
         """Apply a vision method to each frame of an item (an image is one frame)."""
         n = (it.features.shape[0] - it.tail) // it.frames
-        tower_attention = self._tower_attention
+        tower_attention = self.request.tower_attention
         text = self.text_embeds(sample).detach()
         parts = []
         for t in range(it.frames):
@@ -292,12 +325,8 @@ class HFVLMAdapter(Adapter):
     @contextlib.contextmanager
     def unpruned(self):
         """Run the model without any pruning inside this block (frame scorers, query decoupling)."""
-        old = self.decoder.bypass
-        self.decoder.bypass = True
-        try:
+        with self._bypass.use(True):
             yield
-        finally:
-            self.decoder.bypass = old
 
     def tokenizer(self) -> Any:
         proc = self.state.processor
@@ -363,11 +392,11 @@ class HFVLMAdapter(Adapter):
     def question_ids(self, sample: int) -> torch.Tensor:
         """Token ids of the sample's question: valid text after its last visual token, without the
         chat template's end-of-turn and assistant prefix when the processor's template is known."""
-        req = self._request
-        ids = req["input_ids"][sample]
-        valid = req["attention_mask"][sample].bool()
+        req = self.request
+        ids = req.input_ids[sample]
+        valid = req.attention_mask[sample].bool()
         visual = torch.zeros_like(valid)
-        for m in req["masks"].values():
+        for m in req.masks.values():
             visual |= m[sample]
         idx = torch.nonzero(visual).squeeze(1)
         after = torch.arange(ids.numel(), device=ids.device) > (idx.max() if idx.numel() else -1)
@@ -397,8 +426,8 @@ class HFVLMAdapter(Adapter):
         return self._suffix
 
     def _commit_vision(self, modality: str, keep_list: list, size_list: list) -> None:
-        pending = self.decoder.pending
-        mask = self._request["masks"][modality]
+        pending = self.request.pending
+        mask = self.request.masks[modality]
         keep = pending.keep if pending.keep is not None else torch.ones_like(mask)
         sizes = pending.sizes if pending.sizes is not None else torch.ones(mask.shape, dtype=torch.float32, device=mask.device)
         keep = keep.clone()

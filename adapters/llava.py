@@ -44,5 +44,5 @@ class LlavaAdapter(CLIPTowerAdapter):
             keep_list.append(keep)
             size_list.append(sizes)
         self._commit_vision(modality, keep_list, size_list)
-        self.decoder.pending.records.append(record)
+        self.request.pending.records.append(record)
         return self.rebuild(modality, out, feats)

@@ -82,5 +82,5 @@ class LlavaNextAdapter(CLIPTowerAdapter):
         size_list = [p[:, 1] for p in packed]
         self._commit_vision(modality, keep_list, size_list)
         record = stage.record(run, [int(k.numel()) for k in keep_list], [int(k.sum()) for k in keep_list])
-        self.decoder.pending.records.append(record)
+        self.request.pending.records.append(record)
         return out

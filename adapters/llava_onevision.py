@@ -63,7 +63,7 @@ class LlavaOnevisionAdapter(HFVLMAdapter):
 
     def frames_context(self, method: Any, it: Item, index: int, sample: int) -> FramesContext:
         ctx = super().frames_context(method, it, index, sample)
-        videos = getattr(self._current_out, "vlm_prune_call", {}).get("pixel_values_videos")
+        videos = getattr(self.request.out, "vlm_prune_call", {}).get("pixel_values_videos")
         if videos is not None:
             ctx.pixels = videos[index]
             if self.state.processor is not None:

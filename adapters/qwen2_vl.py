@@ -59,19 +59,19 @@ class Qwen2VLAdapter(HFVLMAdapter):
         spatial origin (as get_rope_index lays out a video of that grid)."""
         if plan.token_coords is None:
             return
-        flat = torch.nonzero(self._request["masks"][modality])
+        flat = torch.nonzero(self.request.masks[modality])
         n_native = it.grid[0] * it.grid[1]
         coords = plan.token_coords.to(flat.device)
         k = coords.shape[0]
         rows = flat[offset : offset + k, 1]
         frame_rows = flat[offset + coords[:, 0] * n_native, 1]
-        self.decoder.pending.position_rewrites.append(
+        self.request.pending.position_rewrites.append(
             PositionRewrite(int(flat[offset, 0]), rows, frame_rows, int(flat[offset, 1]), coords[:, 1:])
         )
 
     def frames_context(self, method: Any, it: Item, index: int, sample: int) -> FramesContext:
         ctx = super().frames_context(method, it, index, sample)
-        call = getattr(self._current_out, "vlm_prune_call", {})
+        call = getattr(self.request.out, "vlm_prune_call", {})
         patches, grids = call.get("pixel_values_videos"), call.get("video_grid_thw")
         if patches is not None and grids is not None:
             start = int(grids[:index].prod(-1).sum())

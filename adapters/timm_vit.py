@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from timm.layers import Attention
 from timm.models.vision_transformer import Block
 
-from vlm_prune.adapters.base import Adapter
+from vlm_prune.adapters.base import Adapter, PerThread
 from vlm_prune.vit_blocks import AttentionResult, ViTRun, weighted_softmax
 
 
@@ -89,6 +89,8 @@ class TimmViTAdapter(Adapter):
     family = "timm_vit"
     model_classes = ("VisionTransformer",)
     stages = ("vit",)
+    #: the calling thread's latest forward pass through the blocks
+    run: ViTRun | None = PerThread()
 
     def __init__(self, model: torch.nn.Module, state: Any) -> None:
         super().__init__(model, state)
@@ -108,7 +110,6 @@ class TimmViTAdapter(Adapter):
                 )
         self.depth = len(model.blocks)
         self.n_prefix = int(model.num_prefix_tokens)
-        self.run: ViTRun | None = None
 
     def attach(self) -> None:
         method = self.state.methods["vit"]
@@ -127,7 +128,7 @@ class TimmViTAdapter(Adapter):
                 self.run = ViTRun(n_prefix=self.n_prefix, n_tokens=x.shape[1])
             out = method.block_forward(ops, x, self.run)
             if ops.index == self.depth - 1:
-                self.state.last_stats["vit"] = self.run.summary()
+                self.state.last_stats = {"vit": self.run.summary()}
             return out
 
         return forward

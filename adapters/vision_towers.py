@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import torch
 
+from vlm_prune.adapters.base import PerThread
+
 
 class FeatureLayerTap:
     """Keeps the input of the tower's feature layer and recomputes its attention on the side.
@@ -19,6 +21,9 @@ class FeatureLayerTap:
     attention row per image with CLS, one [N, N] attention without.
     """
 
+    #: the calling thread's latest input of the feature layer
+    input: torch.Tensor | None = PerThread()
+
     def __init__(self, tower: torch.nn.Module, feature_layer: int, has_cls: bool) -> None:
         if not isinstance(feature_layer, int):
             raise ValueError("a list of vision_feature_layer values has no single feature layer to tap")
@@ -29,7 +34,6 @@ class FeatureLayerTap:
             raise ValueError(f"vision_feature_layer {feature_layer} reads the embeddings; no attention to tap")
         self.layer = encoder.layers[idx]
         self.has_cls = has_cls
-        self.input: torch.Tensor | None = None
         self.handle = self.layer.register_forward_pre_hook(self._keep)
 
     def _keep(self, module: torch.nn.Module, args: tuple) -> None:

@@ -46,3 +46,132 @@ def test_wrap_with_numpy_budget_equals_python_budget():
         finally:
             vlm_prune.unwrap(model)
     assert torch.equal(outs[0], outs[1])
+
+
+# ---- request-scoped state: threads and failures ---------------------------------------------------
+def _batches(make_inputs, sizes=(1, 2, 3)) -> list[dict]:
+    return [make_inputs(batch=b, seed=10 + b) for b in sizes]
+
+
+def _llava_case():
+    model = T.tiny_llava()
+    return model, ["random", "fastv"], dict(keep=0.5), _batches(lambda batch, seed: T.llava_inputs(batch=batch, seed=seed))
+
+
+def _qwen_case():
+    model = T.tiny_qwen2_vl()
+    return model, ["divprune", "pact"], dict(keep=0.5), _batches(lambda batch, seed: T.qwen2_vl_inputs(model, batch=batch, seed=seed))
+
+
+def _vit_case():
+    from test_vit import images, tiny_vit
+
+    return tiny_vit(depth=4), "tome", dict(keep=0.5), [images(b, seed=10 + b) for b in (1, 2, 3)]
+
+
+def _call(model, inputs):
+    with torch.no_grad():
+        if isinstance(inputs, torch.Tensor):
+            return model(inputs)
+        return model.generate(**inputs, max_new_tokens=3, do_sample=False)
+
+
+def _stats_and_rows(model):
+    rows = model.vlm_prune.last_rows
+    return model.vlm_prune.last_stats, None if rows is None else rows.clone()
+
+
+def _same_stats(a, b) -> bool:
+    strip = lambda s: {k: ([{kk: vv for kk, vv in r.items() if kk != "seconds"} for r in v] if k == "stages" else v)
+                       for k, v in s.items() if k != "seconds"}
+    return strip(a) == strip(b)
+
+
+@pytest.mark.parametrize("case", [_llava_case, _qwen_case, _vit_case], ids=["llava", "qwen2_vl", "timm_vit"])
+def test_threads_share_one_wrapped_model(case):
+    """4 threads x many calls on one wrapped model give the serial outputs and each thread's own
+    last_stats / last_rows."""
+    import threading
+
+    model, method, kw, inputs = case()
+    vlm_prune.wrap(model, method, **kw)
+    serial = []
+    for inp in inputs:
+        out = _call(model, inp)
+        serial.append((out, *_stats_and_rows(model)))
+    errors: list[str] = []
+    barrier = threading.Barrier(4)
+
+    def worker(t: int) -> None:
+        barrier.wait()
+        for step in range(6):
+            i = (t + step) % len(inputs)
+            try:
+                out = _call(model, inputs[i])
+                stats, rows = _stats_and_rows(model)
+            except Exception as e:  # reported below with the thread and call
+                errors.append(f"thread {t} call {step}: {type(e).__name__}: {e}")
+                continue
+            ref_out, ref_stats, ref_rows = serial[i]
+            if not torch.equal(out, ref_out):
+                errors.append(f"thread {t} call {step}: output differs from the serial run")
+            if not _same_stats(stats, ref_stats) or (ref_rows is not None and not torch.equal(rows, ref_rows)):
+                errors.append(f"thread {t} call {step}: last_stats / last_rows are not this call's")
+
+    threads = [threading.Thread(target=worker, args=(t,)) for t in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    vlm_prune.unwrap(model)
+    assert not errors, errors[:5]
+
+
+class Boom(RuntimeError):
+    pass
+
+
+def _fail_once(monkeypatch, obj, name):
+    original = getattr(obj, name)
+    calls = {"n": 0}
+
+    def failing(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise Boom(f"injected in {name}")
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(obj, name, failing)
+
+
+@pytest.mark.parametrize("where", ["method", "request_setup", "tower"])
+def test_a_failed_request_leaves_nothing_behind(monkeypatch, where):
+    """An exception inside a method or inside request setup, then ordinary calls: every output
+    equals a fresh wrap of the same model."""
+    method = {"method": ["random", "fastv"], "request_setup": ["random", "fastv"], "tower": ["tome", "fastv"]}[where]
+    inputs = T.llava_inputs(batch=2)
+    text = torch.randint(3, 80, (2, 7), generator=torch.Generator().manual_seed(3))
+
+    def ordinary_calls(m):
+        with torch.no_grad():
+            embeds = m.get_input_embeddings()(text)
+            return (_call(m, inputs), m(**inputs).logits, m(inputs_embeds=embeds).logits,
+                    m(**T.llava_inputs(batch=1, seed=4)).logits)
+
+    fresh = vlm_prune.wrap(T.tiny_llava(), method, keep=0.5)
+    expected = ordinary_calls(fresh)
+    model = vlm_prune.wrap(T.tiny_llava(), method, keep=0.5)
+    state = model.vlm_prune
+    if where == "method":
+        _fail_once(monkeypatch, state.methods["llm"], "select")
+    elif where == "request_setup":
+        _fail_once(monkeypatch, state.adapter, "sample_of_items")
+    else:
+        _fail_once(monkeypatch, state.methods["vit"], "run_block")
+    with pytest.raises(Boom):
+        _call(model, inputs)
+    got = ordinary_calls(model)
+    assert torch.equal(got[0], expected[0])
+    for g, e in zip(got[1:], expected[1:]):
+        assert torch.allclose(g, e, atol=1e-6, rtol=0)
+    assert state.adapter.request is None and not state.adapter.bypassed

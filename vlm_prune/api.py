@@ -1,6 +1,7 @@
 """Public API: wrap / unwrap a model with one or more pruning methods."""
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -19,10 +20,28 @@ class WrapState:
     methods: dict[str, Method]
     processor: Any = None
     seed: int = 0
-    #: per stage: visual tokens in / out per sample, seconds spent scoring (last prefill)
-    last_stats: dict[str, Any] = field(default_factory=dict)
-    #: [B, S_out] index in the model input of each row the last prefill returned (-1: padding)
-    last_rows: torch.Tensor | None = None
+    #: the calling thread's last request (see last_stats / last_rows)
+    _last: threading.local = field(default_factory=threading.local, repr=False, compare=False)
+
+    @property
+    def last_stats(self) -> dict[str, Any]:
+        """Visual tokens in / out per sample and per stage, seconds spent scoring: the last
+        request (prefill) of the calling thread."""
+        return getattr(self._last, "stats", {})
+
+    @last_stats.setter
+    def last_stats(self, value: dict[str, Any]) -> None:
+        self._last.stats = value
+
+    @property
+    def last_rows(self) -> torch.Tensor | None:
+        """[B, S_out] index in the model input of each row the calling thread's last prefill
+        returned (-1: padding)."""
+        return getattr(self._last, "rows", None)
+
+    @last_rows.setter
+    def last_rows(self, value: torch.Tensor | None) -> None:
+        self._last.rows = value
 
     @property
     def pipeline(self) -> list[Method]:

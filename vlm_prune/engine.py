@@ -167,15 +167,25 @@ def _pop_cache(kwargs: dict[str, Any]) -> Any:
 class PrunedDecoder:
     """The replacement forward of one language model instance."""
 
-    def __init__(self, spec: LMSpec, state: Any, attn_impl: Callable[[], str]) -> None:
+    def __init__(self, spec: LMSpec, state: Any, attn_impl: Callable[[], str],
+                 pending: Callable[[], Pending | None] = lambda: None, bypassed: Callable[[], bool] = lambda: False) -> None:
         self.spec = spec
         self.state = state
         self.attn_impl = attn_impl
-        self.pending: Pending | None = None
-        #: True while the adapter runs the model unpruned inside a request (frame scoring)
-        self.bypass = False
+        self._pending = pending
+        self._bypassed = bypassed
 
     # ---- helpers ----------------------------------------------------------------------------
+    @property
+    def pending(self) -> Pending | None:
+        """What the adapter learnt about the calling thread's current prefill (None: nothing)."""
+        return self._pending()
+
+    @property
+    def bypass(self) -> bool:
+        """True while the calling thread runs the model unpruned (frame scoring inside a request)."""
+        return self._bypassed()
+
     @property
     def llm_method(self) -> Any:
         return self.state.methods.get("llm")
@@ -361,7 +371,6 @@ class PrunedDecoder:
 
         if cache is not None and use_cache:
             cache._vlm_prune = CacheSegments(layer_segment, key_valid, key_bias, next_pos=pos[:, :, -1] + 1)
-        self.pending = None
         self.state.last_stats = _stats(stats_in, rows, records)
         self.state.last_rows = rows.origin
         return rows.hidden
