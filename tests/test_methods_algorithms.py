@@ -16,9 +16,9 @@ from transformers.models.llama.modeling_llama import (
     LlamaDecoderLayer,
     LlamaRotaryEmbedding,
     apply_rotary_pos_emb,
-    repeat_kv,
 )
 
+from vlm_prune.engine import LMSpec, PrunedDecoder
 from vlm_prune.methods import LayerContext, VisionContext
 from vlm_prune.methods.adaptinfer import SCHEDULES, AdaptInfer, derive_counts
 from vlm_prune.methods.cdpruner import (
@@ -53,20 +53,12 @@ def tiny_layer(seed: int = 0) -> tuple[LlamaDecoderLayer, LlamaRotaryEmbedding]:
 
 
 def make_project_qk(layer: LlamaDecoderLayer, rotary: LlamaRotaryEmbedding):
-    """The layer's own q / k (input_layernorm, projections, optional RoPE, GQA repeated)."""
-    attn = layer.self_attn
-
-    def project(hidden: torch.Tensor, pos: torch.Tensor, rope: bool = True):
-        x = layer.input_layernorm(hidden)
-        b, s, _ = x.shape
-        q = attn.q_proj(x).view(b, s, -1, attn.head_dim).transpose(1, 2)
-        k = attn.k_proj(x).view(b, s, -1, attn.head_dim).transpose(1, 2)
-        if rope:
-            cos, sin = rotary(x, pos)
-            q, k = apply_rotary_pos_emb(q, k, cos, sin)
-        return q, repeat_kv(k, attn.num_key_value_groups)
-
-    return project
+    """The engine's projector of this layer (input_layernorm, q / k projections, optional
+    RoPE, GQA repeated), as the methods get it inside a wrapped model."""
+    lm = torch.nn.Module()
+    lm.rotary_emb = rotary
+    spec = LMSpec(lm=lm, layers=torch.nn.ModuleList([layer]), family="llava", apply_rope=apply_rotary_pos_emb)
+    return PrunedDecoder(spec, state=None, attn_impl=lambda: "eager").project_qk(0)
 
 
 def padded_batch(lengths: list[int], n_sys: int, n_vis: int, seed: int = 0):
@@ -245,8 +237,10 @@ def test_pact_merges_clusters_with_reattached_pruned_tokens():
     class Layer(torch.nn.Module):
         self_attn = Attn()
 
-    def project(h, pos, rope=True):
-        return (q_plain[:, :, : h.shape[1]], (k_rope if rope else k_plain)[:, :, : h.shape[1]])
+    def project(h, pos, rope=True, q_rows=None):
+        assert rope == "keys" and q_rows is None  # PACT projects once, keys with and without RoPE
+        n = h.shape[1]
+        return q_plain[:, :, :n], k_plain[:, :, :n], k_rope[:, :, :n]
 
     ctx = LayerContext(
         layer=4, hidden=hidden, valid=valid, visual=visual, text=text, positions=torch.arange(s)[None],

@@ -196,29 +196,50 @@ class PrunedDecoder:
             return []
         return sorted(set(m.prune_layers(len(self.spec.layers))))
 
-    def project_qk(self, layer_idx: int) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
-        """The q/k the attention of ``layer_idx`` computes for given hidden states (GQA repeated)."""
+    def project_qk(self, layer_idx: int) -> Callable[..., tuple[torch.Tensor, ...]]:
+        """The q/k the attention of ``layer_idx`` computes for given hidden states (GQA repeated).
+
+        ``project(hidden [B, S, D], pos, rope=True, q_rows=None)``: ``q_rows`` [B, R] projects
+        only those query rows (q is [B, H, R, d]; keys always cover all S rows). ``rope`` True /
+        False applies RoPE at ``pos`` to both or neither; ``rope="keys"`` returns
+        (q, k, k_rope): q and k without RoPE and the keys with it, from one projection.
+        """
         layer = self.spec.layers[layer_idx]
         spec = self.spec
 
-        def project(hidden: torch.Tensor, pos: torch.Tensor, rope: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        def rotary(x: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            return spec.lm.rotary_emb(x, spec.rope_positions(pos[None] if pos.dim() == 2 else pos))
+
+        def project(
+            hidden: torch.Tensor, pos: torch.Tensor, rope: bool | str = True, q_rows: torch.Tensor | None = None,
+        ) -> tuple[torch.Tensor, ...]:
+            if rope not in (True, False, "keys"):
+                raise ValueError(f"project_qk rope must be True, False or 'keys', got {rope!r}")
             attn = layer.self_attn
             x = layer.input_layernorm(hidden)
-            b, s, _ = x.shape
+            b, s, dim = x.shape
             hd = attn.head_dim
-            q = attn.q_proj(x).view(b, s, -1, hd)
+            xq = x if q_rows is None else torch.gather(x, 1, q_rows[..., None].expand(b, q_rows.shape[1], dim))
+            q = attn.q_proj(xq).view(b, xq.shape[1], -1, hd)
             k = attn.k_proj(x).view(b, s, -1, hd)
             if hasattr(attn, "q_norm"):
                 q, k = attn.q_norm(q), attn.k_norm(k)
             q, k = q.transpose(1, 2), k.transpose(1, 2)
-            if rope:
-                pos = pos[None] if pos.dim() == 2 else pos
-                cos, sin = spec.lm.rotary_emb(x, spec.rope_positions(pos))
-                q, k = spec.apply_rope(q, k, cos, sin)
             rep = q.shape[1] // k.shape[1]
-            if rep > 1:
-                k = k.repeat_interleave(rep, dim=1)
-            return q, k
+            repeat = (lambda t: t.repeat_interleave(rep, dim=1)) if rep > 1 else (lambda t: t)
+            if rope is False:
+                return q, repeat(k)
+            cos, sin = rotary(x, pos)
+            if q_rows is None and rope is True:
+                q, k = spec.apply_rope(q, k, cos, sin)
+                return q, repeat(k)
+            k_rope = spec.apply_rope(k, k, cos, sin)[1]
+            if rope == "keys":
+                return q, repeat(k), repeat(k_rope)
+            pos3 = pos[None] if pos.dim() == 2 else pos
+            q_pos = torch.gather(pos3, 2, q_rows[None].expand(pos3.shape[0], b, q_rows.shape[1]))
+            q = spec.apply_rope(q, q, *rotary(xq, q_pos))[0]
+            return q, repeat(k_rope)
 
         return project
 

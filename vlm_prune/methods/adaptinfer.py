@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 import torch
 
 from vlm_prune.methods.base import LayerContext, LLMMethod, Reduction
-from vlm_prune.methods.fastv import keep_top_visual
+from vlm_prune.methods.fastv import keep_all_rows, keep_top_visual, keeps_every_visual
 from vlm_prune.registry import register
 
 
@@ -99,25 +99,28 @@ def text_guided_scores(probs: torch.Tensor, text_cols: torch.Tensor, row_ok: tor
     return torch.einsum("bht,bhts->bs", text_imp, probs)
 
 
-def text_rows_attention(
-    q: torch.Tensor, k: torch.Tensor, text: torch.Tensor, valid: torch.Tensor, scale: float
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-head causal attention of the text query rows only: O(B H T S), never S x S.
-
-    Returns (probs [B, H, T, S] float32, text_cols [B, T], row_ok [B, T]); text rows are packed
-    to the front in sequence order, padded rows have row_ok False and zero probabilities.
-    """
-    b, h, s, d = q.shape
+def text_rows(text: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(order [B, T], row_ok [B, T]): each sample's text rows packed to the front in sequence
+    order (T = the most text rows of any sample, at least 1); row_ok is False for fillers."""
     n_text = max(1, int(text.sum(1).max()))
     order = torch.argsort(text.int(), dim=1, descending=True, stable=True)[:, :n_text]
-    row_ok = torch.gather(text, 1, order)
-    q_rows = torch.gather(q, 2, order[:, None, :, None].expand(b, h, n_text, d))
+    return order, torch.gather(text, 1, order)
+
+
+def text_rows_attention(
+    q_rows: torch.Tensor, k: torch.Tensor, order: torch.Tensor, row_ok: torch.Tensor, valid: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Per-head causal attention of the text query rows only: O(B H T S), never S x S.
+
+    q_rows: [B, H, T, d] the queries of the rows ``order`` [B, T] (:func:`text_rows`); k: [B, H, S, d].
+    Returns probs [B, H, T, S] float32; rows with row_ok False have zero probabilities.
+    """
+    s = k.shape[2]
     logits = torch.einsum("bhtd,bhsd->bhts", q_rows.float(), k.float()) * scale
-    ar = torch.arange(s, device=q.device)
+    ar = torch.arange(s, device=k.device)
     allowed = valid[:, None, :] & (ar[None, None, :] <= order[:, :, None])  # [B, T, S]
     logits = logits.masked_fill(~allowed[:, None], float("-inf"))
-    probs = torch.softmax(logits, dim=-1).nan_to_num(0.0) * row_ok[:, None, :, None].float()
-    return probs, order, row_ok
+    return torch.softmax(logits, dim=-1).nan_to_num(0.0) * row_ok[:, None, :, None].float()
 
 
 @register
@@ -237,12 +240,14 @@ class AdaptInfer(LLMMethod):
     def scores(self, ctx: LayerContext) -> torch.Tensor:
         """[B, S] text-guided scores from the attention of ``ctx.layer_module`` (the layer
         after which pruning happens), its text query rows computed on the side."""
-        q, k = ctx.project_qk(ctx.hidden, ctx.positions, rope=True)
+        order, row_ok = text_rows(ctx.text)
+        q, k = ctx.project_qk(ctx.hidden, ctx.positions, rope=True, q_rows=order)
         scale = getattr(ctx.layer_module.self_attn, "scaling", q.shape[-1] ** -0.5)
-        probs, cols, row_ok = text_rows_attention(q, k, ctx.text, ctx.valid, scale)
-        return text_guided_scores(probs, cols, row_ok)
+        return text_guided_scores(text_rows_attention(q, k, order, row_ok, ctx.valid, scale), order, row_ok)
 
     def select(self, ctx: LayerContext) -> list[Reduction]:
+        if keeps_every_visual(ctx):
+            return keep_all_rows(ctx)
         scores = self.scores(ctx)
         return [
             keep_top_visual(scores[b], ctx.visual[b], ctx.valid[b], int(ctx.n_keep[b]))

@@ -98,9 +98,11 @@ class LayerContext:
     sizes: [B, S] float, how many original tokens each row stands for (1 unless merged).
     n_keep: [B] long, visual tokens to keep per sample at this layer.
     layer_module: the decoder layer about to run (its input_layernorm, self_attn, ...).
-    project_qk: callable(hidden, positions, rope: bool) -> (q [B, H, S, d], k [B, H, S, d]):
+    project_qk: callable(hidden, positions, rope=True, q_rows=None) -> (q [B, H, S, d], k [B, H, S, d]):
         the layer's own normalised query/key projections, GQA keys repeated to H heads,
-        rotary embedding applied at ``positions`` when ``rope`` is True.
+        rotary embedding applied at ``positions`` when ``rope`` is True. ``q_rows`` [B, R]
+        projects only those query rows (q [B, H, R, d]); ``rope="keys"`` returns
+        (q, k, k_rope), q and k without RoPE and the keys with it, from one projection.
     """
 
     layer: int

@@ -65,31 +65,44 @@ class FastV(LLMMethod):
         return [self.layer]
 
     def scores(self, ctx: LayerContext) -> torch.Tensor:
-        """[B, S] attention received by every row (only visual rows are used)."""
-        q, k = ctx.project_qk(ctx.hidden, ctx.positions, rope=True)
-        b, h, s, d = q.shape
-        scale = getattr(ctx.layer_module.self_attn, "scaling", d**-0.5)
+        """[B, S] attention received by every row (only visual rows are used); only the query
+        rows used are projected."""
+        b, s = ctx.valid.shape
+        scale = getattr(ctx.layer_module.self_attn, "scaling", None)
         if self.query == "last":
-            rows = last_valid_index(ctx.valid)
-            q_rows = q[torch.arange(b), :, rows].unsqueeze(2)  # [B, H, 1, d]
+            rows = last_valid_index(ctx.valid)[:, None]
+            q, k = ctx.project_qk(ctx.hidden, ctx.positions, rope=True, q_rows=rows)  # q [B, H, 1, d]
             key_mask = ctx.valid.unsqueeze(1)  # the last row sees every valid key
-            return attention_received(q_rows, k, key_mask, scale)[:, 0]
+            return attention_received(q, k, key_mask, scale or q.shape[-1] ** -0.5)[:, 0]
         text_mask = ctx.text
         n_text = int(text_mask.sum(1).max())
         order = torch.argsort(text_mask.int(), dim=1, descending=True, stable=True)[:, :n_text]
-        q_rows = torch.gather(q, 2, order[:, None, :, None].expand(b, h, n_text, d))
+        q, k = ctx.project_qk(ctx.hidden, ctx.positions, rope=True, q_rows=order)  # q [B, H, T, d]
         ar = torch.arange(s, device=q.device)
         key_mask = ctx.valid[:, None, :] & (ar[None, None, :] <= order[:, :, None])
-        probs = attention_received(q_rows, k, key_mask, scale)  # [B, T, S]
+        probs = attention_received(q, k, key_mask, scale or q.shape[-1] ** -0.5)  # [B, T, S]
         row_ok = torch.gather(text_mask, 1, order).float()
         return (probs * row_ok[:, :, None]).sum(1) / row_ok.sum(1).clamp(min=1)[:, None]
 
     def select(self, ctx: LayerContext) -> list[Reduction]:
+        if keeps_every_visual(ctx):
+            return keep_all_rows(ctx)
         scores = self.scores(ctx)
         out = []
         for b in range(scores.shape[0]):
             out.append(keep_top_visual(scores[b], ctx.visual[b], ctx.valid[b], int(ctx.n_keep[b])))
         return out
+
+
+def keeps_every_visual(ctx: LayerContext) -> bool:
+    """True when every sample's budget covers all its visual rows: a pure drop has nothing to
+    score then (FastV and AdaptInfer at keep=1.0 skip their attention rows)."""
+    return bool((ctx.n_keep >= (ctx.visual & ctx.valid).sum(1)).all())
+
+
+def keep_all_rows(ctx: LayerContext) -> list[Reduction]:
+    """Every valid row of every sample, unchanged."""
+    return [Reduction(torch.nonzero(v).squeeze(1)) for v in ctx.valid]
 
 
 def keep_top_visual(scores: torch.Tensor, visual: torch.Tensor, valid: torch.Tensor, n_keep: int) -> Reduction:

@@ -105,24 +105,27 @@ class PACT(LLMMethod):
 
     def scores(self, ctx: LayerContext) -> torch.Tensor:
         """[B, S] EUTI scores (0 past the last visual token)."""
+        return self._scores_and_keys(ctx)[0]
+
+    def _scores_and_keys(self, ctx: LayerContext) -> tuple[torch.Tensor, torch.Tensor]:
+        """EUTI scores [B, S] and the keys after RoPE [B, H, N, d] of the rows up to the last
+        visual token, from one projection of layer L."""
         last = last_valid_index(ctx.visual & ctx.valid)
         n_rows = int(last.max()) + 1
-        q, k = ctx.project_qk(ctx.hidden[:, :n_rows], ctx.positions[..., :n_rows], rope=False)
+        q, k, k_rope = ctx.project_qk(ctx.hidden[:, :n_rows], ctx.positions[..., :n_rows], rope="keys")
         ar = torch.arange(n_rows, device=ctx.hidden.device)
         n_mask = ctx.valid[:, :n_rows] & (ar[None, :] <= last[:, None])
         hidden_norm = ctx.hidden[:, :n_rows].float().norm(dim=-1)
         out = torch.zeros(ctx.hidden.shape[:2], device=ctx.hidden.device)
         out[:, :n_rows] = euti_scores(q, k, hidden_norm, n_mask, q.shape[-1] ** -0.5)
-        return out
+        return out, k_rope
 
     def select(self, ctx: LayerContext) -> list[Reduction]:
         rho, d_c = self.settings(ctx.extras.get("family"))
         vis_mask = ctx.visual & ctx.valid
         if not bool(vis_mask.any()):
             return [Reduction(torch.nonzero(v).squeeze(1)) for v in ctx.valid]
-        scores = self.scores(ctx)
-        n_rows = int(last_valid_index(vis_mask).max()) + 1
-        _, k_rope = ctx.project_qk(ctx.hidden[:, :n_rows], ctx.positions[..., :n_rows], rope=True)
+        scores, k_rope = self._scores_and_keys(ctx)
         k_rope = distinct_kv_heads(k_rope, ctx.layer_module)
         out = []
         for b in range(ctx.hidden.shape[0]):
