@@ -245,6 +245,11 @@ class CLIPTowerAdapter(HFVLMAdapter):
             #: tower layers the ViT-stage method spans (up to the feature layer)
             self.depth = self.tower_stage.depth
 
+    def vit_tokens(self) -> tuple[int, int]:
+        """(prefix tokens, patch tokens) entering the tower's first layer for one image / tile."""
+        vcfg = self.model.config.vision_config
+        return 1, (vcfg.image_size // vcfg.patch_size) ** 2
+
     def attach(self) -> None:
         super().attach()
         if self.tower_stage is not None:

@@ -4,6 +4,11 @@ Each image's tokens (base tile, then the unpadded high-resolution grid with a ne
 ending every row) are one item without a rectangular grid: grid-aware methods (pool) fall
 back to 1-D pooling along the sequence.
 
+Vision-stage methods that select per crop (``per_crop``: CDPruner, as its official code) get
+each image's tokens with the crop of every token (the base image, then each high-resolution
+tile; the image_newline tokens marked as always kept), found by packing a crop-id map with the
+model's own ``pack_image_features``.
+
 ViT-stage methods (AS-ViT, ToMe) run inside the CLIP tower (vlm_prune.adapters.clip_tower)
 with every tile of every image as one tower row, all rows keeping the same number of tokens.
 Before the model packs the tiles, each tile's survivors are scattered back to its full grid
@@ -22,14 +27,61 @@ import torch
 
 from vlm_prune.adapters.clip_tower import CLIPTowerAdapter
 from vlm_prune.adapters.hf_vlm import Item
+from vlm_prune.methods.base import Reduction, VisionContext
 
 
 class LlavaNextAdapter(CLIPTowerAdapter):
     family = "llava_next"
     model_classes = ("LlavaNextForConditionalGeneration",)
 
+    #: per image of the encoder output being reduced: [N] crop of each token, -1 for newlines
+    _crops: list[torch.Tensor] | None = None
+
     def items(self, modality: str, out: Any) -> list[Item]:
         return [Item(f, 1, None) for f in out.pooler_output]
+
+    def tiles_per_image(self, image_sizes: Any) -> list[int]:
+        """Tower rows (base image + anyres tiles) of each image, as the model counts them."""
+        cfg = self.model.config
+        module = importlib.import_module(type(self.inner).__module__)
+        return [module.image_size_to_num_patches(s, cfg.image_grid_pinpoints, cfg.vision_config.image_size)
+                for s in image_sizes]
+
+    def crop_ids(self, image_sizes: Any, n_per_tile: int, device: torch.device) -> list[torch.Tensor]:
+        """[N] per image: the crop (tower row within the image) of each packed token, -1 for the
+        image_newline tokens; packed by the model's own ``pack_image_features``."""
+        tiles = self.tiles_per_image(image_sizes)
+        layout = torch.cat([torch.arange(1, t + 1, device=device, dtype=torch.float32) for t in tiles])
+        layout = layout[:, None, None].expand(-1, n_per_tile, 1)
+        packed, _ = self.patches.original(self.inner, "pack_image_features")(
+            layout.split(tiles), image_sizes, self.model.config.vision_feature_select_strategy,
+            image_newline=torch.zeros(1, device=device),
+        )
+        return [p[:, 0].round().long() - 1 for p in packed]
+
+    def reduce_features(self, modality: str, out: Any) -> Any:
+        if self.tower_stage is not None:
+            return self.reduce_tower_output(modality, out)
+        method = self.state.methods.get("vision")
+        if not getattr(method, "per_crop", False):
+            return super().reduce_features(modality, out)
+        vcfg = self.model.config.vision_config
+        n_tile = (vcfg.image_size // vcfg.patch_size) ** 2 + (self.model.config.vision_feature_select_strategy == "full")
+        self._crops = self.crop_ids(out.vlm_prune_call["image_sizes"], n_tile, out.pooler_output[0].device)
+        try:
+            return super().reduce_features(modality, out)
+        finally:
+            self._crops = None
+
+    def reduce_frames(self, method: Any, it: Item, sample: int, gen: torch.Generator, index: int) -> Reduction:
+        if self._crops is None:
+            return super().reduce_frames(method, it, sample, gen, index)
+        crops = self._crops[index]
+        ctx = VisionContext(
+            features=it.features, n_keep=method.n_keep(int((crops >= 0).sum()), 1),
+            text_embeds=self.text_embeds(sample).detach(), generator=gen, image_index=index,
+        )
+        return method.reduce_crops(ctx, crops)
 
     def attach_tower_outputs(self) -> None:
         """Scatter a pruned tower's per-tile survivors back to full tiles before the model packs them."""
@@ -49,17 +101,14 @@ class LlavaNextAdapter(CLIPTowerAdapter):
 
         self.patches.set(self.inner, "pack_image_features", pack)
 
-    def reduce_features(self, modality: str, out: Any) -> Any:
-        if self.tower_stage is None:
-            return super().reduce_features(modality, out)
+    def reduce_tower_output(self, modality: str, out: Any) -> Any:
+        """Hand a pruned tower's survivors (ViT-stage methods) to the engine, packed per image."""
         stage = self.tower_stage
         run = stage.run_of(out)
         feats = out.pooler_output
         image_sizes = out.vlm_prune_call["image_sizes"]
         cfg = self.model.config
-        module = importlib.import_module(type(self.inner).__module__)
-        tiles = [module.image_size_to_num_patches(s, cfg.image_grid_pinpoints, cfg.vision_config.image_size)
-                 for s in image_sizes]
+        tiles = self.tiles_per_image(image_sizes)
         rows = out.last_hidden_state.shape[0]
         if len(feats) != len(tiles) or sum(tiles) != rows:
             raise ValueError(

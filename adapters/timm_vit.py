@@ -111,6 +111,10 @@ class TimmViTAdapter(Adapter):
         self.depth = len(model.blocks)
         self.n_prefix = int(model.num_prefix_tokens)
 
+    def vit_tokens(self) -> tuple[int, int]:
+        """(prefix tokens, patch tokens) entering block 0 at the model's image size."""
+        return self.n_prefix, int(self.model.patch_embed.num_patches)
+
     def attach(self) -> None:
         method = self.state.methods["vit"]
         for i, blk in enumerate(self.model.blocks):

@@ -11,8 +11,9 @@ Weights are cached at ``--weights`` (default ~/.cache/vlm-prune/vit_digits.safet
 Accuracy is measured one image at a time (so AS-ViT's threshold mode keeps exactly the
 tokens above its thresholds per image); throughput on batches of ``--batch`` test images,
 every configuration timed in turn for ``--repeats`` rounds in the same process, best round
-kept, reported as a ratio to the unpruned model. Rows: AS-ViT keep mode (keep = keep ratio
-per stage), random scores with the same schedule, ToMe at r = 2..5, AS-ViT threshold mode
+kept, reported as a ratio to the unpruned model. Rows: AS-ViT keep mode (keep = the fraction
+of patches left after the last stage), random scores with the same schedule, ToMe at r = 2..5
+and at the same final keeps, AS-ViT threshold mode
 calibrated on the train set (thresholds only; and with the whole model fine-tuned, plus a
 target=1.0 fine-tuned control that gets the same extra training without pruning).
 """
@@ -144,12 +145,14 @@ def configurations(
     setting) on a copy of the model; target=1.0 with fine-tuning is the control that gets the
     same extra training without pruning."""
     configs: dict[str, Config] = {"unpruned": (model, lambda: None)}
-    for keep in (0.9, 0.8, 0.7, 0.6, 0.5):
+    for keep in (0.7, 0.5, 0.35, 0.25, 0.125):
         configs[f"asvit keep={keep}"] = (model, lambda keep=keep: ASViT(keep=keep))
-    for keep in (0.7, 0.5):
+    for keep in (0.35, 0.125):
         configs[f"random keep={keep}"] = (model, lambda keep=keep: RandomScores(keep=keep))
     for r in (2, 3, 4, 5):
         configs[f"tome r={r}"] = (model, lambda r=r: ToMe(r=r))
+    for keep in (0.35, 0.125):
+        configs[f"tome keep={keep}"] = (model, lambda keep=keep: ToMe(keep=keep))
     runs = [(t, False) for t in (0.8, 0.65)] + [(t, True) for t in (1.0, 0.65, 0.5)]
     for target, train_model in runs:
         m = copy.deepcopy(model) if train_model else model

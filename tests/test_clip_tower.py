@@ -15,7 +15,6 @@ import vlm_prune
 from reference import capture_lm_inputs, float_mask, positions_of, run_layers
 from vlm_prune.adapters.clip_tower import CLIPLayerOps
 from vlm_prune.methods import ASViT, ToMe
-from vlm_prune.methods.tome import bipartite_matching
 
 
 def tiny_llava_deep(layers: int = 6, seed: int = 0):
@@ -147,29 +146,29 @@ def asvit_tower(model, pixels, depth, keep_after):
 
 
 def tome_tower(model, pixels, depth, r):
-    """Per image and block: attention with log(size) bias, then the r best-matched A patches
-    (even) merged into their B partners (odd) by size-weighted sums, in explicit loops."""
+    """Per image and block, the official ToMe in explicit loops: attention with log(size) bias;
+    the whole sequence split alternately into A (even positions, CLS at 0 protected) and B (odd);
+    the r A tokens with the most similar B partner (mean-over-heads key cosine) merged into it by
+    size-weighted sums; output CLS, unmerged A in order, then B."""
     x, layers = embed(model, pixels)
     out = []
     for b in range(x.shape[0]):
-        xb, sizes, slots = x[b : b + 1], torch.ones(x.shape[1]), torch.arange(x.shape[1])
+        xb, sizes, slots = x[b], torch.ones(x.shape[1]), torch.arange(x.shape[1])
         for i in range(depth):
-            upd, _, _, k = attention(layers[i], xb, bias=sizes.log()[None])
-            xb = xb + upd
-            unmerged, src, dst = (t[0].tolist() for t in bipartite_matching(k.mean(1)[:, 1:], r))
-            p, s, sl = xb[0, 1:], sizes[1:], slots[1:]
-            a_rows, b_rows = list(range(0, p.shape[0], 2)), list(range(1, p.shape[0], 2))
-            tot = [p[j] * s[j] for j in b_rows]
-            cnt = [s[j] for j in b_rows]
-            for si, di in zip(src, dst):
-                tot[di] = tot[di] + p[a_rows[si]] * s[a_rows[si]]
-                cnt[di] = cnt[di] + s[a_rows[si]]
-            rows = [p[a_rows[u]] for u in unmerged] + [t / c for t, c in zip(tot, cnt)]
-            xb = torch.cat([xb[0, :1], torch.stack(rows)])[None]
-            sizes = torch.cat([sizes[:1], torch.stack([s[a_rows[u]] for u in unmerged] + cnt)])
-            slots = torch.cat([slots[:1], torch.stack([sl[a_rows[u]] for u in unmerged] + [sl[j] for j in b_rows])])
+            upd, _, _, k = attention(layers[i], xb[None], bias=sizes.log()[None])
+            xb = xb + upd[0]
+            metric = k[0].mean(0)
+            metric = metric / metric.norm(dim=-1, keepdim=True)
+            a_rows, b_rows = list(range(2, xb.shape[0], 2)), list(range(1, xb.shape[0], 2))
+            best = sorted(((max(float(metric[a] @ metric[j]) for j in b_rows), -a) for a in a_rows), reverse=True)
+            merged = [-a for _, a in best[:r]]
+            partner = {a: max(b_rows, key=lambda j: float(metric[a] @ metric[j])) for a in merged}
+            groups = [[0]] + [[a] for a in a_rows if a not in merged] + [[j] + [a for a in merged if partner[a] == j] for j in b_rows]
+            xb = torch.stack([sum(xb[t] * sizes[t] for t in g) / sum(sizes[t] for t in g) for g in groups])
+            slots = torch.stack([slots[g[0]] for g in groups])
+            sizes = torch.stack([sum(sizes[t] for t in g) for g in groups])
             xb = xb + layers[i].mlp(layers[i].layer_norm2(xb))
-        out.append((xb[0, 1:], slots[1:] - 1, sizes[1:]))
+        out.append((xb[1:], slots[1:] - 1, sizes[1:]))
     return out
 
 
@@ -218,8 +217,9 @@ def test_identity_when_nothing_is_pruned(which, method, request):
 
 
 @pytest.mark.parametrize("method, per_layer, out", [
-    (lambda: ASViT(keep=0.7), [17, 12, 8, 6, 6], 5),  # prune after layers 0, 1, 2: floor(16 * 0.7 ** s)
-    (lambda: ASViT(budget=4), [17, 11, 7, 5, 5], 4),  # floor(16 * (4 / 16) ** (s / 3))
+    # AS-ViT prunes before layers 1, 2, 4 (floor(5 * (4, 7, 10) / 12)); keep / budget is the final count
+    (lambda: ASViT(keep=0.7), [17, 15, 13, 13, 12], 11),  # floor(16 * (11 / 16) ** (s / 3)), then 11
+    (lambda: ASViT(budget=4), [17, 11, 7, 7, 5], 4),  # floor(16 * (4 / 16) ** (s / 3)), then 4
     (lambda: ToMe(r=2), [17, 15, 13, 11, 9], 6),
     (lambda: ToMe(keep=0.5), [17, 15, 13, 11, 10], 8),  # 8 merges over 5 layers: 2, 2, 2, 1, 1
 ])
@@ -262,7 +262,8 @@ def test_pruned_llava_equals_hand_built_input(deep, name):
         b, s = inp["input_ids"].shape
         positions = positions_of(seen[0], b, s)
         if name == "asvit":
-            ref = asvit_tower(deep, inp["pixel_values"], 5, {0: 11, 1: 7, 2: 5})
+            # keep 0.7 of 16 = 11 after the last stage; pruned before layers 1, 2, 4: 14, 12, 11
+            ref = asvit_tower(deep, inp["pixel_values"], 5, {0: 14, 1: 12, 3: 11})
         else:
             ref = tome_tower(deep, inp["pixel_values"], 5, 2)
         for i, (feats, slots, sizes) in enumerate(ref):
@@ -419,7 +420,7 @@ def test_pruned_next_equals_hand_built_input(next_deep, name):
         b, s = inp["input_ids"].shape
         positions = positions_of(seen[0], b, s)
         if name == "asvit":
-            ref = asvit_tower(next_deep, tiles, 5, {0: 11, 1: 7, 2: 5})
+            ref = asvit_tower(next_deep, tiles, 5, {0: 14, 1: 12, 3: 11})  # as on LLaVA-1.5
         else:
             ref = tome_tower(next_deep, tiles, 5, 2)
         newline = next_deep.model.image_newline

@@ -250,5 +250,5 @@ def test_keyscore_default_embeddings_are_projected_frames_and_question_words():
         feats = model.model.get_video_features(inp["pixel_values_videos"]).pooler_output
         for q, f, video in zip(questions, feats, stats["stages"][0]["videos"]):
             words = torch.tensor(proc.tokenizer.encode(q, add_special_tokens=False))
-            expected = keyscore(f[:45].reshape(5, 9, -1).mean(1), embed(words).mean(0)).score
+            expected = keyscore(f[:45].reshape(5, 9, -1).mean(1), embed(words).mean(0), negate=True).score  # in-model: -cos
             torch.testing.assert_close(torch.tensor(video["frame_scores"]), expected, atol=1e-5, rtol=0)

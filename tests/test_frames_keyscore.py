@@ -87,9 +87,22 @@ def _one_hot_video(t: int = 5, n: int = 4, d: int = 8) -> torch.Tensor:
     return torch.eye(d)[:t, None, :].expand(t, n, d).clone()
 
 
+def test_negated_relevance_is_the_cosine_to_the_opposite_caption():
+    g = torch.Generator().manual_seed(0)
+    frames, text = torch.randn(7, 5, generator=g), torch.randn(5, generator=g)
+    neg, flipped = keyscore(frames, text, negate=True), keyscore(frames, -text)
+    for part in ("sem", "temp", "drop", "score"):
+        torch.testing.assert_close(getattr(neg, part), getattr(flipped, part))
+    assert not torch.allclose(neg.sem, keyscore(frames, text).sem)
+
+
 def test_keyscore_method_keeps_the_frame_matching_the_query():  # scoring only: every frame a candidate
     feats = _one_hot_video()
+    # in-model embeddings: relevance is the negated cosine (vlm_prune.relevance), so the frame the
+    # question's embedding points away from is the relevant one; an encoder keeps the plain cosine
     ctx = FramesContext(features=feats, grid=(2, 2), n_total=4, text_features=torch.eye(8)[[2, 2, 2]])
+    assert KeyScore(budget=4, proposals="all", negate_relevance=False).allocate(ctx).kept_frames == [2]
+    ctx.text_features = -torch.eye(8)[[2, 2, 2]]
     plan = KeyScore(budget=4, proposals="all").allocate(ctx)
     assert plan.kept_frames == [2] and plan.tokens_per_frame == [0, 0, 4, 0, 0]
     assert plan.reduction.indices.tolist() == [8, 9, 10, 11] and plan.reduction.features is None

@@ -128,9 +128,12 @@ def test_clear_errors():
 
 # ---- AS-ViT ---------------------------------------------------------------------------------
 def test_default_locations():
-    assert default_locations(12) == [3, 6, 9]
-    assert default_locations(24) == [7, 13, 19]
-    assert default_locations(6) == [1, 3, 4]
+    # the official pruning_loc of DeiT (12 blocks), LV-ViT-S (16) and LV-ViT-M (20)
+    assert default_locations(12) == [4, 7, 10]
+    assert default_locations(16) == [5, 9, 13]
+    assert default_locations(20) == [6, 11, 16]
+    assert default_locations(6) == [2, 3, 5]
+    assert default_locations(2) == [1]
 
 
 def test_scores_match_direct_computation():
@@ -176,7 +179,9 @@ def test_keep_mode_follows_schedule_and_reference(depth: int):
     seen = block_inputs(m)
     out = m(x)
     locs = default_locations(depth)
-    counts = [math.floor(16 * 0.7**s + 1e-6) for s in (1, 2, 3)][: len(locs)]  # 11, 7, 5
+    # keep is the final count (floor(0.7 * 16) = 11); stages follow 16 * (11/16)**(s/S)
+    n = len(locs)
+    counts = [math.floor(16 * (11 / 16) ** (s / n) + 1e-6) for s in range(1, n)] + [11]
     expected = [1 + 16] * (locs[0])
     for s, loc in enumerate(locs):
         nxt = locs[s + 1] if s + 1 < len(locs) else depth
@@ -203,11 +208,11 @@ def test_batch_consistency_keep_mode():
 
 
 def stage1_scores(m: VisionTransformer, x: torch.Tensor) -> torch.Tensor:
-    """AS-ViT scores of the patch tokens from block 2 (the first pruning point is block 3)."""
+    """AS-ViT scores of the patch tokens from block 3 (the first pruning point is block 4)."""
     h = embed(m, x)
-    for blk in m.blocks[:2]:
+    for blk in m.blocks[:3]:
         h = blk(h)
-    _, probs, heads, _ = reference_attention(m.blocks[2], h)
+    _, probs, heads, _ = reference_attention(m.blocks[3], h)
     norms = heads.norm(dim=-1)
     return (probs[:, :, 0] * norms / norms.sum(1, keepdim=True)).sum(1)[:, 1:]
 
@@ -216,7 +221,7 @@ def test_threshold_mode_keeps_tokens_above_threshold_per_image():
     m = tiny_vit()
     x = images(2)
     s = stage1_scores(m, x)
-    theta = float(s.detach()[0].median())  # image 0 keeps 8, image 1 keeps 10
+    theta = float(s.detach()[0].quantile(0.3))  # image 0 keeps 11, image 1 keeps 9
     counts = (s > theta).sum(1)
     assert counts[0] != counts[1]  # the two images keep different numbers alone
     vlm_prune.wrap(m, ASViT(mode="threshold", thresholds=(theta, 1.0, 1.0)))
@@ -224,11 +229,11 @@ def test_threshold_mode_keeps_tokens_above_threshold_per_image():
         seen = block_inputs(m) if i == 0 else seen
         seen.clear()
         m(x[i : i + 1])
-        assert seen[3] == 1 + int(counts[i])
-        assert seen[6] == 1  # threshold 1.0 keeps only the CLS token
+        assert seen[4] == 1 + int(counts[i])
+        assert seen[7] == 1  # threshold 1.0 keeps only the CLS token
     seen.clear()
     m(x)  # batch of 2: each image keeps floor(total / B) tokens
-    assert seen[3] == 1 + int(counts.sum()) // 2
+    assert seen[4] == 1 + int(counts.sum()) // 2
 
 
 def test_threshold_mode_single_image_equals_reference():
@@ -238,7 +243,7 @@ def test_threshold_mode_single_image_equals_reference():
     theta = float(s.detach().quantile(0.3))
     k = int((s > theta).sum())
     vlm_prune.wrap(m, ASViT(mode="threshold", thresholds=(theta, 0.0, 0.0)))  # stages 2, 3 keep all
-    torch.testing.assert_close(m(x), asvit_reference(m, x, [k, k, k], [3, 6, 9]), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(m(x), asvit_reference(m, x, [k, k, k], [4, 7, 10]), atol=1e-5, rtol=1e-5)
 
 
 def test_calibrate_moves_flops_ratio_toward_target():
@@ -269,22 +274,28 @@ def test_calibrate_needs_threshold_mode():
 
 
 # ---- ToMe ----------------------------------------------------------------------------------
-def reference_merge(x: torch.Tensor, sizes: torch.Tensor, metric: torch.Tensor, r: int):
-    """One image, loops: bipartite soft matching (A = even, B = odd rows), r best A merged."""
+def reference_merge(x: torch.Tensor, sizes: torch.Tensor, metric: torch.Tensor, r: int, protected: int = 0):
+    """One image, loops: bipartite soft matching (A = even, B = odd rows of the whole sequence;
+    the first ``protected`` rows neither merge nor receive), r best A merged; output: protected
+    rows, unmerged A rows, B rows (the official order)."""
     if r == 0:
         return x, sizes
     m = (metric / metric.norm(dim=-1, keepdim=True)).detach()
     a_rows, b_rows = list(range(0, len(x), 2)), list(range(1, len(x), 2))
+    free_b = [j for j in b_rows if j >= protected]
     best = []
     for i in a_rows:
-        sims = [float(m[i] @ m[j]) for j in b_rows]
-        best.append((max(sims), i, b_rows[sims.index(max(sims))]))
+        if i < protected:
+            continue
+        sims = [float(m[i] @ m[j]) for j in free_b]
+        best.append((max(sims), -i, free_b[sims.index(max(sims))]))
     merged = sorted(best, reverse=True)[:r]
     into = {j: [j] for j in b_rows}
     for _, i, j in merged:
-        into[j].append(i)
-    merged_a = {i for _, i, _ in merged}
-    groups = [[i] for i in a_rows if i not in merged_a] + [into[j] for j in b_rows]
+        into[j].append(-i)
+    merged_a = {-i for _, i, _ in merged}
+    groups = [[i] for i in range(protected)]
+    groups += [[i] for i in a_rows if i >= protected and i not in merged_a] + [into[j] for j in b_rows if j >= protected]
     new_x = torch.stack([sum(x[i] * sizes[i] for i in g) / sum(sizes[i] for i in g) for g in groups])
     new_s = torch.stack([sum(sizes[i] for i in g) for g in groups])
     return new_x, new_s
@@ -315,6 +326,8 @@ def test_proportional_attention_matches_direct_computation():
 
 
 def tome_reference(m: VisionTransformer, x: torch.Tensor, r: int) -> torch.Tensor:
+    """The official ToMe forward, block by block: the alternating split runs over the whole
+    sequence with the CLS token protected, r capped at (tokens - 1) // 2."""
     h = embed(m, x)
     sizes = torch.ones(h.shape[:2])
     for blk in m.blocks:
@@ -322,9 +335,9 @@ def tome_reference(m: VisionTransformer, x: torch.Tensor, r: int) -> torch.Tenso
         h = h + out
         metric = k.mean(1)
         rr = min(r, (h.shape[1] - 1) // 2)
-        rows = [reference_merge(h[b, 1:], sizes[b, 1:], metric[b, 1:], rr) for b in range(h.shape[0])]
-        h = torch.cat([h[:, :1], torch.stack([t[0] for t in rows])], 1)
-        sizes = torch.cat([sizes[:, :1], torch.stack([t[1] for t in rows])], 1)
+        rows = [reference_merge(h[b], sizes[b], metric[b], rr, protected=1) for b in range(h.shape[0])]
+        h = torch.stack([t[0] for t in rows])
+        sizes = torch.stack([t[1] for t in rows])
         h = h + blk.mlp(blk.norm2(h))
     return head(m, h)
 

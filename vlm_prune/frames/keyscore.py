@@ -8,6 +8,12 @@ encoder whose embeddings are L2-normalised:
 Each is min-max normalised over the candidates (a constant component becomes 0) and
 KeyScore = a S_sem + b S_temp + c S_drop with a = b = c = 1/3.
 
+Relevance sign (vlm_prune.relevance, one convention with CDPruner): cos above is the paper's,
+right for a contrastively trained encoder (CLIP / SigLIP, ``encoder=``). With the default
+in-model embeddings (projected frame tokens against the question's input embeddings) relevance
+is the NEGATED cosine, in S_sem and in S_drop alike: measured on the synthetic video model, the
+plain cosine ranks the answer frames last (BENCHMARKS.md, "Instruction relevance sign").
+
 Unverified choices (configurable where it matters): the S_temp neighbourhood (the adjacent
 candidates), L2-normalising embeddings before the means, several captions averaged into one
 text embedding (each normalised first), and with a single candidate S_temp = S_drop = 0.
@@ -26,6 +32,7 @@ from vlm_prune.frames.stacfp import require_stacfp_packages, stacfp_proposals
 from vlm_prune.frames.uniform import frames_plan, partial_frame_plan
 from vlm_prune.methods.base import FramesContext, FramesMethod, FramesPlan
 from vlm_prune.registry import register
+from vlm_prune.relevance import IN_MODEL_NEGATED
 
 #: (frames uint8 [T, H, W, 3] RGB, texts) -> (frame embeddings [T, D], text embeddings [n, D])
 Encoder = Callable[[np.ndarray, Sequence[str]], tuple[torch.Tensor, torch.Tensor]]
@@ -60,10 +67,12 @@ def keyscore(
     frame_emb: torch.Tensor,
     text_emb: torch.Tensor | None,
     weights: tuple[float, float, float] = DEFAULT_WEIGHTS,
+    negate: bool = False,
 ) -> KeyScores:
     """KeyScore of P candidate frames [P, D] (in time order) against a caption embedding.
 
     text_emb None (no caption): S_sem = S_drop = 0, so only S_temp ranks the frames.
+    ``negate``: relevance is -cos instead of cos (in-model embeddings, see the module docstring).
     Computed in float32 on the CPU (P x D is small); returns CPU tensors.
     """
     f = F.normalize(frame_emb.detach().float().cpu(), dim=-1)
@@ -80,11 +89,12 @@ def keyscore(
         sem = drop = torch.zeros(p)
     else:
         c = text_embedding(text_emb)
-        sem = f @ c
+        sign = -1.0 if negate else 1.0
+        sem = sign * (f @ c)
         if p > 1:
             total = f.sum(0)
             rest = (total[None, :] - f) / (p - 1)
-            drop = F.cosine_similarity(total[None, :] / p, c[None, :]) - F.cosine_similarity(rest, c[None, :])
+            drop = sign * (F.cosine_similarity(total[None, :] / p, c[None, :]) - F.cosine_similarity(rest, c[None, :]))
         else:
             drop = torch.zeros(p)
     sem, temp, drop = minmax(sem), minmax(temp), minmax(drop)
@@ -184,12 +194,12 @@ class KeyScore(FramesMethod):
         the cluster medoids; needs the ``video`` extra (OpenCV, scikit-learn). "all": every
         sampled frame is a candidate.
       encoder=None: frame embedding = the frame's tokens (ctx.features) mean-pooled, caption
-        embedding = the query's input embeddings (ctx.text_features) mean-pooled - both in the
-        LLM's input space. No training objective aligns projected frame tokens with word
-        embeddings, so this cosine can rank relevance arbitrarily (backwards on the synthetic
-        video model, see BENCHMARKS.md). Or any callable (frames uint8 [T, H, W, 3], [query])
-        -> (frame_emb, text_emb), given frames from ctx.pixels, e.g. load_encoder(CLIP /
-        SigLIP). Without text only S_temp ranks the frames.
+        embedding = the query's input embeddings (ctx.text_features) - both in the LLM's input
+        space. Or any callable (frames uint8 [T, H, W, 3], [query]) -> (frame_emb, text_emb),
+        given frames from ctx.pixels, e.g. load_encoder(CLIP / SigLIP). Without text only
+        S_temp ranks the frames.
+      negate_relevance=None: the project's sign convention (vlm_prune.relevance) - relevance is
+        -cos for the in-model embeddings (encoder=None), +cos (the paper's) for an encoder.
       k_max=16, gamma_time=0.5: STACFP settings.
     """
 
@@ -205,6 +215,7 @@ class KeyScore(FramesMethod):
         encoder: Encoder | None = None,
         k_max: int = 16,
         gamma_time: float = 0.5,
+        negate_relevance: bool | None = None,
     ) -> None:
         super().__init__(keep=keep, budget=budget)
         if proposals not in ("all", "stacfp"):
@@ -218,6 +229,7 @@ class KeyScore(FramesMethod):
         self.k_max = k_max
         self.gamma_time = gamma_time
         self._encoder = encoder
+        self.negate_relevance = (IN_MODEL_NEGATED if encoder is None else False) if negate_relevance is None else negate_relevance
 
     def _candidates(self, ctx: FramesContext, n_frames: int) -> list[int]:
         t = ctx.features.shape[0]
@@ -244,7 +256,7 @@ class KeyScore(FramesMethod):
         n_frames = min(t, ctx.n_total // n)
         cand = self._candidates(ctx, max(1, n_frames))
         frame_emb, text_emb = self._embed(ctx, cand)
-        scores = keyscore(frame_emb, text_emb, self.weights).score
+        scores = keyscore(frame_emb, text_emb, self.weights, self.negate_relevance).score
         frame_scores = torch.zeros(t)
         frame_scores[cand] = scores
         if n_frames == 0:

@@ -59,37 +59,49 @@ def straight_through_mask(scores: torch.Tensor, theta: torch.Tensor, tau: float)
 
 
 def default_locations(depth: int) -> list[int]:
-    """0-indexed blocks before which AS-ViT prunes: the blocks at 1/3, 7/12 and 5/6 of the
-    depth (1-indexed), i.e. [3, 6, 9] - the 4th, 7th and 10th - for 12 blocks."""
+    """0-indexed blocks before which AS-ViT prunes: floor(depth * f) for f = 1/3, 7/12, 5/6.
+
+    This reproduces every schedule of the official code (Cydia2018/AS-ViT@e57f445, main.py /
+    infer.py): DeiT-T/S (12 blocks) [4, 7, 10], LV-ViT-S (16) [5, 9, 13], LV-ViT-M (20)
+    [6, 11, 16]. Each pruning point is scored by the block just before it. Shallow towers
+    (fewer than 6 blocks) get the distinct points of that rule within [1, depth - 1].
+    """
     if depth < 2:
         raise ValueError(
             f"AS-ViT needs a ViT with at least 2 blocks (in a VLM: tower layers up to the feature layer), "
             f"this one has {depth}"
         )
-    marks = [math.floor(depth * f + 0.5) - 1 for f in (1 / 3, 7 / 12, 5 / 6)]
+    marks = [depth * f // 12 for f in (4, 7, 10)]
     return sorted({min(max(m, 1), depth - 1) for m in marks})
 
 
 @register
 class ASViT(ViTMethod):
     """AS-ViT (Liu et al., IJCAI 2023, "Adaptive Sparse ViT", arXiv 2209.13802;
-    Cydia2018/AS-ViT): prune patch tokens at three points of a ViT by the head-weighted CLS
-    attention score (see the module docstring), computed in the block just before each point.
+    Cydia2018/AS-ViT@e57f445): prune patch tokens at three points of a ViT by the head-weighted
+    CLS attention score (see the module docstring), computed in the block just before each point.
 
     Modes:
-      - ``mode="keep"`` (training-free, default): top-k of the scores. ``keep`` is the keep
-        ratio PER STAGE, as in the paper's code (DynamicViT convention): stage s = 1, 2, 3 keeps
-        floor(N * keep**s) of the N patch tokens (keep=0.7: 70%, 49%, 34%). ``budget`` is the
-        number of patch tokens left after the last stage (stage s keeps N * (budget/N)**(s/3)).
-      - ``mode="threshold"``: stage s keeps the tokens with s_j > theta_s. Thresholds are
-        learned by :func:`calibrate` (budget-aware); the default is the paper's initial
-        (0.001, 0.002, 0.003) for 196 patches, scaled by 196 / N because scores average 1/N.
-        With a batch of B > 1 images, each image keeps its top k = floor(total kept / B)
-        tokens (as the official code does), so the batch stays rectangular; B = 1 keeps
-        exactly the tokens above the threshold.
+      - ``mode="keep"`` (training-free, default): top-k of the scores. ``keep`` / ``budget`` is
+        the number of patch tokens left after the LAST stage (the tokens that reach the tower's
+        output; per image), the same meaning as for every other method. The per-stage counts
+        follow the official geometric schedule (DynamicViT convention: stage s of S keeps
+        N * rho**s) with rho = (target / N) ** (1 / S), so stage s keeps
+        floor(N * (target / N) ** (s / S)) and the last stage exactly the target.
+      - ``mode="threshold"``: stage s keeps the tokens with s_j > theta_s, as the official
+        inference code. Thresholds are given (``thresholds=``) or learned by :func:`calibrate`
+        (budget-aware); the default is the paper's initial (0.001, 0.002, 0.003) for 196
+        patches, scaled by 196 / N because scores average 1/N. With a batch of B > 1 images,
+        each image keeps its top k = floor(total kept / B) tokens (as the official code does),
+        so the batch stays rectangular; B = 1 keeps exactly the tokens above the threshold.
+        With explicit thresholds the kept sets equal the official code's
+        (tests/test_fidelity_vision.py); the official code orders the kept tokens by score
+        where this one keeps them in patch order, which a ViT without positional state after
+        the embedding does not see (logits equal to float rounding).
 
     ``locations``: 0-indexed blocks before which to prune; default :func:`default_locations`
-    ([3, 6, 9] for 12 blocks). The CLS and other prefix tokens are never pruned.
+    ([4, 7, 10] for 12 blocks, the official ``pruning_loc``). The CLS and other prefix tokens
+    are never pruned.
     """
 
     name = "asvit"
@@ -143,12 +155,13 @@ class ASViT(ViTMethod):
 
     # ---- budgets ---------------------------------------------------------------------------
     def stage_keep(self, stage: int, n_stages: int, n_patches: int) -> int:
-        """Patch tokens kept after stage ``stage`` (1-based) in keep mode."""
-        if self.budget is not None:
-            frac = (min(self.budget, n_patches) / n_patches) ** (stage / n_stages)
-        else:
-            frac = self.keep**stage
-        return max(1, min(n_patches, math.floor(n_patches * frac + 1e-6)))
+        """Patch tokens kept after stage ``stage`` (1-based) in keep mode: the geometric schedule
+        ending at :meth:`n_keep` of the ``n_patches`` patch tokens (see the class docstring)."""
+        target = self.n_keep(n_patches, 1)
+        if stage >= n_stages:
+            return target
+        frac = (target / n_patches) ** (stage / n_stages)
+        return max(target, min(n_patches, math.floor(n_patches * frac + 1e-6)))
 
     def threshold_values(self, n_patches: int, n_stages: int) -> torch.Tensor:
         if self._theta is not None:
@@ -254,6 +267,15 @@ def calibrate(
     thresholds, which are also set on the method. Defaults: the paper's tau 1e-4, weights 2
     and 0.5, target (rho) 0.7. With tau 1e-4 only tokens scoring within about 1e-3 of a
     threshold pass gradient, so a threshold far outside the scores of its stage does not move.
+
+    The budget term is the official one divided by the unpruned FLOPs: the official loss
+    (Cydia2018/AS-ViT@e57f445, losses.py ``DistillDiffPruningFLOPsLoss``) uses
+    |mean GFLOPs - rho * GFLOPs_full| in absolute GFLOPs, of the whole model (patch embedding
+    included); here |FLOPs / FLOPs_full - rho| over the transformer blocks, a scale-free
+    version. At the same ``ratio_weight`` the official term's gradient is FLOPs_full times
+    larger (about 4.6 for DeiT-S, 1.3 for DeiT-T), so to mimic the official training on those
+    models multiply ``ratio_weight`` by their GFLOPs; on other models (a VLM's tower) the
+    ratio keeps the weight meaningful without knowing the model's size.
     """
     import copy
 

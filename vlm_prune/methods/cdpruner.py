@@ -8,18 +8,17 @@ import torch.nn.functional as F
 
 from vlm_prune.methods.base import Reduction, VisionContext, VisionMethod
 from vlm_prune.registry import register
+from vlm_prune.relevance import IN_MODEL_NEGATED, instruction_relevance
 
 
-def relevance(features: torch.Tensor, text_embeds: torch.Tensor, negate: bool = True) -> torch.Tensor:
+def relevance(features: torch.Tensor, text_embeds: torch.Tensor, negate: bool = IN_MODEL_NEGATED) -> torch.Tensor:
     """Per-token relevance to the instruction, min-max normalised as the official code.
 
-    r_i = mean_t cos(features_i, text_t), negated when ``negate`` (the official LLaVA code ranks
-    by -cos), then r = (r - min r + 1e-6) / (max r - min r). Returns [N] float32.
+    r_i = :func:`~vlm_prune.relevance.instruction_relevance` (mean_t cos(features_i, text_t),
+    negated when ``negate``: the project's one sign convention for in-model embeddings, the
+    official code's ``-cos``), then r = (r - min r + 1e-6) / (max r - min r). Returns [N] float32.
     """
-    sim = F.normalize(features.float(), dim=-1) @ F.normalize(text_embeds.float(), dim=-1).t()
-    r = sim.mean(dim=-1)
-    if negate:
-        r = -r
+    r = instruction_relevance(features, text_embeds, negate)
     return (r - r.min() + 1e-6) / (r.max() - r.min()).clamp(min=1e-6)
 
 
@@ -58,30 +57,53 @@ def dpp_greedy_map(kernel: torch.Tensor, k: int, eps: float = 1e-10) -> torch.Te
     return torch.tensor(chosen, dtype=torch.long, device=kernel.device)
 
 
+def crop_budgets(n_keep: int, sizes: list[int]) -> list[int]:
+    """Split an image's ``n_keep`` tokens over crops of ``sizes`` tokens in proportion to their
+    size (largest remainder, ties to the earlier crop): equal shares for equal crops, as the
+    official per-crop budget, and exactly ``n_keep`` in total."""
+    total = sum(sizes)
+    if total == 0:
+        return [0] * len(sizes)
+    n_keep = min(n_keep, total)
+    exact = [n_keep * s / total for s in sizes]
+    out = [min(s, math.floor(e)) for s, e in zip(sizes, exact)]
+    order = sorted(range(len(sizes)), key=lambda i: (-(exact[i] - out[i]), i))
+    for i in order[: n_keep - sum(out)]:
+        out[i] += 1
+    return out
+
+
 @register
 class CDPruner(VisionMethod):
-    """CDPruner (2025, "Beyond Attention or Similarity: Maximizing Conditional
-    Diversity for Token Pruning in MLLMs"; Theia-4869/CDPruner).
+    """CDPruner (Zhang et al., 2025, "Beyond Attention or Similarity: Maximizing Conditional
+    Diversity for Token Pruning in MLLMs"; Theia-4869/CDPruner@ed9c12d).
 
     Per image, keep the ``n_keep`` tokens of the greedy MAP of a conditional DPP with kernel
     L = diag(r) S diag(r) (:func:`conditional_kernel`, :func:`dpp_greedy_map`): S the cosine
     similarity of the projected visual features, r their relevance to the instruction
     (:func:`relevance` with ``ctx.text_embeds``, the LLM input embeddings of the question
     tokens). Defaults follow the official LLaVA code: r = min-max normalised NEGATED mean cosine
-    (``negate_relevance=True``), no exponential reweighting (``theta=None``; theta in (0, 1)
-    applies r <- exp(theta / (2 (1 - theta)) r), the option the official code leaves commented
-    out). The official code measures relevance in CLIP's joint image-text space; here features
-    and text embeddings share the LLM's input space instead (the sign of that relation is not
-    verified; flip it with ``negate_relevance=False``). Without text embeddings r = 1 and
-    CDPruner is a plain DPP (pure diversity).
+    (``negate_relevance=True``, the project's one sign convention for in-model embeddings, see
+    vlm_prune.relevance: 97.3% vs 70.3% at 11% of the tokens on the synthetic image model), no
+    exponential reweighting (``theta=None``; theta in (0, 1) applies
+    r <- exp(theta / (2 (1 - theta)) r), the option the official code leaves commented out).
+    The official code measures relevance between CLIP's patch embeddings and CLIP text
+    embeddings; here the projected features and the LLM's text input embeddings share one space
+    instead. Without text embeddings r = 1 and CDPruner is a plain DPP (pure diversity).
+
+    LLaVA-NeXT (anyres): one selection per crop (the base image and every high-resolution
+    tile), each with its own budget, as the official code (:meth:`reduce_crops`); the
+    image_newline tokens are always kept and are not counted in the budget.
     """
 
     name = "cdpruner"
-    paper = "CDPruner, 2025 (Theia-4869/CDPruner)"
+    paper = "CDPruner, Zhang et al., 2025 (Theia-4869/CDPruner)"
+    #: adapters with crops (LLaVA-NeXT) call :meth:`reduce_crops` instead of reduce_image
+    per_crop = True
 
     def __init__(
         self,
-        negate_relevance: bool = True,
+        negate_relevance: bool = IN_MODEL_NEGATED,
         theta: float | None = None,
         keep: float | None = None,
         budget: int | None = None,
@@ -108,3 +130,28 @@ class CDPruner(VisionMethod):
             return Reduction.keep_all(n, ctx.features.device)
         kernel = conditional_kernel(ctx.features, self.relevance(ctx))
         return Reduction(torch.sort(dpp_greedy_map(kernel, ctx.n_keep)).values)
+
+    def reduce_crops(self, ctx: VisionContext, crops: torch.Tensor) -> Reduction:
+        """One selection per crop, as the official LLaVA-NeXT code.
+
+        crops: [N] long, the crop of each of the image's tokens (0 = base image, 1.. = tiles) or
+        -1 for tokens that are always kept (image_newline). ``ctx.n_keep`` counts the other
+        tokens; :func:`crop_budgets` splits it over the crops by size (equal crops: equal
+        budgets, the official ``visual_token_num`` per crop). Relevance is min-max normalised over
+        all the image's crops together, as the official code normalises over the whole batch of
+        crops; each crop then runs its own DPP on its own tokens.
+        """
+        crops = crops.to(ctx.features.device)
+        kept = [torch.nonzero(crops < 0).squeeze(1)]
+        visual = crops >= 0
+        rel = torch.ones(crops.numel(), device=ctx.features.device)
+        rel[visual] = self.relevance(VisionContext(ctx.features[visual], ctx.n_keep, text_embeds=ctx.text_embeds))
+        ids = torch.unique(crops[visual]).tolist()
+        members = [torch.nonzero(crops == c).squeeze(1) for c in ids]
+        for idx, k in zip(members, crop_budgets(ctx.n_keep, [m.numel() for m in members])):
+            if k >= idx.numel():
+                kept.append(idx)
+            elif k > 0:
+                kernel = conditional_kernel(ctx.features[idx], rel[idx])
+                kept.append(idx[dpp_greedy_map(kernel, k)])
+        return Reduction(torch.sort(torch.cat(kept)).values)
