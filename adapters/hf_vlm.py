@@ -24,7 +24,7 @@ from typing import Any, Callable, ClassVar
 import torch
 
 from vlm_prune.adapters.base import Adapter, ContextSlot
-from vlm_prune.adapters.vision_towers import FeatureLayerTap
+from vlm_prune.adapters.vision_towers import FeatureLayerTap, pool_grid
 from vlm_prune.engine import LMSpec, Pending, PrunedDecoder
 from vlm_prune.methods.base import FramesContext, Reduction, VisionContext
 
@@ -148,6 +148,11 @@ class HFVLMAdapter(Adapter):
     def make_tap(self) -> FeatureLayerTap | None:
         return None
 
+    def annotate_output(self, modality: str, out: Any) -> None:
+        """Snapshot side data methods need onto an encoder output (generate() encodes first)."""
+        if self.tap is not None:
+            out.vlm_prune_tower_input = self.tap.input
+
     def _patch_features(self, modality: str, fname: str) -> None:
         original = self.patches.original(self.inner, fname)
 
@@ -158,8 +163,7 @@ class HFVLMAdapter(Adapter):
             out = original(*args, **kwargs)
             # remember the call's arguments (grid sizes): generate() encodes before the forward
             out.vlm_prune_call = signature.bind_partial(*args, **kwargs).arguments
-            if self.tap is not None:
-                out.vlm_prune_tower_input = self.tap.input
+            self.annotate_output(modality, out)
             if self.request is not None:
                 out = self.reduce_features(modality, out)
             return out
@@ -359,26 +363,46 @@ class HFVLMAdapter(Adapter):
             mask[i, width - s.numel():] = 1
         return ids, mask
 
-    def answer_letter_id(self, letter: str = "A") -> int:
-        """The scorer tokenizer's id of the answer letter (never hard-coded)."""
-        tok = self.tokenizer()
-        ids = tok.encode(letter, add_special_tokens=False)
-        unk = getattr(tok, "unk_token_id", None)
-        if not ids or (len(ids) == 1 and ids[0] == unk):
-            raise ValueError(f"the tokenizer has no token for the answer letter {letter!r}; QuoTA's default scorer "
-                             "needs it - pass QuoTA(scorer=...) instead")
-        return ids[-1]
+    def score_prompts(self, ids: torch.Tensor, mask: torch.Tensor, tokens: list[str], encoded: Any, **extra: Any
+                      ) -> torch.Tensor:
+        """The unpruned model's next-token probabilities [B, len(tokens)] of ``tokens`` after the
+        prompts ``ids`` / ``mask`` [B, S] (from :meth:`chat_batch`), whose video placeholders take the
+        already computed encoder output ``encoded`` (no second vision-tower pass); one batch,
+        logits of the last position only (QuoTA's default frame scorer)."""
+        from vlm_prune.frames.scorers import vocab_id
 
-    def generate_text_fn(self) -> Callable[[str], str] | None:
-        """Text-only greedy generation with the unpruned model (QuoTA's query decoupling)."""
+        targets = [vocab_id(self.tokenizer(), t) for t in tokens]
+        device = self.model.device
+        with self.unpruned(), torch.no_grad():
+            logits = self.model(input_ids=ids.to(device), attention_mask=mask.to(device), logits_to_keep=1,
+                                mm_encoder_outputs={"video": encoded}, **extra).logits[:, -1]
+        return torch.softmax(logits.float(), dim=-1)[:, targets].cpu()
+
+    def generate_text_fn(self) -> Callable[..., str] | None:
+        """Text-only greedy generation with the unpruned model (QuoTA's query decoupling):
+        generate(prompt, done=None, max_new_tokens=64) stops at end of sequence, once
+        ``done(text so far)`` is true, or at the model's maximum position."""
         if self.state.processor is None:
             return None
 
-        def generate(prompt: str) -> str:
+        def generate(prompt: str, done: Callable[[str], bool] | None = None, max_new_tokens: int = 64) -> str:
+            from transformers import StoppingCriteria, StoppingCriteriaList
+
             ids = self.chat_ids(prompt, None)[None].to(self.model.device)
+            tok = self.tokenizer()
+
+            class Parsed(StoppingCriteria):
+                def __call__(self, input_ids: torch.Tensor, scores: Any, **kw: Any) -> torch.Tensor:
+                    text = tok.decode(input_ids[0, ids.shape[1]:], skip_special_tokens=True)
+                    return torch.full((input_ids.shape[0],), bool(done(text)), device=input_ids.device)
+
+            stop = StoppingCriteriaList([Parsed()]) if done is not None else None
+            room = getattr(self.language_model.config, "max_position_embeddings", None)
+            limit = max(1, min(max_new_tokens, room - ids.shape[1])) if room else max_new_tokens
             with self.unpruned(), torch.no_grad():
-                out = self.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=64, do_sample=False)
-            return self.tokenizer().decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+                out = self.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=limit,
+                                          do_sample=False, stopping_criteria=stop)
+            return tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
 
         return generate
 
@@ -454,3 +478,13 @@ def scatter_reduction(features: torch.Tensor, red: Reduction) -> tuple[torch.Ten
     if red.sizes is not None:
         sizes[red.indices] = red.sizes.float().to(features.device)
     return out, keep, sizes
+
+
+def fit_grid(frames: torch.Tensor, grid: tuple[int, int], limit: tuple[int, int] | None) -> torch.Tensor:
+    """Frame maps [T, rows*cols, D] bilinearly resized to at most ``limit`` (rows, cols) each way."""
+    if limit is None or (grid[0] <= limit[0] and grid[1] <= limit[1]):
+        return frames
+    size = (min(grid[0], limit[0]), min(grid[1], limit[1]))
+    t, n, d = frames.shape
+    flat = pool_grid(frames.transpose(0, 1).reshape(n, t * d), grid, size)
+    return flat.reshape(size[0] * size[1], t, d).transpose(0, 1).to(frames.dtype)

@@ -3,8 +3,10 @@
 Video: every frame's tower features are projected and bilinearly pooled to a
 ceil(h/2) x ceil(w/2) grid (196 tokens at 384px); a video is T frames of that grid followed by
 one newline token, which is always kept. The frames stage (QuoTA, KeyScore, uniform) sees the
-[T, n, D] frame maps; vision methods reduce each frame separately. Images (anyres with newline
-tokens) are items without a rectangular grid.
+[T, n, D] frame maps; vision methods reduce each frame separately. QuoTA (v1/v2/v3/v5) also gets
+each frame's unpooled 27 x 27 map, kept on the side by a patch of ``apply_pooling``, as the
+official code resizes that map. Images (anyres with newline tokens) are items without a
+rectangular grid.
 """
 from __future__ import annotations
 
@@ -13,7 +15,10 @@ from typing import Any, ClassVar
 
 import torch
 
-from vlm_prune.adapters.hf_vlm import HFVLMAdapter, Item
+from transformers.modeling_outputs import BaseModelOutputWithPooling
+
+from vlm_prune.adapters.base import PerThread
+from vlm_prune.adapters.hf_vlm import HFVLMAdapter, Item, fit_grid
 from vlm_prune.adapters.vision_towers import FeatureLayerTap, pool_grid
 from vlm_prune.methods.base import FramesContext
 
@@ -61,29 +66,57 @@ class LlavaOnevisionAdapter(HFVLMAdapter):
 
         return attention
 
+    # ---- frames stage (QuoTA) ------------------------------------------------------------------
+    #: the latest unpooled video maps of this thread, until annotate_output moves them onto the output
+    _unpooled = PerThread()
+
+    def attach(self) -> None:
+        super().attach()
+        frames = self.state.methods.get("frames")
+        if getattr(frames, "wants_unpooled", False):
+            pool = self.patches.original(self.inner, "apply_pooling")
+
+            def apply_pooling(features: torch.Tensor) -> torch.Tensor:
+                self._unpooled = features  # [frames, 27 * 27, D] projected, before the 2x bilinear pooling
+                return pool(features)
+
+            self.patches.set(self.inner, "apply_pooling", apply_pooling)
+
+    def annotate_output(self, modality: str, out: Any) -> None:
+        super().annotate_output(modality, out)
+        if modality == "video" and self._unpooled is not None:
+            out.vlm_prune_unpooled, self._unpooled = self._unpooled, None
+
+    def unpooled_grid(self) -> tuple[int, int]:
+        vc = self.model.config.vision_config
+        side = vc.image_size // vc.patch_size
+        return side, side
+
     def frames_context(self, method: Any, it: Item, index: int, sample: int) -> FramesContext:
         ctx = super().frames_context(method, it, index, sample)
-        videos = getattr(self.request.out, "vlm_prune_call", {}).get("pixel_values_videos")
+        out = self.request.out
+        videos = getattr(out, "vlm_prune_call", {}).get("pixel_values_videos")
         if videos is not None:
             ctx.pixels = videos[index]
-            if self.state.processor is not None:
-                ctx.score_frames = lambda prompts, px=videos[index]: self.score_frames(px, prompts)
+        unpooled = getattr(out, "vlm_prune_unpooled", None)
+        if unpooled is not None:
+            ctx.unpooled = unpooled[index * it.frames : (index + 1) * it.frames]
+            ctx.unpooled_grid = self.unpooled_grid()
+        if self.state.processor is not None:
+            frames, newline = ctx.features, it.features[-it.tail:]
+            ctx.score_frames = lambda prompts, tokens, grid=None: self.score_frames(frames, newline, prompts, tokens, grid)
         return ctx
 
-    def score_frames(self, pixels: torch.Tensor, prompts: list[str]) -> torch.Tensor:
-        """QuoTA's default scorer: the model itself, one frame per prompt, P("A") of the answer.
-
-        pixels: [T, C, H, W] one video's frames as the processor prepared them. prompts: one
-        for every frame, or one shared by all. Returns p [T] (float32, CPU).
-        """
-        t = pixels.shape[0]
+    def score_frames(self, frames: torch.Tensor, newline: torch.Tensor, prompts: list[str], tokens: list[str],
+                     grid: tuple[int, int] | None = None) -> torch.Tensor:
+        """QuoTA's default scorer: the unpruned model on one-frame videos made of each frame's
+        already computed tokens [T, n, D] (bilinearly resized to at most ``grid``) and the video
+        newline, one prompt per frame (or one shared), all frames in one batch.
+        Returns probabilities [T, len(tokens)] of ``tokens`` as the next token."""
+        t = frames.shape[0]
         prompts = prompts * t if len(prompts) == 1 else prompts
-        rows, cols = self.frame_grid()
-        ids, mask = self.chat_batch(prompts, "video", rows * cols + 1)
-        letter = self.answer_letter_id("A")
-        device = self.model.device
-        with self.unpruned(), torch.no_grad():
-            logits = self.model(
-                input_ids=ids.to(device), attention_mask=mask.to(device), pixel_values_videos=pixels[:, None].to(device)
-            ).logits[:, -1]
-        return torch.softmax(logits.float(), dim=-1)[:, letter].cpu()
+        frames = fit_grid(frames, self.frame_grid(), grid)
+        video = torch.cat([frames, newline[None].expand(t, -1, -1)], dim=1)
+        ids, mask = self.chat_batch(prompts, "video", video.shape[1])
+        return self.score_prompts(ids, mask, tokens, BaseModelOutputWithPooling(pooler_output=video))
+

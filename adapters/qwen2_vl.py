@@ -12,7 +12,9 @@ from typing import Any, ClassVar
 
 import torch
 
-from vlm_prune.adapters.hf_vlm import HFVLMAdapter, Item
+from transformers.modeling_outputs import BaseModelOutputWithPooling
+
+from vlm_prune.adapters.hf_vlm import HFVLMAdapter, Item, fit_grid
 from vlm_prune.engine import LMSpec, PositionRewrite, default_positions
 from vlm_prune.methods.base import FramesContext
 
@@ -76,29 +78,35 @@ class Qwen2VLAdapter(HFVLMAdapter):
         if patches is not None and grids is not None:
             start = int(grids[:index].prod(-1).sum())
             t, h, w = (int(x) for x in grids[index])
-            item = patches[start : start + t * h * w]
-            ctx.pixels = unpatchify(item, (t, h, w), self.model.config.vision_config)
-            if self.state.processor is not None:
-                ctx.score_frames = lambda prompts, item=item, grid=(t, h, w): self.score_frames(item, grid, prompts)
+            ctx.pixels = unpatchify(patches[start : start + t * h * w], (t, h, w), self.model.config.vision_config)
+        if self.state.processor is not None:
+            frames = ctx.features
+            ctx.score_frames = lambda prompts, tokens, grid=None: self.score_frames(frames, it.grid, prompts, tokens, grid)
         return ctx
 
-    def score_frames(self, patches: torch.Tensor, grid: tuple[int, int, int], prompts: list[str]) -> torch.Tensor:
-        """QuoTA's default scorer: the model itself on each temporal slice (a one-slice video of the
-        slice's own patches) with the yes/no prompt, P("A") of the answer. Returns p [t]."""
-        t, h, w = grid
+    def score_frames(self, frames: torch.Tensor, grid: tuple[int, int], prompts: list[str], tokens: list[str],
+                     limit: tuple[int, int] | None = None) -> torch.Tensor:
+        """QuoTA's default scorer: the unpruned model on one-slice videos made of each temporal
+        slice's already computed tokens [t, rows*cols, D] (bilinearly resized to at most
+        ``limit``, with M-RoPE positions of that grid), one prompt per slice, all in one batch.
+        Returns probabilities [t, len(tokens)] of ``tokens`` as the next token."""
+        t = frames.shape[0]
         prompts = prompts * t if len(prompts) == 1 else prompts
+        frames = fit_grid(frames, grid, limit)
+        rows, cols = (min(g, lim) for g, lim in zip(grid, limit or grid))
         merge = self.model.config.vision_config.spatial_merge_size
-        ids, mask = self.chat_batch(prompts, "video", h * w // merge**2)
-        video = self.placeholder_ids()["video"]
+        ids, mask = self.chat_batch(prompts, "video", rows * cols)
         device = self.model.device
-        with self.unpruned(), torch.no_grad():
-            logits = self.model(
-                input_ids=ids.to(device), attention_mask=mask.to(device), pixel_values_videos=patches.to(device),
-                video_grid_thw=torch.tensor([[1, h, w]] * t, device=device),
-                mm_token_type_ids=((ids == video) * 2).int().to(device),
-            ).logits[:, -1]
-        return torch.softmax(logits.float(), dim=-1)[:, self.answer_letter_id("A")].cpu()
-
+        encoded = BaseModelOutputWithPooling(pooler_output=list(frames))
+        saved = getattr(self.inner, "rope_deltas", None)  # the scorer must not leave its deltas to generate()
+        try:
+            return self.score_prompts(
+                ids, mask, tokens, encoded,
+                video_grid_thw=torch.tensor([[1, rows * merge, cols * merge]] * t, device=device),
+                mm_token_type_ids=((ids == self.placeholder_ids()["video"]) * 2).int().to(device),
+            )
+        finally:
+            self.inner.rope_deltas = saved
 
 def unpatchify(patches: torch.Tensor, grid: tuple[int, int, int], vc: Any) -> torch.Tensor:
     """Frames [t, C, H, W] (the first frame of each temporal patch) from Qwen2-VL's flattened

@@ -63,10 +63,10 @@ def test_quota_keeps_exactly_the_frames_its_scorer_prefers():
     quota = QuoTA(scorer=lambda pixels, prompt: preferred, variant="v2")
     _, stats = run(model, quota, inp, steps=3, budget=8)
     (rec,) = stats["stages"]
-    for video in rec["videos"]:
+    for video in rec["videos"]:  # w = 0.81 / 1.7125 and 0.9025 / 1.7125 of 8: 3 (grid 2 x 1) and 4 (2 x 2) tokens
         assert video["kept_frames"] == [1, 4]
-        assert video["tokens_per_frame"] == [0, 4, 0, 0, 4, 0]
-    assert rec["tokens_out"] == [8, 8]
+        assert video["tokens_per_frame"] == [0, 2, 0, 0, 4, 0]
+    assert rec["tokens_out"] == [6, 6]
 
 
 def test_quota_scores_frames_with_the_wrapped_model_itself():
@@ -79,7 +79,7 @@ def test_quota_scores_frames_with_the_wrapped_model_itself():
         add_generation_prompt=True,
     )
     inp = proc(text=[text], videos=[frames], return_tensors="pt")
-    quota = QuoTA(decouple=True)
+    quota = QuoTA(decouple=False)
     _, stats = run(model, quota, inp, steps=2, keep=0.5, processor=proc)
     (video,) = stats["stages"][0]["videos"]
     scores = torch.tensor(video["frame_scores"])
@@ -87,7 +87,7 @@ def test_quota_scores_frames_with_the_wrapped_model_itself():
     adapter_ids = proc.tokenizer.encode("A", add_special_tokens=False)[-1]
     assert scores.shape == (5,) and bool(((scores > 0) & (scores < 1)).all())
     n = 9 + 1
-    prompt = frame_prompt("what colour is the shape ?", [])  # decoupling found no objects
+    prompt = frame_prompt("what colour is the shape ?", [])  # no decoupling: the query prompt
     t = proc.apply_chat_template([{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": prompt}]}],
                                  add_generation_prompt=True)
     ids = proc.tokenizer(t, add_special_tokens=False, return_tensors="pt").input_ids[0].tolist()
@@ -252,3 +252,72 @@ def test_keyscore_default_embeddings_are_projected_frames_and_question_words():
             words = torch.tensor(proc.tokenizer.encode(q, add_special_tokens=False))
             expected = keyscore(f[:45].reshape(5, 9, -1).mean(1), embed(words).mean(0), negate=True).score  # in-model: -cos
             torch.testing.assert_close(torch.tensor(video["frame_scores"]), expected, atol=1e-5, rtol=0)
+
+
+def test_quota_scorer_reuses_the_features_at_a_smaller_grid():
+    """score_grid=(2, 2): each frame's already computed 3 x 3 tokens are bilinearly resized to
+    2 x 2 for scoring; equal to the model run by hand on those embeddings (no pixels)."""
+    from vlm_prune.frames.quota import OFFICIAL_PROMPTS
+
+    model, proc = eval_tiny.build_model(), eval_tiny.build_processor()
+    frames = (torch.rand(4, 48, 48, 3, generator=torch.Generator().manual_seed(2)) * 255).to(torch.uint8).numpy()
+    text = proc.apply_chat_template(
+        [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": "what colour is the shape ?"}]}],
+        add_generation_prompt=True)
+    inp = proc(text=[text], videos=[frames], return_tensors="pt")
+    _, stats = run(model, QuoTA(decouple=False, score_grid=(2, 2)), inp, steps=1, keep=0.5, processor=proc)
+    scores = torch.tensor(stats["stages"][0]["videos"][0]["frame_scores"])
+    with torch.no_grad():
+        feats = model.model.get_video_features(inp["pixel_values_videos"]).pooler_output[0]
+        maps = feats[:36].reshape(4, 3, 3, -1).permute(0, 3, 1, 2)
+        small = torch.nn.functional.interpolate(maps, size=(2, 2), mode="bilinear").flatten(2).transpose(1, 2)
+        video = torch.cat([small, feats[-1:].expand(4, 1, -1)], dim=1)  # 4 tokens + the newline per frame
+        prompt = frame_prompt("what colour is the shape ?", [])
+        t = proc.apply_chat_template([{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": prompt}]}],
+                                     add_generation_prompt=True)
+        ids = proc.tokenizer(t, add_special_tokens=False).input_ids
+        vid = model.config.video_token_id
+        ids = torch.tensor([x for i in ids for x in ([vid] * 5 if i == vid else [i])])
+        embeds = model.get_input_embeddings()(ids)[None].repeat(4, 1, 1)
+        embeds[:, ids == vid] = video
+        logits = model(inputs_embeds=embeds).logits[:, -1]
+    a = proc.tokenizer.encode(OFFICIAL_PROMPTS.answer, add_special_tokens=False)[-1]
+    torch.testing.assert_close(scores, torch.softmax(logits, -1)[:, a], atol=1e-5, rtol=0)
+
+
+def test_decoupling_generation_stops_once_the_answer_parses():
+    model, proc = eval_tiny.build_model(), eval_tiny.build_processor()
+    vlm_prune.wrap(model, QuoTA(decouple=True), keep=0.5, processor=proc)
+    try:
+        generate = model.vlm_prune.adapter.generate_text_fn()
+        text = generate("what colour is the shape ?", lambda answer: len(answer.split()) >= 3, 4096)
+        assert len(text.split()) == 3  # stopped at the first token that completed the third word
+        assert len(generate("what", None, 5).split()) <= 5
+    finally:
+        vlm_prune.unwrap(model)
+
+
+def test_quota_default_scorer_needs_its_answer_token_at_wrap_time():
+    """The shipped synthetic video model has no "A": the default prompts are refused by wrap()
+    itself; PLAIN_PROMPTS ("is there a ... ?", P(yes) vs P(no)) score with its own words."""
+    from vlm_prune.eval.synthetic import load
+    from vlm_prune.frames.quota import PLAIN_PROMPTS
+
+    model, proc = load("video")
+    with pytest.raises(ValueError, match="no token for the answer 'A'.*PLAIN_PROMPTS"):
+        vlm_prune.wrap(model, QuoTA(), keep=0.5, processor=proc)
+    assert not hasattr(model, "vlm_prune") or model.vlm_prune is None
+    vlm_prune.wrap(model, QuoTA(prompts=PLAIN_PROMPTS, objects=lambda q: ["coloured shape"]), keep=0.5, processor=proc)
+    vlm_prune.unwrap(model)
+
+
+def test_qwen2_vl_scorer_leaves_generate_positions_alone():
+    """The default scorer runs the model on its own batch; generate() afterwards must continue
+    from the request's rope deltas, i.e. equal a run whose scores come from a stub scorer."""
+    model = T.tiny_qwen2_vl()
+    tok = T.qwen_tokenizer()
+    inp = T.qwen2_vl_inputs(model, video=True, batch=1)
+    gen, stats = run(model, QuoTA(decouple=False), inp, steps=6, budget=16, processor=tok)
+    p = torch.tensor(stats["stages"][0]["videos"][0]["frame_scores"])
+    ref, _ = run(model, QuoTA(decouple=False, scorer=lambda pixels, prompt: p), inp, steps=6, budget=16)
+    assert torch.equal(gen, ref)

@@ -126,15 +126,21 @@ class FramesContext:
     grid: (rows, cols) of each frame's tokens, rows * cols == N.
     n_total: visual-token budget for the whole video (resolved from keep / budget).
     query: the user's question text, when the adapter could recover it.
-    score_frames: callable(prompts: list[str]) -> p_yes [T]: asks the scorer (by default the
-        wrapped model itself) one yes/no prompt per frame (prompts has length T or 1) and
-        returns softmax(next-token logits)[id of "A"]. None when no processor was given.
-    generate_text: callable(prompt: str) -> str, text-only generation with the model (QuoTA's
-        query decoupling). None when unavailable.
+    score_frames: callable(prompts: list[str], tokens: list[str], grid: (rows, cols) | None)
+        -> probs [T, len(tokens)]: the wrapped model, unpruned, answers one prompt per frame
+        (prompts has length T or 1) with each frame's already computed tokens, resized to at most
+        ``grid`` when given; softmax of the last position's logits at those tokens. None when
+        no processor was given.
+    generate_text: callable(prompt: str, done: callable(text) -> bool | None, max_new_tokens: int)
+        -> str, greedy text-only generation with the unpruned model, stopping at end of sequence
+        or once ``done(answer so far)`` (QuoTA's query decoupling). None when unavailable.
     pixels: [T, C, H, W] the frames as the model's processor prepared them, for custom scorers.
     timestamps: seconds of each sampled frame, when known.
     text_features: [L, D] input embeddings (the language model's embed_tokens) of the query's
         text tokens, in the same space as ``features``, for query-aware frame methods (KeyScore).
+    unpooled: [T, M, D] each frame's projected map before the model's own spatial pooling, when
+        the model pools and the method asked for it (``wants_unpooled``; LLaVA-OneVision: the
+        27 x 27 map that becomes 14 x 14); None otherwise. unpooled_grid: its (rows, cols).
     """
 
     features: torch.Tensor
@@ -146,6 +152,8 @@ class FramesContext:
     pixels: torch.Tensor | None = None
     timestamps: list[float] | None = None
     text_features: torch.Tensor | None = None
+    unpooled: torch.Tensor | None = None
+    unpooled_grid: tuple[int, int] | None = None
 
 
 @dataclass
