@@ -307,8 +307,16 @@ def test_quota_default_scorer_needs_its_answer_token_at_wrap_time():
     with pytest.raises(ValueError, match="no token for the answer 'A'.*PLAIN_PROMPTS"):
         vlm_prune.wrap(model, QuoTA(), keep=0.5, processor=proc)
     assert not hasattr(model, "vlm_prune") or model.vlm_prune is None
-    vlm_prune.wrap(model, QuoTA(prompts=PLAIN_PROMPTS, objects=lambda q: ["coloured shape"]), keep=0.5, processor=proc)
-    vlm_prune.unwrap(model)
+    quota = QuoTA.for_processor(proc, variant="v2")
+    assert quota._prompts == PLAIN_PROMPTS and not quota.decouple and quota.variant == "v2"
+    assert QuoTA.for_processor(eval_tiny.build_processor())._prompts.answer == "A"
+    from vlm_prune.eval.synthetic import encode, make_dataset
+
+    sample = next(s for s in make_dataset("video", "test", 8) if s.answer_frames)
+    _, stats = run(model, quota, encode(proc, [sample]), steps=1, keep=0.25, processor=proc)
+    scores = torch.tensor(stats["stages"][0]["videos"][0]["frame_scores"])
+    # P(yes) vs P(no) to the user's own question: the frames showing the answer score highest
+    assert set(torch.topk(scores, len(sample.answer_frames)).indices.tolist()) == set(sample.answer_frames)
 
 
 def test_qwen2_vl_scorer_leaves_generate_positions_alone():
@@ -321,3 +329,18 @@ def test_qwen2_vl_scorer_leaves_generate_positions_alone():
     p = torch.tensor(stats["stages"][0]["videos"][0]["frame_scores"])
     ref, _ = run(model, QuoTA(decouple=False, scorer=lambda pixels, prompt: p), inp, steps=6, budget=16)
     assert torch.equal(gen, ref)
+
+
+def test_qwen2_vl_scorer_at_a_smaller_grid_places_it_on_its_own_m_rope_grid():
+    """score_grid=(2, 2) on 4 x 4 slices: the scorer's one-slice videos are 2 x 2 (video_grid_thw
+    [1, 4, 4] after the 2 x 2 merge), so the model sees 4 placeholders per slice; scores stay
+    probabilities and differ from the full-grid ones."""
+    model = T.tiny_qwen2_vl()
+    tok = T.qwen_tokenizer()
+    inp = T.qwen2_vl_inputs(model, video=True, batch=1)
+    scores = []
+    for grid in ((2, 2), None):
+        _, stats = run(model, QuoTA(decouple=False, score_grid=grid), inp, steps=1, budget=16, processor=tok)
+        scores.append(torch.tensor(stats["stages"][0]["videos"][0]["frame_scores"]))
+    assert all(bool(((s > 0) & (s < 1)).all()) and s.shape == (2,) for s in scores)
+    assert not torch.allclose(scores[0], scores[1])

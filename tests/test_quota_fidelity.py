@@ -172,3 +172,19 @@ def test_onevision_feeds_the_llm_the_official_resize_of_the_unpooled_maps():
         assert got.shape[0] == expected.shape[0] + 1  # + the newline, always kept
         torch.testing.assert_close(got[:-1], expected, atol=1e-5, rtol=0)
         torch.testing.assert_close(got[-1], model.model.image_newline.detach(), atol=1e-6, rtol=0)
+
+
+def test_flat_scores_at_keep_one_are_the_models_own_pooling():
+    """v1 with equal scores at keep=1.0 gives each frame its 2 x 2 share of the unpooled 4 x 4 map,
+    bilinearly resized: exactly LLaVA-OneVision's own pooling, so the logits equal the unwrapped model."""
+    model = T.tiny_onevision()
+    inp = T.onevision_video_inputs(model, batch=2, frames=4)
+    with torch.no_grad():
+        ref = model(**inp).logits
+    vlm_prune.wrap(model, QuoTA(scorer=lambda pixels, prompt: torch.full((4,), 0.5)), keep=1.0)
+    try:
+        with torch.no_grad():
+            out = model(**inp).logits
+    finally:
+        vlm_prune.unwrap(model)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=0)

@@ -394,9 +394,9 @@ class QuoTA(FramesMethod):
         frames in one batch, logits of the last position only. Any callable
         (pixels [T, C, H, W], prompt) -> p [T] in [0, 1] also works.
       score_grid=(7, 7): the default scorer sees each frame map resized (bilinear) to at most this
-        grid, so scoring costs well under what pruning saves (at 7B, 32 frames: about 0.36 of
-        the unpruned prefill with (7, 7), 1.2 with None = the full 14 x 14 map); see
-        :func:`scorer_flops`.
+        grid, so scoring costs well under what pruning saves (LLaVA-OneVision-7B, 32 frames, vision
+        tower counted: 0.35 of the unpruned prefill's FLOPs with (7, 7), 0.90 with None = the full
+        14 x 14 map; decoupling adds about 0.06); see :func:`scorer_flops`.
       prompts=OFFICIAL_PROMPTS: the frame question and the answer token (P("A") after
         "A. yes, B. no"). ``PLAIN_PROMPTS`` asks "is there a {objects} ?" and reads P(yes) vs
         P(no), for vocabularies without option letters (the shipped synthetic video model).
@@ -442,6 +442,25 @@ class QuoTA(FramesMethod):
         self._scorer = scorer
         self._prompts = prompts
         self._objects = objects
+
+    @classmethod
+    def for_processor(cls, processor, **knobs) -> "QuoTA":
+        """QuoTA whose default scorer speaks the model's vocabulary: the official prompts when the
+        tokenizer has "A"; else :data:`PLAIN_PROMPTS` without decoupling (a model without option
+        letters cannot follow the decoupling prompt either), e.g. the shipped synthetic video model.
+        ``knobs`` go to the constructor and win. ValueError when neither vocabulary fits."""
+        from vlm_prune.frames.scorers import vocab_id
+
+        tokenizer = getattr(processor, "tokenizer", processor)
+        for prompts, extra in ((OFFICIAL_PROMPTS, {}), (PLAIN_PROMPTS, {"decouple": False})):
+            try:
+                for token in prompts.tokens:
+                    vocab_id(tokenizer, token)
+            except ValueError:
+                continue
+            return cls(**{"prompts": prompts, **extra, **knobs})
+        raise ValueError("the tokenizer has neither the answer letter 'A' nor the words 'yes' and 'no': give QuoTA "
+                         "FramePrompts in its own words, or another scorer (scorer=vlm_scorer(other_model, processor))")
 
     @property
     def needs_processor(self) -> bool:
