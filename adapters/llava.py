@@ -8,6 +8,7 @@ import torch
 from vlm_prune.adapters.clip_tower import CLIPTowerAdapter
 from vlm_prune.adapters.hf_vlm import scatter_reduction
 from vlm_prune.adapters.vision_towers import FeatureLayerTap
+from vlm_prune.methods.visionzip import TowerFeatures
 
 
 class LlavaAdapter(CLIPTowerAdapter):
@@ -27,11 +28,22 @@ class LlavaAdapter(CLIPTowerAdapter):
             self.inner.vision_tower, cfg.vision_feature_layer, cfg.vision_feature_select_strategy == "default"
         )
 
-    def tower_attention_fn(self, out: Any, modality: str) -> Callable[[int, int], tuple[torch.Tensor, torch.Tensor]] | None:
+    def tower_attention_fn(self, out: Any, modality: str) -> Callable[[int, int], tuple] | None:
+        """(attention, keys, TowerFeatures) of an image: VisionZip's official variant merges the
+        feature layer's outputs (recomputed from the tapped input) before the model's projector."""
         rows = getattr(out, "vlm_prune_tower_input", None)
         if self.tap is None or rows is None:
             return None
-        return lambda item, frame: self.tap.attention_of(rows[item])
+        drop_cls = self.model.config.vision_feature_select_strategy == "default"
+
+        def view(item: int, frame: int) -> tuple:
+            attention, keys = self.tap.attention_of(rows[item])
+            feats = self.tap.output_of(rows[item])
+            tower = TowerFeatures(feats[1:] if drop_cls else feats, feats[0] if drop_cls else None,
+                                  self.inner.multi_modal_projector)
+            return attention, keys, tower
+
+        return view
 
     def reduce_features(self, modality: str, out: Any) -> Any:
         if self.tower_stage is None:

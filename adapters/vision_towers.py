@@ -59,6 +59,14 @@ class FeatureLayerTap:
             return probs[0].mean(0).mean(0), k[0].mean(0)
 
 
+    def output_of(self, row: torch.Tensor) -> torch.Tensor:
+        """The feature layer's output [T, D] for one tower row [T, D] of its input (the tower's
+        ``hidden_states`` at the feature layer, recomputed on the side: one layer per image)."""
+        with torch.no_grad():
+            out = self.layer(row[None], None)
+        return (out[0] if isinstance(out, tuple) else out)[0]
+
+
 def pool_grid(values: torch.Tensor, grid: tuple[int, int], out: tuple[int, int]) -> torch.Tensor:
     """Bilinearly resize per-token values [N, C] (or [N]) on a grid to ``out``, as LLaVA-OneVision
     pools its video frames; returns [out_rows * out_cols, C] (or [...])."""

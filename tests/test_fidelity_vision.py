@@ -284,3 +284,89 @@ def test_divprune_never_repicks_a_duplicate():
     picked = max_min_diverse(feats, 12).tolist()
     assert sorted(picked) == list(range(12))
     assert picked[:6] == official_divprune(feats, 6)
+
+
+# ---- VisionZip --------------------------------------------------------------------------------
+@torch.no_grad()
+def official_visionzip(model, pixels: torch.Tensor, dominant: int, contextual: int) -> list[torch.Tensor]:
+    """The official LLaVA path per image: CLS + (dominant - 1) patches by CLS attention (summed over
+    heads) in the feature layer; the rest, in order, merged into ``contextual`` tokens (every
+    step-th a target, the others to the target of highest mean-over-heads key cosine, target +
+    mean of its group) on the feature layer's OUTPUTS; [dominant, contextual] then projected."""
+    tower = model.model.vision_tower
+    hs = tower(pixels, output_hidden_states=True).hidden_states
+    layer = getattr(tower, "vision_model", tower).encoder.layers[len(hs) - 3]  # hidden_states[-2] is its output
+    attn = layer.self_attn
+    x = layer.layer_norm1(hs[-3])
+    b, n, _ = x.shape
+    q = attn.q_proj(x).view(b, n, attn.num_heads, -1).transpose(1, 2)
+    k = attn.k_proj(x).view(b, n, attn.num_heads, -1).transpose(1, 2)
+    cls_attn = ((q @ k.transpose(-1, -2)) * attn.scale).softmax(-1).sum(1)[:, 0, 1:]
+    metric, feats = k.mean(1), hs[-2]
+    out = []
+    for i in range(b):
+        keep = [0] + sorted((cls_attn[i].topk(dominant - 1).indices + 1).tolist())
+        rest = [t for t in range(n) if t not in keep]
+        step = max(1, len(rest) // contextual)
+        targets = rest[::step][:contextual]
+        others = [t for t in rest if t not in targets]
+        mn = metric[i] / metric[i].norm(dim=-1, keepdim=True)
+        groups = {t: [] for t in targets}
+        for o in others:
+            groups[max(targets, key=lambda t: float(mn[o] @ mn[t]))].append(o)
+        ctx = [feats[i, t] + (feats[i, g].mean(0) if g else 0) for t, g in groups.items()]
+        out.append(model.model.multi_modal_projector(torch.cat([feats[i, keep], torch.stack(ctx)])))
+    return out
+
+
+def test_visionzip_equals_the_official_llava_path():
+    import tiny_models as T
+    from vlm_prune.methods.visionzip import VisionZip
+
+    class Spy(VisionZip):
+        seen: list = []
+
+        def reduce_image(self, ctx):
+            red = super().reduce_image(ctx)
+            Spy.seen.append(red)
+            return red
+
+    model, inp = T.tiny_llava(), T.llava_inputs()
+    vlm_prune.wrap(model, Spy(), budget=8)  # 8 = round(8 * 54/64) = 7 dominant (CLS + 6) + 1 contextual
+    with torch.no_grad():
+        model(**inp)
+    ref = official_visionzip(model, inp["pixel_values"], 7, 1)
+    assert len(Spy.seen) == 2
+    for red, expected in zip(Spy.seen, ref):
+        assert red.indices.tolist() == list(range(8))  # packed contiguously from the image's first slot
+        torch.testing.assert_close(red.features, expected, atol=1e-5, rtol=0)
+    ref = official_visionzip(model, inp["pixel_values"], 5, 3)
+    Spy.seen.clear()
+    vlm_prune.unwrap(model)
+    vlm_prune.wrap(model, Spy(dominant_ratio=5 / 8), budget=8)
+    with torch.no_grad():
+        model(**inp)
+    for red, expected in zip(Spy.seen, ref):
+        torch.testing.assert_close(red.features, expected, atol=1e-5, rtol=0)
+
+
+def test_visionzip_slots_variant_keeps_tokens_at_their_own_slots():
+    import tiny_models as T
+    from vlm_prune.methods.visionzip import VisionZip, visionzip_reduce
+
+    class Spy(VisionZip):
+        seen: list = []
+
+        def reduce_image(self, ctx):
+            Spy.seen.append((ctx, super().reduce_image(ctx)))
+            return Spy.seen[-1][1]
+
+    model, inp = T.tiny_llava(), T.llava_inputs()
+    vlm_prune.wrap(model, Spy(variant="slots"), budget=8)
+    with torch.no_grad():
+        model(**inp)
+    for ctx, red in Spy.seen:
+        attention, keys, _ = ctx.tower_attention()
+        ref = visionzip_reduce(ctx.features, attention, keys, 7, 1)
+        assert torch.equal(red.indices, ref.indices) and torch.equal(red.features, ref.features)
+        assert red.indices.tolist() != list(range(8))

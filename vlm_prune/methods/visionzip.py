@@ -1,11 +1,33 @@
 """VisionZip: keep the tokens the vision tower's CLS attends to, merge the rest into a few."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 
 from vlm_prune.methods.base import Reduction, VisionContext, VisionMethod
 from vlm_prune.registry import register
+
+VARIANTS = ("official", "slots")
+
+
+@dataclass
+class TowerFeatures:
+    """The pre-projector view of one image that an adapter hands VisionZip (third item of
+    ``VisionContext.tower_attention()``), so it can merge where the official code merges.
+
+    features: [N, C] the feature layer's outputs of the image's N tokens (what the projector
+        reads), in the order of ``VisionContext.features``.
+    cls: [C] the feature layer's CLS output when the model's features leave CLS out (LLaVA's
+        'default' strategy); None otherwise.
+    project: the model's projector, [M, C] -> [M, D].
+    """
+
+    features: torch.Tensor
+    cls: torch.Tensor | None
+    project: Callable[[torch.Tensor], torch.Tensor]
 
 
 def split_budget(n_keep: int, dominant_ratio: float) -> tuple[int, int]:
@@ -14,72 +36,124 @@ def split_budget(n_keep: int, dominant_ratio: float) -> tuple[int, int]:
     return dominant, n_keep - dominant
 
 
+def contextual_groups(keys: torch.Tensor, rest: torch.Tensor, n_contextual: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(targets, others, assign) of VisionZip's contextual merge over the ``rest`` tokens (in
+    order): every (R // n_contextual)-th of them (the first n_contextual) is a target; every other
+    joins the target of highest key cosine similarity (``assign`` indexes ``targets``)."""
+    step = max(1, rest.numel() // n_contextual)
+    is_target = torch.zeros(rest.numel(), dtype=torch.bool, device=rest.device)
+    is_target[torch.arange(0, rest.numel(), step, device=rest.device)[:n_contextual]] = True
+    targets, others = rest[is_target], rest[~is_target]
+    kn = F.normalize(keys.float(), dim=-1)
+    return targets, others, (kn[others] @ kn[targets].t()).argmax(dim=1)
+
+
+def merge_contextual(features: torch.Tensor, targets: torch.Tensor, others: torch.Tensor, assign: torch.Tensor) -> torch.Tensor:
+    """Contextual tokens [C, D]: target + mean(joined tokens) (the official formula: the target is
+    added to, not averaged with, the mean; no joined token -> the target itself)."""
+    n = targets.numel()
+    sums = torch.zeros(n, features.shape[1], device=features.device)
+    sums.index_add_(0, assign, features[others].float())
+    counts = torch.zeros(n, device=features.device).index_add_(0, assign, torch.ones_like(assign, dtype=torch.float))
+    return (features[targets].float() + sums / counts.clamp(min=1)[:, None]).to(features.dtype)
+
+
 def visionzip_reduce(
     features: torch.Tensor, attention: torch.Tensor, keys: torch.Tensor, n_dominant: int, n_contextual: int
 ) -> Reduction:
-    """VisionZip on one image.
+    """VisionZip on one image's projected tokens, each kept token at its own slot (``variant="slots"``).
 
     features: [N, D] tokens to keep / merge; attention: [N] attention each token receives from
     the CLS token (or the adapter's substitute); keys: [N, d] the tower's keys (similarity).
-    Dominant: the ``n_dominant`` tokens of highest attention, unchanged. Contextual: of the
-    remaining R tokens, every (R // n_contextual)-th (the first n_contextual of them) is a
-    target; each other remaining token joins the target of highest key cosine similarity; a
-    contextual token is target + mean(joined tokens) (the official formula: the target is added
-    to, not averaged with, the mean; no joined token -> the target itself). Each kept token
-    stays at its own slot.
+    Dominant: the ``n_dominant`` tokens of highest attention, unchanged. Contextual: the rest
+    merged by :func:`contextual_groups` / :func:`merge_contextual`, each at its target's slot.
     """
-    n = features.shape[0]
     dominant = torch.topk(attention.float(), n_dominant, sorted=False).indices
-    is_rest = torch.ones(n, dtype=torch.bool, device=features.device)
-    is_rest[dominant] = False
-    rest = torch.nonzero(is_rest).squeeze(1)
+    rest = remaining(features.shape[0], dominant)
     n_contextual = min(n_contextual, rest.numel())
     if n_contextual == 0:
         return Reduction(torch.sort(dominant).values)
-    step = max(1, rest.numel() // n_contextual)
-    is_target = torch.zeros(rest.numel(), dtype=torch.bool, device=features.device)
-    is_target[torch.arange(0, rest.numel(), step, device=features.device)[:n_contextual]] = True
-    targets, others = rest[is_target], rest[~is_target]
-    kn = F.normalize(keys.float(), dim=-1)
-    assign = (kn[others] @ kn[targets].t()).argmax(dim=1)  # [R - C] index into targets
-    sums = torch.zeros(n_contextual, features.shape[1], device=features.device)
-    sums.index_add_(0, assign, features[others].float())
-    counts = torch.zeros(n_contextual, device=features.device).index_add_(0, assign, torch.ones_like(assign, dtype=torch.float))
-    contextual = features[targets].float() + sums / counts.clamp(min=1)[:, None]
+    targets, others, assign = contextual_groups(keys, rest, n_contextual)
     return Reduction(
         torch.cat([dominant, targets]),
-        features=torch.cat([features[dominant], contextual.to(features.dtype)]),
+        features=torch.cat([features[dominant], merge_contextual(features, targets, others, assign)]),
     )
+
+
+def visionzip_official(
+    tower: TowerFeatures, attention: torch.Tensor, keys: torch.Tensor, n_dominant: int, n_contextual: int
+) -> Reduction:
+    """VisionZip as the official LLaVA code (``variant="official"``) on one image.
+
+    The dominant tokens include CLS when the tower has one the features leave out: CLS plus the
+    n_dominant - 1 patches of highest CLS attention (the official ``visionzip(model, dominant=54)``
+    keeps CLS + 53 patches). The rest merge into contextual tokens on the tower's features, BEFORE
+    the projector; [CLS, dominant patches in patch order, contextual tokens in target order] are
+    projected together and packed contiguously into the image's first n_dominant + n_contextual
+    slots.
+    """
+    n = tower.features.shape[0]
+    n_patches = n_dominant - (1 if tower.cls is not None and n_dominant > 0 else 0)
+    dominant = torch.sort(torch.topk(attention.float(), n_patches, sorted=False).indices).values
+    rest = remaining(n, dominant)
+    n_contextual = min(n_contextual, rest.numel())
+    parts = [] if tower.cls is None or n_dominant == 0 else [tower.cls[None]]
+    parts.append(tower.features[dominant])
+    if n_contextual:
+        parts.append(merge_contextual(tower.features, *contextual_groups(keys, rest, n_contextual)))
+    packed = torch.cat(parts)
+    return Reduction(torch.arange(packed.shape[0], device=packed.device), features=tower.project(packed))
+
+
+def remaining(n: int, dominant: torch.Tensor) -> torch.Tensor:
+    """The indices 0..n-1 not in ``dominant``, ascending."""
+    is_rest = torch.ones(n, dtype=torch.bool, device=dominant.device)
+    is_rest[dominant] = False
+    return torch.nonzero(is_rest).squeeze(1)
 
 
 @register
 class VisionZip(VisionMethod):
     """VisionZip (Yang et al., CVPR 2025, "VisionZip: Longer is Better but Not Necessary in
-    Vision Language Models"; dvlab-research/VisionZip).
+    Vision Language Models"; dvlab-research/VisionZip, visionzip/ main.py, utils.py and
+    clip_encoder.py, read at ccb20fe and in its mirrors BloomBerry/VisionZip@bedde85 and
+    Fanziyang-v/VisionZip@0247897).
 
     Per image: dominant tokens = top-k by the attention the CLS token pays them in the tower's
     feature layer (summed over heads); the rest are merged into contextual tokens by key
-    similarity to uniformly spaced targets (:func:`visionzip_reduce`). Defaults: 54 dominant of
-    every 64 kept (``dominant_ratio`` = 54/64, the official 54 + 10 split, scaled to the
-    budget). The adapter supplies ``ctx.tower_attention()`` -> (attention [N], keys [N, d]):
-    CLS attention averaged over heads (the official code sums them: same ranking) and the feature
-    layer's keys averaged over heads. Towers without a CLS token (SigLIP in LLaVA-OneVision) give
-    the mean attention each token receives instead, bilinearly pooled to each video frame's token
-    grid as the model pools its features; OneVision's anyres image tiles and Qwen2-VL's windowed
-    tower have no per-token tower row, so VisionZip runs on LLaVA-1.5 images and OneVision video. Difference from the official code: tokens are merged after the
-    projector (the vision stage sees projected features), the official code merges tower
-    outputs and projects the merged tokens.
+    similarity (keys averaged over heads) to uniformly spaced targets. Defaults: 54 dominant of
+    every 64 kept (``dominant_ratio`` = 54/64, the official 54 + 10 split, scaled to the budget),
+    ``variant="official"``:
+      - "official" (LLaVA-1.5, whose adapter hands the tower's features and projector over as a
+        :class:`TowerFeatures`): the official code exactly - the 54 dominant tokens are CLS + 53
+        patches (its ``apply_info(dominant - 1)``), the contextual merge runs on the feature layer's
+        outputs before the projector, and [CLS, dominant, contextual] are packed contiguously, here
+        into the image's first k placeholder slots (:func:`visionzip_official`). One difference
+        remains: the text after the image keeps its original positions (the engine keeps position
+        ids), where the official code renumbers it to follow the k image tokens.
+      - "slots" (the variant the project used before, kept as an option): no CLS, the merge on the
+        projected features, each dominant token at its own slot and each contextual token at its
+        target's slot (:func:`visionzip_reduce`), so spatial positions survive.
+    Towers without a CLS token (SigLIP in LLaVA-OneVision) give the mean attention each token
+    receives instead, bilinearly pooled to each video frame's token grid as the model pools its
+    features; the model projects before it pools, so OneVision video always runs the "slots"
+    variant. OneVision's anyres image tiles and Qwen2-VL's windowed tower have no per-token tower
+    row, so VisionZip runs on LLaVA-1.5 images and OneVision video.
     """
 
     name = "visionzip"
     supported = ("llava", "llava_onevision")  # adapters that tap the tower feature layer (OneVision: video frames)
     paper = "VisionZip, Yang et al., CVPR 2025 (dvlab-research/VisionZip)"
 
-    def __init__(self, dominant_ratio: float = 54 / 64, keep: float | None = None, budget: int | None = None):
+    def __init__(self, dominant_ratio: float = 54 / 64, variant: str = "official", keep: float | None = None,
+                 budget: int | None = None):
         super().__init__(keep=keep, budget=budget)
         if not 0 <= dominant_ratio <= 1:
             raise ValueError(f"VisionZip dominant_ratio must be in [0, 1], got {dominant_ratio!r}")
+        if variant not in VARIANTS:
+            raise ValueError(f"VisionZip variant must be one of {VARIANTS}, got {variant!r}")
         self.dominant_ratio = dominant_ratio
+        self.variant = variant
 
     def reduce_image(self, ctx: VisionContext) -> Reduction:
         n = ctx.features.shape[0]
@@ -91,11 +165,14 @@ class VisionZip(VisionMethod):
                 "this model's adapter does not provide for this input: VisionZip runs on LLaVA-1.5 images and "
                 "LLaVA-OneVision videos (not OneVision's anyres image tiles); use divprune, cdpruner, pool or random"
             )
-        attention, keys = ctx.tower_attention()
+        attention, keys, *extra = ctx.tower_attention()
         if attention.shape[0] != n or keys.shape[0] != n:
             raise ValueError(
                 f"visionzip: tower_attention gave {attention.shape[0]} scores and {keys.shape[0]} keys "
                 f"for {n} image tokens; the adapter must return one per token"
             )
         dominant, contextual = split_budget(ctx.n_keep, self.dominant_ratio)
+        tower = extra[0] if extra else None
+        if self.variant == "official" and tower is not None:
+            return visionzip_official(tower, attention, keys, dominant, contextual)
         return visionzip_reduce(ctx.features, attention, keys, dominant, contextual)
