@@ -174,17 +174,30 @@ def test_onevision_feeds_the_llm_the_official_resize_of_the_unpooled_maps():
         torch.testing.assert_close(got[-1], model.model.image_newline.detach(), atol=1e-6, rtol=0)
 
 
-def test_flat_scores_at_keep_one_are_the_models_own_pooling():
-    """v1 with equal scores at keep=1.0 gives each frame its 2 x 2 share of the unpooled 4 x 4 map,
-    bilinearly resized: exactly LLaVA-OneVision's own pooling, so the logits equal the unwrapped model."""
+def test_keep_one_is_the_identity_and_flat_scores_reproduce_the_models_pooling():
+    """v1 with equal scores gives each frame budget / T tokens of its unpooled 4 x 4 map, bilinearly
+    resized: at 4 tokens a frame (2 x 2) exactly LLaVA-OneVision's own pooling. keep=1.0 changes
+    nothing and scores nothing at all."""
     model = T.tiny_onevision()
     inp = T.onevision_video_inputs(model, batch=2, frames=4)
     with torch.no_grad():
         ref = model(**inp).logits
-    vlm_prune.wrap(model, QuoTA(scorer=lambda pixels, prompt: torch.full((4,), 0.5)), keep=1.0)
-    try:
-        with torch.no_grad():
-            out = model(**inp).logits
-    finally:
-        vlm_prune.unwrap(model)
-    torch.testing.assert_close(out, ref, atol=1e-5, rtol=0)
+    called = []
+
+    def flat(pixels, prompt):
+        called.append(prompt)
+        return torch.full((4,), 0.5)
+
+    for variant in ("v1", "v2"):
+        vlm_prune.wrap(model, QuoTA(scorer=flat, variant=variant), keep=1.0)
+        try:
+            with torch.no_grad():
+                out = model(**inp).logits
+        finally:
+            vlm_prune.unwrap(model)
+        assert torch.equal(out, ref) and called == []
+    plan = quota_plan(torch.randn(4, 16, 8), (4, 4), 16, torch.full((4,), 0.5), "v1", slots=16)
+    assert plan.tokens_per_frame == [4] * 4
+    fine = torch.randn(4, 16, 8)
+    torch.testing.assert_close(quota_plan(fine, (4, 4), 16, torch.full((4,), 0.5), "v1", slots=16).reduction.features,
+                               pooled(fine, 4).reshape(16, 8), atol=1e-6, rtol=0)

@@ -403,8 +403,10 @@ class QuoTA(FramesMethod):
       objects=None: a callable query -> list of objects replacing the generated decoupling.
       weight_scale=100, weight_power=2: w_t = (weight_scale p_t)^weight_power.
     Budget: keep / budget = visual tokens of the video reaching the language model; the official
-    truncation, grid rule and cap can leave some unspent (``last_stats`` shows what was kept).
-    Without a query every frame scores 1 (uniform allocation).
+    truncation, grid rule and cap can leave some unspent (wrap() warns; ``last_stats`` shows what
+    was kept). keep=1.0 (a budget of the whole video) changes nothing and scores nothing; the
+    paper's same-budget setting is a budget below the sampled tokens (64 x 196 tokens over 96
+    frames: keep 0.667). Without a query every frame scores 1 (uniform allocation).
     """
 
     name = "quota"
@@ -526,9 +528,20 @@ class QuoTA(FramesMethod):
             raise ValueError(f"QuoTA's scorer returned {p.numel()} scores for {t} frames")
         return p
 
+    def budget_warning(self, adapter) -> str | None:
+        """Why a video may end below keep / budget (official allocation; see the class docstring)."""
+        if self.keep is not None and float(self.keep) >= 1.0:
+            return None
+        return ("quota allocates as the official QuoTA: each frame keeps int(budget * w_t) tokens shaped to an "
+                "h x w grid (v2-v5: capped at the frame's map, the excess shared out once), so a video keeps at most "
+                "the budget and falls short of it by an amount that depends on the frame scores (a few tokens per "
+                "kept frame; more when a frame hits its cap); last_stats gives the count reached per video")
+
     def allocate(self, ctx: FramesContext) -> FramesPlan:
-        scores = self.frame_scores(ctx)
         t, n, _ = ctx.features.shape
+        if ctx.n_total >= t * n:  # keep=1.0 or a budget of the whole video changes nothing (the library's rule)
+            return FramesPlan(Reduction.keep_all(t * n, ctx.features.device), list(range(t)), [n] * t)
+        scores = self.frame_scores(ctx)
         if self.wants_unpooled and ctx.unpooled is not None:
             feats, grid = ctx.unpooled, ctx.unpooled_grid
         else:
