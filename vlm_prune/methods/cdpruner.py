@@ -1,8 +1,6 @@
 """CDPruner: query-conditioned determinantal point process over an image's visual tokens."""
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 
@@ -23,38 +21,71 @@ def relevance(features: torch.Tensor, text_embeds: torch.Tensor, negate: bool = 
 
 
 def conditional_kernel(features: torch.Tensor, rel: torch.Tensor) -> torch.Tensor:
-    """L = diag(r) S diag(r), S the cosine similarity of the rows of features [N, D]."""
+    """L = diag(r) S diag(r), S the cosine similarity of the rows of features [N, D] (dense,
+    for reference; CDPruner itself reads rows through :class:`KernelRows`)."""
     xn = F.normalize(features.float(), dim=-1)
     return rel[:, None] * (xn @ xn.t()) * rel[None, :]
 
 
-def dpp_greedy_map(kernel: torch.Tensor, k: int, eps: float = 1e-10) -> torch.Tensor:
-    """Greedy MAP inference of a DPP with PSD kernel [N, N], by incremental Cholesky
-    (Chen et al., NeurIPS 2018), as the official code: each step adds the item with the largest
-    residual d_i^2 (the gain in log det), then updates every residual. Returns [k] indices in
-    the order chosen. Once every residual is <= eps (k beyond the kernel's rank), the remaining
-    picks go to the unchosen items of largest diagonal (relevance^2).
+class KernelRows:
+    """Rows of a PSD kernel [N, N] on demand: ``rows(j [1])`` -> [N], and ``diagonal`` [N].
+
+    Either a dense kernel, or the conditional kernel L = diag(r) S diag(r) in factored form
+    (normalised features and r), so a greedy pass needs O(N D) memory, not O(N^2).
     """
-    n = kernel.shape[0]
+
+    def __init__(self, kernel: torch.Tensor | None = None, features: torch.Tensor | None = None,
+                 rel: torch.Tensor | None = None, chunk: int = 1024) -> None:
+        if (kernel is None) == (features is None):
+            raise ValueError("KernelRows takes either a dense kernel or features (with relevance rel)")
+        self.kernel = None if kernel is None else kernel.float()
+        if features is not None:
+            self.xn = F.normalize(features.float(), dim=-1)
+            self.rel = torch.ones(features.shape[0], device=features.device) if rel is None else rel.float()
+            # the diagonal from square blocks of the Gram matrix: the values (and so the
+            # tie-breaking of the first pick) of the dense kernel, in O(chunk N) memory
+            gram = torch.cat([torch.diagonal(b @ b.T) for b in self.xn.split(chunk)])
+            self.diagonal = self.rel * gram * self.rel
+        else:
+            self.diagonal = torch.diagonal(self.kernel).clone()
+
+    def rows(self, j: torch.Tensor) -> torch.Tensor:
+        if self.kernel is not None:
+            return self.kernel.index_select(0, j)[0]
+        return self.rel.index_select(0, j) * (self.xn @ self.xn.index_select(0, j)[0]) * self.rel
+
+
+def dpp_greedy_map(kernel: torch.Tensor | KernelRows, k: int, eps: float = 1e-10) -> torch.Tensor:
+    """Greedy MAP inference of a DPP with PSD kernel [N, N] (a tensor or :class:`KernelRows`),
+    by incremental Cholesky (Chen et al., NeurIPS 2018), as the official code: each step adds
+    the item with the largest residual d_i^2 (the gain in log det), then updates every
+    residual. Returns [k] indices in the order chosen. Once every residual is <= eps (k beyond
+    the kernel's rank), the remaining picks go to the unchosen items of largest diagonal
+    (relevance^2). The loop stays on the device: one host sync at the end, not one per step.
+    """
+    rows = kernel if isinstance(kernel, KernelRows) else KernelRows(kernel)
+    diag = rows.diagonal
+    n = diag.shape[0]
     k = max(0, min(int(k), n))
-    kernel = kernel.float()
-    cis = torch.zeros(k, n, device=kernel.device)
-    di2 = torch.diagonal(kernel).clone()
-    chosen: list[int] = []
+    cis = torch.zeros(k, n, device=diag.device)
+    di2 = diag.clone()
+    chosen = torch.zeros(k, dtype=torch.long, device=diag.device)
+    ok = torch.zeros(k, dtype=torch.bool, device=diag.device)
     for i in range(k):
-        j = int(di2.argmax())
-        if float(di2[j]) <= eps:
-            break
-        chosen.append(j)
-        e = (kernel[j] - cis[:i, j] @ cis[:i]) / math.sqrt(float(di2[j]))
+        j = di2.argmax().view(1)
+        best = di2.index_select(0, j)
+        chosen[i], ok[i] = j[0], best[0] > eps
+        # the square root in double precision, as the official code takes it from a Python float
+        e = (rows.rows(j) - cis[:i].index_select(1, j)[:, 0] @ cis[:i]) / best.clamp(min=eps).double().sqrt().float()
         cis[i] = e
         di2 = di2 - e * e
-        di2[j] = float("-inf")
-    if len(chosen) < k:
-        rest = torch.diagonal(kernel).clone()
-        rest[torch.tensor(chosen, dtype=torch.long, device=kernel.device)] = float("-inf")
-        chosen += torch.topk(rest, k - len(chosen)).indices.tolist()
-    return torch.tensor(chosen, dtype=torch.long, device=kernel.device)
+        di2.index_fill_(0, j, float("-inf"))
+    n_ok = int(ok.cumprod(0).sum())  # picks before the first residual <= eps
+    if n_ok == k:
+        return chosen
+    rest = diag.clone()
+    rest[chosen[:n_ok]] = float("-inf")
+    return torch.cat([chosen[:n_ok], torch.topk(rest, k - n_ok).indices])
 
 
 def crop_budgets(n_keep: int, sizes: list[int]) -> list[int]:
@@ -128,7 +159,7 @@ class CDPruner(VisionMethod):
         n = ctx.features.shape[0]
         if ctx.n_keep >= n:
             return Reduction.keep_all(n, ctx.features.device)
-        kernel = conditional_kernel(ctx.features, self.relevance(ctx))
+        kernel = KernelRows(features=ctx.features, rel=self.relevance(ctx))
         return Reduction(torch.sort(dpp_greedy_map(kernel, ctx.n_keep)).values)
 
     def reduce_crops(self, ctx: VisionContext, crops: torch.Tensor) -> Reduction:

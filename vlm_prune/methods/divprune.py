@@ -2,37 +2,42 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
-from vlm_prune.kernels import cosine_distance
 from vlm_prune.methods.base import Reduction, VisionContext, VisionMethod
 from vlm_prune.registry import register
 
 
-def max_min_diverse(features: torch.Tensor, k: int) -> torch.Tensor:
+def max_min_diverse(features: torch.Tensor, k: int, chunk: int = 1024) -> torch.Tensor:
     """Greedy max-min diversity subset of the rows of ``features`` [N, D] by cosine distance.
 
     First the row whose nearest neighbour is farthest; then, repeatedly, the row whose distance
     to its nearest chosen row is largest. Returns [k] indices in the order chosen. (As the
     official code; chosen rows are also excluded explicitly, so duplicates cannot be re-picked.)
+    Memory O(chunk N): the first pick reduces ``chunk`` rows of distances at a time, each later
+    step computes only the distance row of the newest pick; no host sync inside the loop.
     """
     n = features.shape[0]
     k = max(0, min(int(k), n))
-    if k == 0:
-        return torch.zeros(0, dtype=torch.long, device=features.device)
-    dist = cosine_distance(features, features)
-    if n == 1:
-        return torch.zeros(1, dtype=torch.long, device=features.device)
-    nn_dist = dist + torch.diag(torch.full((n,), float("inf"), device=dist.device))
-    first = int(nn_dist.min(dim=0).values.argmax())
-    chosen = [first]
-    min_dist = dist[first].clone()
-    min_dist[first] = float("-inf")
-    for _ in range(k - 1):
-        j = int(min_dist.argmax())
-        chosen.append(j)
-        min_dist = torch.minimum(min_dist, dist[j])
-        min_dist[j] = float("-inf")
-    return torch.tensor(chosen, dtype=torch.long, device=features.device)
+    device = features.device
+    if k == 0 or n == 1:
+        return torch.zeros(k, dtype=torch.long, device=device)
+    xn = F.normalize(features.float(), dim=1)
+    nn_dist = torch.empty(n, device=device)
+    for r0 in range(0, n, chunk):
+        d = (1.0 - xn[r0 : r0 + chunk] @ xn.T).clamp(min=0.0)
+        rows = torch.arange(d.shape[0], device=device)
+        d[rows, rows + r0] = float("inf")
+        nn_dist[r0 : r0 + chunk] = d.min(dim=1).values  # distances are symmetric: row min = column min
+    chosen = torch.empty(k, dtype=torch.long, device=device)
+    chosen[0] = nn_dist.argmax()
+    min_dist = torch.full((n,), float("inf"), device=device)
+    for i in range(1, k):
+        j = chosen[i - 1 : i]
+        min_dist = torch.minimum(min_dist, (1.0 - xn @ xn.index_select(0, j)[0]).clamp(min=0.0))
+        min_dist.index_fill_(0, j, float("-inf"))
+        chosen[i] = min_dist.argmax()
+    return chosen
 
 
 @register
