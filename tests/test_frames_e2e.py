@@ -344,3 +344,39 @@ def test_qwen2_vl_scorer_at_a_smaller_grid_places_it_on_its_own_m_rope_grid():
         scores.append(torch.tensor(stats["stages"][0]["videos"][0]["frame_scores"]))
     assert all(bool(((s > 0) & (s < 1)).all()) and s.shape == (2,) for s in scores)
     assert not torch.allclose(scores[0], scores[1])
+
+
+def _qwen_processor():
+    """A Qwen2-VL processor around the tiny word-level tokenizer (32 x 32 images -> 4 x 4 tokens)."""
+    from transformers import Qwen2VLImageProcessor, Qwen2VLProcessor, Qwen2VLVideoProcessor
+
+    tok = T.qwen_tokenizer()
+    tok.add_special_tokens({"additional_special_tokens": ["<|image_pad|>", "<|video_pad|>", "<|vision_start|>",
+                                                          "<|vision_end|>"]})
+    tok.chat_template = ("{% for m in messages %}{{ m['role'] }} :{% for part in m['content'] %}"
+                         "{% if part['type'] == 'image' %} <|vision_start|><|image_pad|><|vision_end|>"
+                         "{% elif part['type'] == 'text' %} {{ part['text'] }}{% endif %}{% endfor %} {% endfor %}"
+                         "{% if add_generation_prompt %}assistant :{% endif %}")
+    kw = dict(min_pixels=32 * 32, max_pixels=32 * 32, patch_size=4, merge_size=2, temporal_patch_size=2)
+    return Qwen2VLProcessor(image_processor=Qwen2VLImageProcessor(**kw), tokenizer=tok,
+                            video_processor=Qwen2VLVideoProcessor(**kw), chat_template=tok.chat_template)
+
+
+def test_a_separate_qwen2_vl_scores_frames_as_images_as_the_official_code():
+    """The official scorer: a separate Qwen2-VL seeing each frame as an image, P("A") of the last
+    position, frames batched; equal to running it on one frame at a time by hand."""
+    from vlm_prune.frames import vlm_scorer
+    from vlm_prune.frames.keyscore import pixels_to_rgb
+
+    scorer_model, proc = T.tiny_qwen2_vl(seed=5), _qwen_processor()
+    pixels = torch.randn(3, 3, 32, 32, generator=torch.Generator().manual_seed(4))
+    p = vlm_scorer(scorer_model, proc, batch_size=2)(pixels, "what colour is the shape ?")
+    text = proc.apply_chat_template([{"role": "user", "content": [{"type": "image"}, {"type": "text",
+                                     "text": "what colour is the shape ?"}]}], add_generation_prompt=True)
+    a = proc.tokenizer.encode("A", add_special_tokens=False)[-1]
+    expected = []
+    for img in pixels_to_rgb(pixels):
+        with torch.no_grad():
+            logits = scorer_model(**proc(images=[img], text=[text], return_tensors="pt")).logits
+        expected.append(torch.softmax(logits[0, -1], -1)[a])
+    torch.testing.assert_close(p, torch.stack(expected), atol=1e-5, rtol=0)
