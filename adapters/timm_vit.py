@@ -83,7 +83,8 @@ class TimmViTAdapter(Adapter):
     """timm ``VisionTransformer`` (ViT, DeiT, ...) with a CLS token and standard blocks.
 
     Runs ViT-stage methods only. After each forward, ``model.vlm_prune.last_stats["vit"]``
-    holds the tokens entering each block and the blocks' FLOPs ratio to the unpruned model.
+    holds ``patches_out`` (the patch tokens leaving the last block: what keep / budget count),
+    the tokens entering each block and the blocks' FLOPs ratio to the unpruned model.
     """
 
     family = "timm_vit"
@@ -132,7 +133,7 @@ class TimmViTAdapter(Adapter):
                 self.run = ViTRun(n_prefix=self.n_prefix, n_tokens=x.shape[1])
             out = method.block_forward(ops, x, self.run)
             if ops.index == self.depth - 1:
-                self.state.last_stats = {"vit": self.run.summary()}
+                self.state.last_stats = {"vit": self.run.summary(out.shape[1])}
             return out
 
         return forward

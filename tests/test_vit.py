@@ -94,7 +94,7 @@ def test_keep_everything_is_bit_identical(method):
     ref = m(x)
     vlm_prune.wrap(m, method())
     assert torch.equal(m(x), ref)
-    assert m.vlm_prune.last_stats["vit"] == {"tokens_per_block": [17] * 12, "flops_ratio": 1.0}
+    assert m.vlm_prune.last_stats["vit"] == {"tokens_per_block": [17] * 12, "flops_ratio": 1.0, "patches_out": 16}
 
 
 @pytest.mark.parametrize("method", [lambda: ASViT(keep=0.6), lambda: ToMe(r=5), lambda: ASViT(mode="threshold", thresholds=(0.06,) * 3)])

@@ -138,11 +138,17 @@ class ViTRun:
         """FLOPs of the blocks run so far over the same blocks unpruned ([B] while calibrating)."""
         return sum(self.flops) / self.full_flops
 
-    def summary(self) -> dict[str, object]:
+    def summary(self, tokens_out: int | None = None) -> dict[str, object]:
+        """Stats of the run: tokens entering each block, the blocks' FLOPs ratio and, given the
+        last block's output length ``tokens_out``, the patch tokens left (``patches_out``: prefix
+        excluded, after a merge inside the last block too)."""
         ratio = self.flops_ratio()
         if isinstance(ratio, torch.Tensor):
             ratio = float(ratio.detach().float().mean())
-        return {"tokens_per_block": list(self.tokens), "flops_ratio": float(ratio)}
+        out: dict[str, object] = {"tokens_per_block": list(self.tokens), "flops_ratio": float(ratio)}
+        if tokens_out is not None:
+            out["patches_out"] = tokens_out - self.n_prefix
+        return out
 
 
 class ViTMethod(Method):
