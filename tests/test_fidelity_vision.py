@@ -23,29 +23,9 @@ from vlm_prune.methods.tome import ToMe, merge_schedule, merge_tokens, reachable
 
 timm = pytest.importorskip("timm")
 from timm.models.vision_transformer import VisionTransformer  # noqa: E402
+from test_vit import images, one_thread, tiny_vit  # noqa: E402,F401  (one_thread: autouse fixture)
 
 from vlm_prune.methods.asvit import ASViT  # noqa: E402
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-def tiny_vit(depth: int = 12, seed: int = 0) -> VisionTransformer:
-    torch.manual_seed(seed)
-    m = VisionTransformer(img_size=32, patch_size=8, embed_dim=64, depth=depth, num_heads=4, num_classes=10)
-    with torch.no_grad():  # a sharper CLS attention than the init gives
-        m.pos_embed.normal_(0, 1.0)
-        m.cls_token.normal_(0, 1.0)
-    return m.eval()
-
-
-def images(b: int, seed: int = 1) -> torch.Tensor:
-    return torch.randn(b, 3, 32, 32, generator=torch.Generator().manual_seed(seed))
 
 
 def eager_block(blk, h: torch.Tensor, log_size: torch.Tensor | None = None):
