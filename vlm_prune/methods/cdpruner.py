@@ -1,6 +1,8 @@
 """CDPruner: query-conditioned determinantal point process over an image's visual tokens."""
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -183,6 +185,5 @@ class CDPruner(VisionMethod):
             if k >= idx.numel():
                 kept.append(idx)
             elif k > 0:
-                kernel = conditional_kernel(ctx.features[idx], rel[idx])
-                kept.append(idx[dpp_greedy_map(kernel, k)])
+                kept.append(idx[dpp_greedy_map(KernelRows(features=ctx.features[idx], rel=rel[idx]), k)])
         return Reduction(torch.sort(torch.cat(kept)).values)
