@@ -503,4 +503,6 @@ def add_parser(subparsers: Any) -> None:
                    help="cpu (float32) or cuda (bfloat16) for --model and --speed; the shipped models run on CPU")
     s.add_argument("--frames", type=_positive, default=32, help="video frames of the OneVision shape (default 32)")
     s.add_argument("--speed-keeps", type=_keeps, default=(0.25, 0.11), help="keep ratios timed (default 0.25,0.11)")
+    s.add_argument("--shapes", default="image,video,image-deep",
+                   help="model shapes timed: image, video, image-deep (default all three)")
     p.set_defaults(func=run)

@@ -11,17 +11,25 @@ the real config classes, no download:
 visual token counts stay (``--frames`` sets the video length). The pruning layer of FastV / PACT
 moves with the depth (layer * scaled depth / real depth).
 
-For every applicable method and keep ratio: median prefill seconds of the wrapped and the
-unwrapped model (interleaved), their ratio (measured; on CPU also the process CPU-time ratio,
-the stable one on a shared machine with ``--threads 1``), the FLOPs ratio (ideal: language model
-from ``vlm_prune.eval.metrics`` plus the vision tower, which token pruning leaves unchanged) and
-overhead = measured / ideal.
+- ``image-deep``: the LLaVA-1.5-7B shape at 1/64 of its cost with every proportion of 7B kept
+  (:func:`proportional`): half the depth, one head, MLPs widened so attention's and the tower's
+  shares are as at 7B, pruning layers at the same fraction of the depth.
+
+For every method (ToMe, AS-ViT and QuoTA included; a method that does not apply to a shape is
+listed as skipped with the reason) and keep ratio, plus keep=1.0 for a vision-stage and an
+in-LLM method (the wrapper with nothing to prune): the median over ``--repeats`` of the
+pruned / unpruned prefill time ratio (process CPU time on CPU, the stable measure on a shared
+machine with ``--threads 1``; wall-clock on CUDA) with its min-max, the FLOPs ratio (ideal:
+language model from ``vlm_prune.eval.metrics`` plus vision tower and projector, the tower
+shrunk by what ToMe / AS-ViT report), efficiency = (1/measured - 1) / (1/ideal - 1), overhead
+= measured / ideal and the method's own scoring time as a share of the unpruned prefill.
 """
 from __future__ import annotations
 
 import argparse
 import math
-from typing import Any
+import statistics
+from typing import Any, Callable
 
 import torch
 from transformers import (
@@ -41,7 +49,6 @@ from vlm_prune.eval.bench import (
     markdown_escape,
     prefill_seconds,
     run_and_write,
-    time_pair,
 )
 
 import vlm_prune
@@ -55,12 +62,18 @@ SIGLIP_SO400M = {"hidden_size": 1152, "intermediate_size": 4304, "num_hidden_lay
 QWEN2_7B = {"hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28, "num_attention_heads": 28,
             "num_key_value_heads": 4, "vocab_size": 152128}
 PROMPT_TOKENS = (14, 22)  # text tokens before / after the visual tokens (system prompt, question)
-#: methods timed per model kind; quota is left out: its scorer prompts the model once per frame
-#: through the processor's chat template, which a random model without a tokenizer does not have
+#: methods timed per model kind (any other registered name given to --methods is tried too);
+#: keep=1.0 rows time the wrapper with nothing to prune, for a vision-stage and an in-LLM method
 SPEED_METHODS = {
-    "image": ("pool", "random", "visionzip", "divprune", "cdpruner", "fastv", "pact", "adaptinfer"),
-    "video": ("uniform", "keyscore", "pool", "random", "divprune", "cdpruner", "fastv", "pact", "adaptinfer"),
+    "image": ("pool", "random", "visionzip", "divprune", "cdpruner", "tome", "asvit", "fastv", "pact", "adaptinfer"),
+    "video": ("uniform", "keyscore", "quota", "pool", "random", "divprune", "cdpruner", "tome", "fastv", "pact",
+              "adaptinfer"),
 }
+SPEED_METHODS["image-deep"] = SPEED_METHODS["image"]
+IDENTITY_METHODS = ("random", "fastv")
+#: --shapes: the LLaVA-1.5-7B and OneVision-7B shapes divided by --scale, and the depth-proportional
+#: LLaVA-1.5-7B shape (:func:`proportional`)
+KINDS = ("image", "video", "image-deep")
 
 
 def scaled(shape: dict[str, int], scale: int) -> dict[str, int]:
@@ -81,12 +94,42 @@ def scaled(shape: dict[str, int], scale: int) -> dict[str, int]:
     return out
 
 
+def proportional(shape: dict[str, int], heads: int, depth_div: int, gated: bool) -> dict[str, int]:
+    """``shape`` with ``heads`` heads (head size kept) and depth / ``depth_div``, its MLP widened so
+    that each token's linear FLOPs per unit of width (q, k, v, o and the MLP) stay as in
+    ``shape``: attention's share of a layer is then as at full size for the same token count,
+    and the model costs 1 / (depth_div * width ratio) of the full one."""
+    head_dim = shape["hidden_size"] // shape["num_attention_heads"]
+    kv = shape.get("num_key_value_heads", shape["num_attention_heads"])
+    mlp = 3 if gated else 2
+    per_width = 2 * shape["hidden_size"] + 2 * kv * head_dim + mlp * shape["intermediate_size"]
+    out = dict(shape, num_attention_heads=heads, hidden_size=heads * head_dim,
+               num_hidden_layers=shape["num_hidden_layers"] // depth_div)
+    kv_new = heads * head_dim
+    if "num_key_value_heads" in shape:
+        out["num_key_value_heads"] = min(heads, kv)
+        out["head_dim"] = head_dim
+        kv_new = out["num_key_value_heads"] * head_dim
+    out["intermediate_size"] = (per_width - 2 * heads * head_dim - 2 * kv_new) // mlp
+    return out
+
+
 def build(kind: str, scale: int, dtype: torch.dtype, device: str) -> torch.nn.Module:
-    """A randomly initialised LLaVA-1.5-7B ("image") or LLaVA-OneVision-7B ("video") shape."""
-    if kind == "image":
-        text = scaled(LLAMA_7B, scale)
+    """A randomly initialised LLaVA-1.5-7B ("image", "image-deep") or LLaVA-OneVision-7B ("video") shape.
+
+    "image-deep" ignores ``scale``: Llama-7B at half depth (16 layers) with one head of 128 and
+    CLIP ViT-L at a quarter depth (6 layers) with one head of 64 (:func:`proportional`), both
+    1/64 of the real cost, so the tower's share, attention's share and every pruning layer's
+    fraction of the depth (FastV K=2 -> 1, PACT L=4 -> 2) are as at 7B.
+    """
+    if kind in ("image", "image-deep"):
+        if kind == "image":
+            text, vision = scaled(LLAMA_7B, scale), scaled(LLAVA_VISION, scale)
+        else:
+            text = proportional(LLAMA_7B, heads=1, depth_div=2, gated=True)
+            vision = proportional(LLAVA_VISION, heads=1, depth_div=4, gated=False)
         config = LlavaConfig(
-            vision_config=CLIPVisionConfig(**scaled(LLAVA_VISION, scale), projection_dim=768),
+            vision_config=CLIPVisionConfig(**vision, projection_dim=768),
             text_config=LlamaConfig(**text, max_position_embeddings=4096),
             image_token_id=LLAMA_7B["vocab_size"] - 64, vision_feature_layer=-2,
             vision_feature_select_strategy="default",
@@ -102,7 +145,7 @@ def build(kind: str, scale: int, dtype: torch.dtype, device: str) -> torch.nn.Mo
         )
         cls = LlavaOnevisionForConditionalGeneration
     else:
-        raise ValueError(f"kind must be 'image' or 'video', got {kind!r}")
+        raise ValueError(f"kind must be one of {', '.join(KINDS)}, got {kind!r}")
     torch.manual_seed(0)
     config.text_config._attn_implementation = "sdpa"
     default_dtype = torch.get_default_dtype()
@@ -122,7 +165,7 @@ def inputs_for(model: torch.nn.Module, kind: str, frames: int) -> dict[str, torc
     side = vc.image_size // vc.patch_size
     g = torch.Generator().manual_seed(0)
     before, after = (torch.randint(10, 1000, (n,), generator=g) for n in PROMPT_TOKENS)
-    if kind == "image":
+    if kind != "video":
         visual = torch.full((side * side,), cfg.image_token_id)
         pixels = {"pixel_values": torch.randn(1, 3, vc.image_size, vc.image_size, generator=g)}
     else:
@@ -135,70 +178,150 @@ def inputs_for(model: torch.nn.Module, kind: str, frames: int) -> dict[str, torc
 
 
 def tower_flops(model: torch.nn.Module, kind: str, frames: int) -> float:
-    """Vision tower FLOPs of one request (full attention, two-matrix MLP; 2 FLOPs per multiply-add)."""
+    """Vision tower + projector FLOPs of one request (full attention, two-matrix MLPs; 2 FLOPs
+    per multiply-add). The projector (two linear layers) maps every tower token: 576 per image
+    on LLaVA-1.5, the 27 x 27 unpooled map per frame on OneVision (it projects before pooling)."""
     vc = model.config.vision_config
-    n = (vc.image_size // vc.patch_size) ** 2 + (1 if kind == "image" else 0)  # CLIP adds a CLS token
+    d_text = metrics.text_config(model.config).hidden_size
+    patches = (vc.image_size // vc.patch_size) ** 2
+    n = patches + (1 if kind != "video" else 0)  # CLIP adds a CLS token
     h = vc.hidden_size
     layer = 2 * n * h * 4 * h + 2 * 2 * h * n * n + 2 * 2 * n * h * vc.intermediate_size
-    return float(layer * vc.num_hidden_layers * (1 if kind == "image" else frames))
+    projector = 2 * patches * (h * d_text + d_text * d_text)
+    return float((layer * vc.num_hidden_layers + projector) * (1 if kind != "video" else frames))
+
+
+def time_setting(model: torch.nn.Module, wrap: Callable[[torch.nn.Module], Any], inputs: dict[str, torch.Tensor],
+                 repeats: int) -> dict[str, Any]:
+    """Prefill timings of the wrapped and the unwrapped model, interleaved (load changes hit both).
+
+    One untimed wrapped warm-up (its ``last_stats`` are returned), then ``repeats`` times: a
+    wrapped prefill, unwrap, an unwrapped prefill, wrap again. Returns per-repeat lists of
+    wall / CPU seconds (keys wall, wall_full, cpu, cpu_full, scoring) and ``stats``.
+    """
+    out: dict[str, Any] = {k: [] for k in ("wall", "wall_full", "cpu", "cpu_full", "scoring")}
+    wrap(model)
+    prefill_seconds(model, inputs)
+    out["stats"] = model.vlm_prune.last_stats
+    for r in range(repeats):
+        if r:
+            wrap(model)
+        wall, cpu = prefill_seconds(model, inputs)
+        out["scoring"].append(float(model.vlm_prune.last_stats.get("seconds", 0.0)))
+        vlm_prune.unwrap(model)
+        wall_full, cpu_full = prefill_seconds(model, inputs)
+        for key, value in zip(("wall", "wall_full", "cpu", "cpu_full"), (wall, wall_full, cpu, cpu_full)):
+            out[key].append(value)
+    return out
+
+
+def efficiency(measured: float, ideal: float) -> float | None:
+    """(1/measured - 1) / (1/ideal - 1): the share of the FLOPs-ideal speed-up obtained."""
+    return (1 / measured - 1) / (1 / ideal - 1) if ideal < 1 else None
+
+
+#: prompt tokens QuoTA's default scorer adds to each frame (the chat-templated frame question)
+QUOTA_PROMPT_TOKENS = 40
+
+
+class QuotaScorerCost:
+    """The work of QuoTA's default scorer on a model without a tokenizer (the random shapes).
+
+    The default scorer runs the unpruned language model once per frame on the frame's tokens
+    resized to ``score_grid`` (7 x 7), the newline and the chat-templated frame prompt, and reads
+    the logits of the last position. Here the same rows (random embeddings in place of the
+    prompt's, :data:`QUOTA_PROMPT_TOKENS` of them) go through the same language model and head,
+    all frames in one batch; p = sigmoid of one logit (timing does not need meaningful scores).
+    """
+
+    def __init__(self, model: torch.nn.Module, grid: tuple[int, int] = (7, 7)) -> None:
+        self.model = model
+        self.rows = grid[0] * grid[1] + 1 + QUOTA_PROMPT_TOKENS
+
+    def __call__(self, pixels: torch.Tensor, prompt: str) -> torch.Tensor:
+        hidden = metrics.text_config(self.model.config).hidden_size
+        embeds = torch.randn(pixels.shape[0], self.rows, hidden, generator=torch.Generator().manual_seed(0))
+        with self.model.vlm_prune.adapter.unpruned(), torch.no_grad():
+            logits = self.model(inputs_embeds=embeds.to(self.model.device, self.model.dtype), logits_to_keep=1).logits
+        return torch.sigmoid(logits[:, -1, 0].float()).cpu()
+
+
+def build_method(method: str, model: torch.nn.Module, n_layers: int, factor: float) -> tuple[Any, str]:
+    """The method object for one setting (pruning layers at the real depth's fraction)."""
+    if method == "quota":
+        from vlm_prune.frames.quota import QuoTA
+
+        return QuoTA(scorer=QuotaScorerCost(model), decouple=False), (
+            "scorer cost as the default scorer's (7 x 7 grid + newline + 40 prompt rows per frame), no decoupling")
+    return fit_layer(method, n_layers, factor)
 
 
 def run_kind(kind: str, args: argparse.Namespace, dtype: torch.dtype) -> tuple[list[dict[str, Any]], list[dict[str, str]]]:
     from tqdm.auto import tqdm
 
+    from vlm_prune.registry import method_class
+
     model = build(kind, args.scale, dtype, args.device)
     inputs = inputs_for(model, kind, args.frames)
     seq = inputs["input_ids"].shape[1]
     tcfg = metrics.text_config(model.config)
-    real_layers = (LLAMA_7B if kind == "image" else QWEN2_7B)["num_hidden_layers"]
+    real_layers = (QWEN2_7B if kind == "video" else LLAMA_7B)["num_hidden_layers"]
     tower = tower_flops(model, kind, args.frames)
     full_flops = tower + metrics.prefill_flops(model.config, [seq] * tcfg.num_hidden_layers)
-    name = f"llava-1.5-7b/{args.scale}" if kind == "image" else f"llava-onevision-7b/{args.scale} ({args.frames} frames)"
-    only = set(args.methods.split(",")) if args.methods else None
-    methods = [m for m in SPEED_METHODS[kind] if only is None or m in only]
-    skipped = [{"model": name, "method": "quota", "reason": "its scorer prompts the model per frame through a "
-                "processor; the random models have no tokenizer"}] if kind == "video" and (only is None or "quota" in only) else []
-    rows = []
-    for method, keep in tqdm([(m, k) for m in methods for k in args.speed_keeps], desc=f"speed {kind}", unit="setting"):
-        _, note = fit_layer(method, tcfg.num_hidden_layers, tcfg.num_hidden_layers / real_layers)
-
+    name = {"image": f"llava-1.5-7b/{args.scale}", "image-deep": "llava-1.5-7b/64-deep",
+            "video": f"llava-onevision-7b/{args.scale} ({args.frames} frames)"}[kind]
+    only = args.methods.split(",") if args.methods else None
+    methods = list(SPEED_METHODS[kind]) if only is None else only
+    for m in methods:
+        method_class(m)  # an unknown name is an error, not an empty table
+    settings = [(m, k) for m in methods for k in args.speed_keeps]
+    settings += [(m, 1.0) for m in IDENTITY_METHODS if (only is None or m in only) and 1.0 not in args.speed_keeps]
+    factor = tcfg.num_hidden_layers / real_layers
+    rows, skipped = [], []
+    for method, keep in tqdm(settings, desc=f"speed {kind}", unit="setting"):
         def wrap(m: torch.nn.Module, method: str = method, keep: float = keep) -> None:
-            obj, _ = fit_layer(method, tcfg.num_hidden_layers, tcfg.num_hidden_layers / real_layers)
+            obj, _ = build_method(method, m, tcfg.num_hidden_layers, factor)
             vlm_prune.wrap(m, obj, keep=keep)
 
         try:
-            wrap(model)
-        except ValueError as err:
-            skipped.append({"model": name, "method": method, "keep": keep, "reason": str(err)})
+            _, note = build_method(method, model, tcfg.num_hidden_layers, factor)
+            t = time_setting(model, wrap, inputs, args.repeats)
+        except (ValueError, ImportError) as err:
+            if getattr(model, "vlm_prune", None) is not None:
+                vlm_prune.unwrap(model)
+            skipped.append({"model": name, "method": method, "keep": keep, "reason": str(err).splitlines()[0]})
             continue
-        prefill_seconds(model, inputs)
-        stats = model.vlm_prune.last_stats
-        vlm_prune.unwrap(model)
-        t = time_pair(model, wrap, [inputs], args.repeats)
-        rows_per_layer = metrics.rows_per_layer(tcfg.num_hidden_layers, seq, stats)
-        flops = tower + metrics.prefill_flops(model.config, rows_per_layer)
-        measured, ideal = t["wall"] / t["wall_full"], flops / full_flops
-        cpu = t["cpu"] / t["cpu_full"] if args.device == "cpu" else None
+        stats = t["stats"]
+        tower_kept = tower * math.prod(r.get("flops_ratio", 1.0) for r in stats["stages"] if r["stage"] == "vit")
+        flops = tower_kept + metrics.prefill_flops(model.config, metrics.rows_per_layer(tcfg.num_hidden_layers, seq, stats))
+        key = "cpu" if args.device == "cpu" else "wall"
+        per_repeat = [a / b for a, b in zip(t[key], t[key + "_full"])]
+        measured, ideal = statistics.median(per_repeat), flops / full_flops
+        full_s = statistics.median(t[key + "_full"])
         rows.append({
             "model": name, "method": method, "keep": keep,
             "visual_tokens_in": sum(stats["visual_tokens_in"]), "visual_tokens_out": sum(stats["visual_tokens_out"]),
-            "ttft_s": t["wall"], "ttft_unpruned_s": t["wall_full"], "measured_ratio": measured,
-            "cpu_ratio": cpu, "ideal_ratio": ideal, "overhead": measured / ideal,
-            "cpu_overhead": cpu / ideal if cpu is not None else None,
-            "llm_flops_ratio": (flops - tower) / (full_flops - tower), "notes": note,
+            "ttft_s": statistics.median(t["wall"]), "ttft_unpruned_s": statistics.median(t["wall_full"]),
+            "measured_ratio": measured, "ratio_min": min(per_repeat), "ratio_max": max(per_repeat),
+            "timer": "process CPU time" if key == "cpu" else "wall-clock",
+            "ideal_ratio": ideal, "overhead": measured / ideal, "efficiency": efficiency(measured, ideal),
+            "scoring_share": statistics.median(t["scoring"]) / statistics.median(t["wall_full"]),
+            "unpruned_s": full_s, "llm_flops_ratio": (flops - tower_kept) / (full_flops - tower),
+            "tower_flops_share": tower / full_flops, "notes": note,
         })
     return rows, skipped
 
 
 def markdown(rows: list[dict[str, Any]], skipped: list[dict[str, Any]]) -> str:
-    head = ["model", "method", "keep", "visual tokens", "TTFT ms", "unpruned ms", "measured ratio",
-            "CPU-time ratio", "ideal ratio (FLOPs)", "overhead", "CPU-time overhead", "LLM FLOPs ratio", "notes"]
+    head = ["model", "method", "keep", "visual tokens", "TTFT ms", "unpruned ms", "measured ratio (min-max)",
+            "ideal ratio (FLOPs)", "efficiency", "overhead", "scoring % of prefill", "LLM FLOPs ratio", "notes"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         lines.append("| " + " | ".join([
             r["model"], r["method"], f"{r['keep']:g}", f"{r['visual_tokens_out']} / {r['visual_tokens_in']}",
-            f"{1000 * r['ttft_s']:.1f}", f"{1000 * r['ttft_unpruned_s']:.1f}", f"{r['measured_ratio']:.2f}",
-            fmt(r["cpu_ratio"], ".2f"), f"{r['ideal_ratio']:.2f}", f"{r['overhead']:.2f}", fmt(r["cpu_overhead"], ".2f"),
+            f"{1000 * r['ttft_s']:.1f}", f"{1000 * r['ttft_unpruned_s']:.1f}",
+            f"{r['measured_ratio']:.3f} ({r['ratio_min']:.3f}-{r['ratio_max']:.3f})", f"{r['ideal_ratio']:.3f}",
+            fmt(r["efficiency"], ".2f"), f"{r['overhead']:.3f}", f"{100 * r['scoring_share']:.1f}",
             f"{r['llm_flops_ratio']:.2f}", markdown_escape(r["notes"]),
         ]) + " |")
     if skipped:
@@ -211,4 +334,8 @@ def run(args: argparse.Namespace) -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: no CUDA device is visible to torch; use --device cpu")
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
-    return run_and_write("speed", args, (run_kind(kind, args, dtype) for kind in ("image", "video")), markdown, plot=False)
+    kinds = [k for k in args.shapes.split(",") if k]
+    unknown = [k for k in kinds if k not in KINDS]
+    if unknown:
+        raise SystemExit(f"--shapes: unknown shape(s) {', '.join(unknown)}; choose from {', '.join(KINDS)}")
+    return run_and_write("speed", args, (run_kind(kind, args, dtype) for kind in kinds), markdown, plot=False)

@@ -67,23 +67,47 @@ def test_quick_bench_numbers_are_consistent(quick):
 
 
 def test_speed_tiny_scale_reports_savings(tmp_path):
-    argv = ["bench", "--speed", "--scale", "16", "--frames", "1", "--methods", "random",
-            "--speed-keeps", "0.05", "--repeats", "3", "--threads", "1", "--out", str(tmp_path)]
+    argv = ["bench", "--speed", "--scale", "16", "--frames", "1", "--methods", "random,tome",
+            "--speed-keeps", "0.05", "--repeats", "3", "--threads", "1", "--shapes", "image,video", "--out", str(tmp_path)]
     threads = torch.get_num_threads()
     try:
         assert main(argv) == 0
     finally:
         torch.set_num_threads(threads)
-    rows = json.loads((tmp_path / "speed.json").read_text())["rows"]
-    assert [r["method"] for r in rows] == ["random", "random"]
-    image, video = rows
+    out = json.loads((tmp_path / "speed.json").read_text())
+    rows = out["rows"]
+    assert [(r["method"], r["keep"]) for r in rows] == [("random", 0.05), ("tome", 0.05), ("random", 1.0),
+                                                        ("random", 0.05), ("random", 1.0)]
+    image, tome, identity, video, _ = rows
     assert image["visual_tokens_in"] == 576 and image["visual_tokens_out"] == 28  # floor(0.05 * 576)
     assert video["visual_tokens_in"] == 197  # 14x14 pooled tokens + the newline
+    assert tome["ideal_ratio"] < 1 and tome["visual_tokens_out"] < 576  # ToMe is timed (inside CLIP)
+    assert identity["ideal_ratio"] == 1.0 and identity["efficiency"] is None
     for r in rows:
-        assert 0 < r["ideal_ratio"] < 1 and r["overhead"] == pytest.approx(r["measured_ratio"] / r["ideal_ratio"])
-    assert image["cpu_ratio"] < 1.0  # process CPU time: stable on a shared machine, unlike wall-clock
-    assert image["measured_ratio"] > 0
+        assert 0 < r["ideal_ratio"] <= 1 and r["overhead"] == pytest.approx(r["measured_ratio"] / r["ideal_ratio"])
+        assert r["ratio_min"] <= r["measured_ratio"] <= r["ratio_max"] and r["timer"] == "process CPU time"
+        if r["ideal_ratio"] < 1:
+            assert r["efficiency"] == pytest.approx((1 / r["measured_ratio"] - 1) / (1 / r["ideal_ratio"] - 1))
+    assert image["measured_ratio"] < 1.0  # process CPU time: stable on a shared machine, unlike wall-clock
+    assert [s["method"] for s in out["skipped"]] == ["tome"]  # OneVision's SigLIP path has no ViT stage
     assert (tmp_path / "speed.md").read_text().count("| random | 0.05 |") == 2
+
+
+def test_speed_unknown_method_is_an_error(tmp_path):
+    with pytest.raises(ValueError, match="tomme"):
+        main(["bench", "--speed", "--methods", "tomme", "--shapes", "image", "--out", str(tmp_path)])
+
+
+def test_proportional_shape_keeps_the_7b_proportions():
+    from vlm_prune.eval.speed import LLAVA_VISION, proportional
+
+    deep = proportional(LLAMA_7B, heads=1, depth_div=2, gated=True)
+    assert (deep["hidden_size"], deep["num_hidden_layers"], deep["head_dim"]) == (128, 16, 128)
+    per_width = lambda c: 2 * c["hidden_size"] + 2 * c["num_key_value_heads"] * c["head_dim"] + 3 * c["intermediate_size"]
+    assert abs(per_width(deep) - per_width({**LLAMA_7B, "head_dim": 128})) < 3  # attention share as at 7B
+    tower = proportional(LLAVA_VISION, heads=1, depth_div=4, gated=False)
+    assert (tower["hidden_size"], tower["num_hidden_layers"]) == (64, 6)
+    assert 2 * 64 + 2 * 64 + 2 * tower["intermediate_size"] == 4 * 1024 + 2 * 4096
 
 
 def test_scaled_shapes_keep_head_size():
