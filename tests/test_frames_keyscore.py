@@ -6,7 +6,14 @@ import pytest
 import torch
 
 from vlm_prune.frames.keyscore import KeyScore, keyscore, minmax, pixels_to_rgb, top_k_in_order
-from vlm_prune.frames.stacfp import cluster_proposals, hsv_histograms, medoids, stacfp_features, stacfp_proposals
+from vlm_prune.frames.stacfp import (
+    cluster_proposals,
+    hsv_histograms,
+    medoids,
+    pairwise_distances,
+    stacfp_features,
+    stacfp_proposals,
+)
 from vlm_prune.frames.uniform import Uniform, uniform_indices
 from vlm_prune.methods.base import FramesContext
 
@@ -74,7 +81,7 @@ def test_stacfp_time_term_and_medoids():
     x = stacfp_features(np.zeros((5, 2)), gamma_time=0.5)
     np.testing.assert_allclose(x[:, -1], [0.0, 0.125, 0.25, 0.375, 0.5])
     pts = np.array([[0.0], [1.0], [1.5], [10.0], [11.0]])
-    assert medoids(pts, np.array([0, 0, 0, 1, 1])).tolist() == [1, 3]
+    assert medoids(pairwise_distances(pts), np.array([0, 0, 0, 1, 1])).tolist() == [1, 3]
     few = cluster_proposals(np.arange(4.0).reshape(2, 2))  # under 3 rows: every row proposes
     assert few.indices.tolist() == [0, 1]
     with pytest.raises(ValueError, match="k_range"):

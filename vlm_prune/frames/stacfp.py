@@ -58,15 +58,37 @@ def stacfp_features(hists: np.ndarray, gamma_time: float = 0.5) -> np.ndarray:
     return np.concatenate([hists, gamma_time * t[:, None]], axis=1)
 
 
-def medoids(x: np.ndarray, labels: np.ndarray) -> np.ndarray:
-    """Per cluster, the member with the smallest summed Euclidean distance to the other members
-    (lowest index on ties); ascending frame indices."""
+def pairwise_distances(x: np.ndarray) -> np.ndarray:
+    """[N, N] Euclidean distances between the rows of x (exact zeros on the diagonal)."""
+    d = np.sqrt(np.maximum(((x[:, None, :] - x[None, :, :]) ** 2).sum(-1), 0.0))
+    np.fill_diagonal(d, 0.0)
+    return d
+
+
+def medoids(dist: np.ndarray, labels: np.ndarray) -> np.ndarray:
+    """Per cluster, the member with the smallest summed distance (``dist`` [N, N]) to the other
+    members (lowest index on ties); ascending frame indices."""
     out = []
     for c in np.unique(labels):
         members = np.flatnonzero(labels == c)
-        d = np.linalg.norm(x[members, None, :] - x[None, members, :], axis=-1).sum(1)
+        d = dist[np.ix_(members, members)].sum(1)
         out.append(members[int(np.flatnonzero(d <= d.min() + 1e-9)[0])])
     return np.sort(np.asarray(out, dtype=np.int64))
+
+
+def silhouette(dist: np.ndarray, labels: np.ndarray) -> float:
+    """Mean silhouette (b - a) / max(a, b) over all points from precomputed distances, as
+    ``sklearn.metrics.silhouette_score``: a point alone in its cluster scores 0."""
+    ids, labels = np.unique(labels, return_inverse=True)
+    onehot = np.eye(ids.size)[labels]  # [N, K]
+    sums = dist @ onehot  # [N, K] summed distance of each point to each cluster
+    size = onehot.sum(0)
+    own = size[labels]
+    a = sums[np.arange(labels.size), labels] / np.maximum(own - 1, 1)
+    other = np.where(onehot.astype(bool), np.inf, sums / size)
+    b = other.min(1)
+    score = np.where(own > 1, (b - a) / np.maximum(a, b), 0.0)
+    return float(np.nan_to_num(score).mean())
 
 
 def cluster_proposals(
@@ -75,7 +97,6 @@ def cluster_proposals(
     """k-means on the rows of x for k in k_range (inclusive, capped at N - 1 and at the number
     of distinct rows); the best-silhouette k wins (smallest k on ties). N < 3: every row."""
     from sklearn.cluster import KMeans
-    from sklearn.metrics import silhouette_score
 
     n = x.shape[0]
     k_lo, k_hi = k_range
@@ -85,18 +106,19 @@ def cluster_proposals(
     if n < 3 or k_hi < 2:
         return Proposals(np.arange(n, dtype=np.int64), np.arange(n), n, float("nan"))
     k_lo = min(k_lo, k_hi)
+    dist = pairwise_distances(x)  # shared by every k's silhouette and the medoids
     best: tuple[float, int, np.ndarray] | None = None
     for k in range(k_lo, k_hi + 1):
         labels = KMeans(n_clusters=k, n_init=n_init, random_state=seed).fit_predict(x)
         if len(np.unique(labels)) < 2:
             continue
-        score = float(silhouette_score(x, labels))
+        score = silhouette(dist, labels)
         if best is None or score > best[0] + 1e-12:
             best = (score, k, labels)
     if best is None:
         return Proposals(np.arange(n, dtype=np.int64), np.arange(n), n, float("nan"))
     score, k, labels = best
-    return Proposals(medoids(x, labels), labels, k, score)
+    return Proposals(medoids(dist, labels), labels, k, score)
 
 
 def stacfp_proposals(
