@@ -1,16 +1,22 @@
 """``vlm-prune bench``: every registered method on the shipped synthetic models (or ``--model``).
 
-For each model it runs the unpruned baseline and every applicable method at each keep ratio
-(images: 1.0 / 0.5 / 0.25 / 0.11 / 0.05; video: 1.0 / 0.5 / 0.25 / 0.125 of the video tokens,
-frames methods alone and composed with PACT), and reports accuracy, retention (accuracy /
-unpruned accuracy), visual tokens kept, the prefill time ratio against the unpruned model
-measured in the same run (median of ``--repeats`` prefill forwards per batch, pruned and
-unpruned interleaved) and the ideal prefill FLOPs ratio (``vlm_prune.eval.metrics``).
-Combinations a model does not support are listed as skipped rows with the reason.
+For each model (the shipped models: every shipped training seed) it runs the unpruned baseline,
+the saturation baseline (half the budget on the most saturated patches / frames, half random: a
+method must beat it) and every applicable method at each keep ratio (0.5 / 0.25 / 0.11 / 0.05 of
+the visual tokens; video: frames methods alone and composed with PACT). Per row: accuracy with its
+95% interval, the spread over model seeds, retention and chance-corrected retention, per task family
+accuracy, visual tokens at the end of the LLM and averaged over its layers, the ideal prefill FLOPs
+ratio (``vlm_prune.eval.metrics``) and the prefill time ratio against the unpruned model measured in
+the same run (median of ``--repeats`` prefill forwards, pruned and unpruned interleaved).
 
-Writes ``bench.json``, ``bench.md`` and ``bench.png`` (accuracy against the kept fraction, one
-line per method, one panel per model) under ``--out``. ``--speed`` times randomly initialised
-models of real shapes instead (:mod:`vlm_prune.eval.speed`).
+The matched view (:mod:`vlm_prune.eval.bench_stats`) interpolates every method at 25%, 11% and 5% of
+the visual tokens (final and layer-averaged) and at the FLOPs of pruning that many before the LLM,
+and names the best method per task family with paired 95% intervals against the runner-up, the
+saturation baseline and random. Combinations a model does not support are listed as skipped rows.
+
+Writes ``bench.json``, ``bench.md`` and the figure ``bench.png`` (with ``.svg`` and ``.pdf``) under
+``--out``. ``--speed`` times randomly initialised models of real shapes instead
+(:mod:`vlm_prune.eval.speed`).
 """
 from __future__ import annotations
 
@@ -27,22 +33,26 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
-from vlm_prune.eval import metrics
-from vlm_prune.eval.synthetic import encode, load, make_dataset
-from vlm_prune.eval.synthetic.scenes import Sample
+from vlm_prune.eval import bench_stats, metrics
+from vlm_prune.eval.synthetic import encode, load, make_dataset, shipped_seeds, trained_qtypes
+from vlm_prune.eval.synthetic.baselines import PixelTap, SaturationFrames, SaturationTokens
+from vlm_prune.eval.synthetic.scenes import COLOURS, Sample
 
 import vlm_prune
 from vlm_prune.api import is_wrapped
 from vlm_prune.registry import method_class
 
-IMAGE_KEEPS = (1.0, 0.5, 0.25, 0.11, 0.05)
-VIDEO_KEEPS = (1.0, 0.5, 0.25, 0.125)
+IMAGE_KEEPS = (0.5, 0.25, 0.11, 0.05)
+VIDEO_KEEPS = (0.5, 0.25, 0.11, 0.05)
 QUICK_IMAGE_KEEPS = (0.25, 0.05)
 QUICK_VIDEO_KEEPS = (0.25,)
+#: test samples per model kind, split evenly over the shipped seeds (default / --quick)
+SAMPLES = {"image": 900, "video": 900}
+QUICK_SAMPLES = {"image": 96, "video": 48}
 #: the LLM-stage method composed with every frames method on video models
 FRAMES_PARTNER = "pact"
-#: QuoTA's frame question in the synthetic vocabulary (what its query decoupling would look for)
-SYNTHETIC_FRAME_QUESTION = "is there a coloured shape ?"
+#: the required model-free baseline row (vlm_prune.eval.synthetic.baselines)
+SATURATION = "saturation"
 
 
 # ---- methods ----------------------------------------------------------------------------------
@@ -72,23 +82,36 @@ def fit_layer(name: str, n_layers: int, factor: float = 1.0) -> tuple[Any, str]:
     return cls(layer=fitted), f"{name} at layer {fitted} (default {layer}; {n_layers} decoder layers)"
 
 
+def frame_question(prompt: str) -> str:
+    """QuoTA's per-frame question in the synthetic vocabulary, from the user's query in ``prompt``.
+
+    QuoTA decouples the query into the objects to look for and asks per frame whether it contains
+    them; in the synthetic vocabulary the objects a query can name are coloured shapes, so the
+    question is "is there a <colour> shape ?" for the first colour the query names, else "is there
+    a coloured shape ?" (the query names only "shape").
+    """
+    words = prompt.lower().replace("?", " ").split()
+    colour = next((w for w in words if w in COLOURS), None)
+    return f"is there a {colour} shape ?" if colour else "is there a coloured shape ?"
+
+
 class YesNoFrameScorer:
     """QuoTA frame scorer for tokenizers without an "A" token (the synthetic vocabulary).
 
     QuoTA asks the VLM one yes/no question per frame and uses P("A"); here the wrapped model
-    itself, unpruned, answers ``question`` about each frame alone and p_t = P(yes) / (P(yes) + P(no)).
+    itself, unpruned, answers :func:`frame_question` of the user's query (inside QuoTA's frame
+    prompt) about each frame alone, and p_t = P(yes) / (P(yes) + P(no)).
     LLaVA-OneVision layout (one frame = the pooled grid + the newline token).
     """
 
-    def __init__(self, model: torch.nn.Module, tokenizer: Any, question: str = SYNTHETIC_FRAME_QUESTION) -> None:
+    def __init__(self, model: torch.nn.Module, tokenizer: Any) -> None:
         self.model = model
-        self.question = question
         self.yes, self.no = (tokenizer.convert_tokens_to_ids(w) for w in ("yes", "no"))
 
     def __call__(self, pixels: torch.Tensor, prompt: str) -> torch.Tensor:
         adapter = self.model.vlm_prune.adapter
         rows, cols = adapter.frame_grid()
-        ids = adapter.chat_ids(self.question, "video", rows * cols + 1)[None].expand(pixels.shape[0], -1)
+        ids = adapter.chat_ids(frame_question(prompt), "video", rows * cols + 1)[None].expand(pixels.shape[0], -1)
         device = self.model.device
         with adapter.unpruned(), torch.no_grad():
             logits = self.model(
@@ -113,8 +136,24 @@ class Case:
     notes: str = ""
 
 
-def plan(model: torch.nn.Module, processor: Any, keeps: tuple[float, ...], only: set[str] | None = None) -> tuple[list[Case], list[dict[str, str]]]:
-    """Cases for every registered method the model's adapter can run, and skipped combinations."""
+def saturation_case(model: torch.nn.Module, processor: Any, adapter: Any, tap: PixelTap | None, seed: int) -> tuple[Callable[[torch.nn.Module], Any] | None, str]:
+    """The saturation baseline for this model (frames on video models, patches on LLaVA images), or (None, why not)."""
+    proc = getattr(processor, "video_processor", None) if "frames" in adapter.stages else getattr(processor, "image_processor", None)
+    mean, std = getattr(proc, "image_mean", None), getattr(proc, "image_std", None)
+    if mean is None or std is None:
+        return None, "the processor states no image_mean / image_std to recover pixels"
+    if "frames" in adapter.stages:
+        return (lambda m: SaturationFrames(mean, std, seed)), "half the frames by saturation, half random"
+    if adapter.family != "llava" or tap is None:
+        return None, "needs one square patch grid per image (LLaVA-1.5 layout)"
+    patch = model.config.vision_config.patch_size
+    return (lambda m: SaturationTokens(tap, mean, std, patch)), "half the tokens by saturation, half random"
+
+
+def plan(model: torch.nn.Module, processor: Any, keeps: tuple[float, ...], only: set[str] | None = None,
+         tap: PixelTap | None = None, seed: int = 0) -> tuple[list[Case], list[dict[str, str]]]:
+    """Cases for the saturation baseline and every registered method the model's adapter can run,
+    and skipped combinations."""
     from vlm_prune.adapters import find_adapter
 
     adapter = find_adapter(model)
@@ -125,12 +164,18 @@ def plan(model: torch.nn.Module, processor: Any, keeps: tuple[float, ...], only:
 
     def single(name: str) -> tuple[Callable[[torch.nn.Module], Any], str]:
         if name == "quota" and not has_token(tokenizer, "A"):
-            note = (f"quota: tokenizer has no 'A'; frames scored by the model itself, P(yes) to "
-                    f"'{SYNTHETIC_FRAME_QUESTION}' per frame; no query decoupling")
+            note = ("quota: tokenizer has no 'A'; frames scored by the model itself, P(yes) to 'is there a "
+                    "<colour named in the query> shape ?' per frame; no query decoupling")
             return (lambda m: method_class("quota")(scorer=YesNoFrameScorer(m, tokenizer), decouple=False)), note
         _, note = fit_layer(name, n_layers)
         return (lambda m: fit_layer(name, n_layers)[0]), note
 
+    if only is None or SATURATION in only:
+        make, note = saturation_case(model, processor, adapter, tap, seed)
+        if make is None:
+            skipped.append({"method": SATURATION, "reason": note})
+        else:
+            cases += [Case(SATURATION, lambda m, make=make: [make(m)], k, note) for k in keeps]
     for name in vlm_prune.available_methods():
         if only is not None and name not in only:
             continue
@@ -220,26 +265,45 @@ def sample_flops(config: Any, seq_len: int, stats: dict[str, Any] | None, i: int
     return metrics.prefill_flops(config, metrics.rows_per_layer(n_layers, seq_len, one))
 
 
+def layer_average(config: Any, visual_in: int, stats: dict[str, Any] | None, i: int) -> float:
+    """Visual tokens of sample ``i`` averaged over the decoder layers (what prefill FLOPs follow):
+    last_stats' ``visual_tokens_layer_avg`` when the engine reports it, else from its stage records."""
+    if stats is None:
+        return float(visual_in)
+    if stats.get("visual_tokens_layer_avg") is not None:
+        return float(stats["visual_tokens_layer_avg"][i])
+    one = {"stages": [{**r, "tokens_in": [r["tokens_in"][i]], "tokens_out": [r["tokens_out"][i]]} for r in stats["stages"]]}
+    n_layers = metrics.text_config(config).num_hidden_layers
+    return statistics.fmean(metrics.rows_per_layer(n_layers, visual_in, one))
+
+
 def accuracy_pass(model: torch.nn.Module, processor: Any, batches: list[tuple[list[Sample], dict[str, torch.Tensor]]]) -> dict[str, Any]:
-    """Greedy answers of every batch: accuracy, visual tokens in/out and FLOPs (pruned, unpruned)."""
-    correct = n = tok_in = tok_out = 0
+    """Greedy answers of every batch: per-sample correctness, accuracy per family, visual tokens
+    in / out / layer-averaged and FLOPs (pruned over unpruned)."""
+    hits: list[bool] = []
+    tok_in = tok_out = tok_avg = 0.0
     flops = flops_full = 0.0
     tokenizer = processor.tokenizer
     for samples, inputs in batches:
         out = model.generate(**inputs, max_new_tokens=3, do_sample=False)
         texts = tokenizer.batch_decode(out[:, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
-        correct += sum(first_word(t) == s.answer.lower() for t, s in zip(texts, samples))
-        n += len(samples)
+        hits += [first_word(t) == s.answer.lower() for t, s in zip(texts, samples)]
         stats = model.vlm_prune.last_stats if is_wrapped(model) else None
         seq = inputs["attention_mask"].sum(1).tolist()
         for i, length in enumerate(seq):
             flops += sample_flops(model.config, length, stats, i)
             flops_full += sample_flops(model.config, length, None, i)
-        if stats is not None:
-            tok_in += sum(stats["visual_tokens_in"])
-            tok_out += sum(stats["visual_tokens_out"])
-    return {"n": n, "accuracy": correct / n, "visual_tokens_in": tok_in / n if tok_in else None,
-            "visual_tokens_out": tok_out / n if tok_in else None, "flops_ratio": flops / flops_full}
+            if stats is not None:
+                tok_in += stats["visual_tokens_in"][i]
+                tok_out += stats["visual_tokens_out"][i]
+                tok_avg += layer_average(model.config, stats["visual_tokens_in"][i], stats, i)
+    n = len(hits)
+    qtypes = [s.qtype for samples, _ in batches for s in samples]
+    families = {q: statistics.fmean(h for h, t in zip(hits, qtypes) if t == q) for q in sorted(set(qtypes))}
+    return {"n": n, "accuracy": sum(hits) / n, "correct": "".join("1" if h else "0" for h in hits),
+            "by_family": families, "visual_tokens_in": tok_in / n if tok_in else None,
+            "visual_tokens_out": tok_out / n if tok_in else None,
+            "visual_tokens_layer_avg": tok_avg / n if tok_in else None, "flops_ratio": flops / flops_full}
 
 
 def to_device(inputs: Any, model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -248,39 +312,47 @@ def to_device(inputs: Any, model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def run_model(name: str, model: torch.nn.Module, processor: Any, samples: list[Sample], keeps: tuple[float, ...],
-              args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[dict[str, str]]]:
-    """Rows (unpruned first) and skipped combinations of one model."""
+              args: argparse.Namespace, seed: int = 0) -> tuple[list[dict[str, Any]], list[dict[str, str]]]:
+    """Rows (unpruned first) and skipped combinations of one model (training ``seed`` of a shipped kind)."""
     from tqdm.auto import tqdm
 
     only = set(args.methods.split(",")) if args.methods else None
-    cases, skipped = plan(model, processor, keeps, only)
-    batches = [(samples[i:i + args.batch_size], to_device(encode(processor, samples[i:i + args.batch_size]), model))
-               for i in range(0, len(samples), args.batch_size)]
-    timed = [inputs for _, inputs in batches[: args.time_batches]]
-    base = accuracy_pass(model, processor, batches)
-    t_base = time_pair(model, None, timed, args.repeats)
-    n_visual = _visual_count(model, batches[0][1])
-    rows = [{"model": name, "method": "none", "keep": 1.0, **base, "visual_tokens_in": n_visual,
-             "visual_tokens_out": n_visual, "kept_fraction": 1.0, "retention": 1.0,
-             **ratios(t_base, model.device), "notes": ""}]
-    for case in tqdm(cases, desc=f"bench {name}", unit="setting"):
-        try:
-            wrap_case(model, case, processor, args.seed)
-        except ValueError as err:
-            skipped.append({"method": case.label, "keep": case.keep, "reason": str(err)})
-            continue
-        try:
-            res = accuracy_pass(model, processor, batches)
-        finally:
-            vlm_prune.unwrap(model)
-        timing = time_pair(model, lambda m, c=case: wrap_case(m, c, processor, args.seed), timed, args.repeats)
-        rows.append({
-            "model": name, "method": case.label, "keep": case.keep, **res,
-            "kept_fraction": res["visual_tokens_out"] / res["visual_tokens_in"],
-            "retention": res["accuracy"] / base["accuracy"] if base["accuracy"] else None,
-            **ratios(timing, model.device), "notes": case.notes,
-        })
-    return rows, [{"model": name, **s} for s in skipped]
+    tap = PixelTap(model)
+    try:
+        cases, skipped = plan(model, processor, keeps, only, tap, args.seed)
+        batches = [(samples[i:i + args.batch_size], to_device(encode(processor, samples[i:i + args.batch_size]), model))
+                   for i in range(0, len(samples), args.batch_size)]
+        timed = [inputs for _, inputs in batches[: args.time_batches]]
+        base = accuracy_pass(model, processor, batches)
+        t_base = time_pair(model, None, timed, args.repeats)
+        n_visual = _visual_count(model, batches[0][1])
+        chance = statistics.fmean(1 / len(s.options) for s in samples)
+        rows = [{"model": name, "seed": seed, "method": "none", "keep": 1.0, **base, "visual_tokens_in": n_visual,
+                 "visual_tokens_out": n_visual, "visual_tokens_layer_avg": n_visual, "kept_fraction": 1.0,
+                 "layer_avg_fraction": 1.0, "chance": chance, "retention": 1.0, "chance_retention": 1.0,
+                 **ratios(t_base, model.device), "notes": "", "qtypes": [s.qtype for s in samples]}]
+        for case in tqdm(cases, desc=f"bench {name} seed {seed}", unit="setting"):
+            try:
+                wrap_case(model, case, processor, args.seed)
+            except ValueError as err:
+                skipped.append({"method": case.label, "keep": case.keep, "reason": str(err)})
+                continue
+            try:
+                res = accuracy_pass(model, processor, batches)
+            finally:
+                vlm_prune.unwrap(model)
+            timing = time_pair(model, lambda m, c=case: wrap_case(m, c, processor, args.seed), timed, args.repeats)
+            rows.append({
+                "model": name, "seed": seed, "method": case.label, "keep": case.keep, **res,
+                "kept_fraction": res["visual_tokens_out"] / res["visual_tokens_in"],
+                "layer_avg_fraction": res["visual_tokens_layer_avg"] / res["visual_tokens_in"], "chance": chance,
+                "retention": res["accuracy"] / base["accuracy"] if base["accuracy"] else None,
+                "chance_retention": bench_stats.chance_retention(res["accuracy"], base["accuracy"], chance),
+                **ratios(timing, model.device), "notes": case.notes,
+            })
+    finally:
+        tap.close()
+    return rows, [{"model": name, "seed": seed, **s} for s in skipped]
 
 
 def _visual_count(model: torch.nn.Module, inputs: dict[str, torch.Tensor]) -> float:
@@ -324,19 +396,36 @@ def render_for(samples: list[Sample], side: int | None, with_options: bool) -> l
     return out
 
 
-def targets(args: argparse.Namespace) -> Iterator[tuple[str, torch.nn.Module, Any, list[Sample], tuple[float, ...]]]:
-    """(name, model, processor, test samples, keep ratios) of every model to bench, loaded one at a time."""
+def per_seed(total: int, seeds: list[int]) -> int:
+    """Test samples per model seed so that all seeds together hold at least ``total``."""
+    return -(-total // max(1, len(seeds)))
+
+
+def targets(args: argparse.Namespace) -> Iterator[tuple[str, int, torch.nn.Module, Any, list[Sample], tuple[float, ...]]]:
+    """(name, seed, model, processor, test samples, keep ratios) of every model to bench, loaded one at a time.
+
+    The shipped models: every shipped training seed of each kind in ``--kinds``, each on the same
+    first test samples (so methods and seeds pair up), ``--limit`` (default 900, ``--quick`` 96 /
+    48) split evenly over the seeds.
+    """
     quick = args.quick
-    n_image = args.limit or (96 if quick else 300)
-    n_video = args.limit or (48 if quick else 150)
-    image_keeps = args.keep or (QUICK_IMAGE_KEEPS if quick else IMAGE_KEEPS)
-    video_keeps = args.keep or (QUICK_VIDEO_KEEPS if quick else VIDEO_KEEPS)
+    keeps = {"image": args.keep or (QUICK_IMAGE_KEEPS if quick else IMAGE_KEEPS),
+             "video": args.keep or (QUICK_VIDEO_KEEPS if quick else VIDEO_KEEPS)}
+    totals = {k: args.limit or (QUICK_SAMPLES if quick else SAMPLES)[k] for k in ("image", "video")}
     if args.model is None:
         if args.device != "cpu":
             raise SystemExit("the shipped synthetic models run on CPU; --device cuda applies to --model and --speed")
-        for kind, n, keeps in (("image", n_image, image_keeps), ("video", n_video, video_keeps)):
-            model, processor = load(kind)
-            yield f"synthetic-{kind}", model, processor, make_dataset(kind, "test", n), keeps
+        for kind in args.kinds:
+            seeds = shipped_seeds(kind)[: args.seeds]
+            if not seeds:
+                raise SystemExit(f"no shipped {kind} model; train one with `python -m vlm_prune.eval.synthetic.train --kind {kind}`")
+            families = {trained_qtypes(kind, seed) for seed in seeds}
+            if len(families) != 1:
+                raise SystemExit(f"the shipped {kind} seeds {seeds} answer different task families {sorted(families)}")
+            samples = make_dataset(kind, "test", per_seed(totals[kind], seeds), qtypes=families.pop())
+            for seed in seeds:
+                model, processor = load(kind, seed)
+                yield f"synthetic-{kind}", seed, model, processor, samples, keeps[kind]
         return
     from transformers import AutoModelForImageTextToText, AutoProcessor
     from vlm_prune.adapters import find_adapter
@@ -344,10 +433,9 @@ def targets(args: argparse.Namespace) -> Iterator[tuple[str, torch.nn.Module, An
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     model = AutoModelForImageTextToText.from_pretrained(args.model, dtype=dtype).to(args.device).eval()
     processor = AutoProcessor.from_pretrained(args.model)
-    video = "frames" in find_adapter(model).stages
-    kind, n, keeps = ("video", n_video, video_keeps) if video else ("image", n_image, image_keeps)
-    samples = render_for(make_dataset(kind, "test", n), processor_size(processor), with_options=True)
-    yield args.model, model, processor, samples, keeps
+    kind = "video" if "frames" in find_adapter(model).stages else "image"
+    samples = render_for(make_dataset(kind, "test", totals[kind]), processor_size(processor), with_options=True)
+    yield args.model, 0, model, processor, samples, keeps[kind]
 
 
 # ---- report ---------------------------------------------------------------------------------------
@@ -359,53 +447,95 @@ def fmt(value: Any, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
+def summarise(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Rows pooled over model seeds (per-sample scores dropped) and the matched view."""
+    pooled = bench_stats.pool_seeds(rows)
+    qtypes = {r["model"]: r["qtypes"] for r in rows if r["method"] == "none"}
+    return {"pooled": [{k: v for k, v in r.items() if k != "correct"} for r in pooled],
+            "matched": bench_stats.matched(pooled, qtypes)}
+
+
+def _pct(value: float | None) -> str:
+    return "-" if value is None else f"{100 * value:.1f}"
+
+
+def _diff(entry: dict[str, Any] | None) -> str:
+    if not entry:
+        return "-"
+    return f"{entry['method']}: {100 * entry['diff']:+.1f} +- {100 * entry['ci']:.1f}"
+
+
 def markdown(rows: list[dict[str, Any]], skipped: list[dict[str, Any]]) -> str:
-    """The results table and the list of skipped combinations."""
-    head = ["model", "method", "keep", "visual tokens", "kept", "accuracy", "retention",
-            "prefill time ratio", "prefill CPU-time ratio", "FLOPs ratio (ideal)", "notes"]
+    """The pooled results table, accuracy per task family, the matched view and the skipped combinations."""
+    summary = summarise(rows)
+    pooled, matched = summary["pooled"], summary["matched"]
+    head = ["model", "method", "keep", "visual tokens", "layer-avg tokens", "FLOPs ratio (ideal)", "accuracy % (95% CI)",
+            "seeds (min-max)", "retention", "chance-corrected retention", "prefill CPU-time ratio", "prefill time ratio", "notes"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for r in rows:
+    for r in pooled:
         tokens = f"{fmt(r['visual_tokens_out'], '.1f')} / {fmt(r['visual_tokens_in'], '.0f')}"
+        spread = f"{_pct(r['accuracy_min'])}-{_pct(r['accuracy_max'])} ({len(r['seeds'])})"
         lines.append("| " + " | ".join([
-            r["model"], r["method"], fmt(r["keep"], "g"), tokens, fmt(r["kept_fraction"], ".3f"),
-            fmt(r["accuracy"], ".3f"), fmt(r["retention"], ".3f"), fmt(r["prefill_ratio"], ".2f"),
-            fmt(r["prefill_cpu_ratio"], ".2f"), fmt(r["flops_ratio"], ".2f"), markdown_escape(r["notes"]),
+            r["model"], r["method"], fmt(r["keep"], "g"), tokens, fmt(r["visual_tokens_layer_avg"], ".1f"),
+            fmt(r["flops_ratio"], ".2f"), f"{_pct(r['accuracy'])} +- {_pct(r['accuracy_ci'])}", spread,
+            fmt(r["retention"], ".3f"), fmt(r["chance_retention"], ".3f"), fmt(r["prefill_cpu_ratio"], ".2f"),
+            fmt(r["prefill_ratio"], ".2f"), markdown_escape(r["notes"]),
         ]) + " |")
-    if skipped:
+    for model in dict.fromkeys(r["model"] for r in pooled):
+        mine = [r for r in pooled if r["model"] == model]
+        families = list(mine[0]["by_family"])
+        lines += ["", f"Accuracy % per task family, {model} (mean over seeds):", "",
+                  "| method | keep | " + " | ".join(families) + " |", "|" + "---|" * (len(families) + 2)]
+        lines += ["| " + " | ".join([r["method"], fmt(r["keep"], "g")] + [_pct(r["by_family"].get(f)) for f in families]) + " |"
+                  for r in mine]
+        lines += _matched_tables(model, [m for m in matched if m["model"] == model])
+    seen = set()
+    unique = []
+    for s in skipped:
+        key = (s["model"], s["method"], s.get("keep"), s["reason"])
+        if key not in seen:
+            seen.add(key)
+            unique.append(s)
+    if unique:
         lines += ["", "Skipped (not applicable to the model):", ""]
         lines += [f"- {s['model']}: {s['method']}" + (f" (keep {s['keep']})" if s.get("keep") is not None else "")
-                  + f" - {s['reason']}" for s in skipped]
+                  + f" - {s['reason']}" for s in unique]
     return "\n".join(lines) + "\n"
 
 
-def plot(rows: list[dict[str, Any]], path: str) -> None:
-    """Accuracy against the kept fraction, one line per method, one panel per model."""
-    from matplotlib import colormaps
-    from matplotlib.figure import Figure
+def _matched_tables(model: str, entries: list[dict[str, Any]]) -> list[str]:
+    """Per axis: accuracy of every method at each matched target (all families), then the best
+    method per family at each target with paired 95% intervals."""
+    lines: list[str] = []
+    for axis, label in bench_stats.AXES.items():
+        mine = [e for e in entries if e["axis"] == axis and e["family"] == "all"]
+        if not mine:
+            continue
+        targets = [f"{100 * e['fraction']:g}%" + (f" (FLOPs {e['target']:.2f})" if axis == "flops_ratio" else "") for e in mine]
+        methods = list(mine[0]["accuracy"])
+        lines += ["", f"Matched {label}, {model}: accuracy % interpolated at each target (- = not reached):", "",
+                  "| method | " + " | ".join(targets) + " |", "|" + "---|" * (len(targets) + 1)]
+        lines += ["| " + " | ".join([m] + [_pct(e["accuracy"][m]) for e in mine]) + " |" for m in methods]
+        lines += ["", f"Best method per task family at matched {label}, {model} (paired difference, % points +- 95% CI):", "",
+                  "| family | target | best | accuracy % | vs runner-up | vs saturation | vs random |", "|---|---|---|---|---|---|---|"]
+        for e in (e for e in entries if e["axis"] == axis):
+            best = e["best"]
+            lines.append("| " + " | ".join([
+                e["family"], f"{100 * e['fraction']:g}%", best or "-", _pct(e["accuracy"].get(best)) if best else "-",
+                _diff(e.get("vs_runner_up")), _diff(e.get("vs_saturation")), _diff(e.get("vs_random")),
+            ]) + " |")
+    return lines
 
-    colours = colormaps["tab20"].colors
-    markers = "os^vDPX*<>"
-    models = list(dict.fromkeys(r["model"] for r in rows))
-    fig = Figure(figsize=(6.5 * len(models), 4.8), layout="constrained")
-    axes = fig.subplots(1, len(models), squeeze=False)[0]
-    for ax, name in zip(axes, models):
-        mine = [r for r in rows if r["model"] == name]
-        for i, method in enumerate(dict.fromkeys(r["method"] for r in mine if r["method"] != "none")):
-            pts = sorted((r for r in mine if r["method"] == method), key=lambda r: r["kept_fraction"])
-            ax.plot([r["kept_fraction"] for r in pts], [r["accuracy"] for r in pts], label=method,
-                    color=colours[i % len(colours)], marker=markers[i % len(markers)], ms=4,
-                    ls="--" if "+" in method else "-")
-        for r in mine:
-            if r["method"] == "none":
-                ax.axhline(r["accuracy"], color="black", ls=":", label="unpruned")
-        ax.set(xscale="log", xlabel="kept fraction of visual tokens (log)", ylabel="accuracy", title=name)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7, ncol=2)
-    fig.savefig(path, dpi=110)
+
+def plot(rows: list[dict[str, Any]], path: str) -> list[str]:
+    """The bench figure (:func:`vlm_prune.eval.plots.bench_figure`) from the rows pooled over seeds."""
+    from vlm_prune.eval.plots import bench_figure
+
+    return bench_figure(bench_stats.pool_seeds(rows), path)
 
 
 def write_outputs(out_dir: str, payload: dict[str, Any], table: str, rows: list[dict[str, Any]] | None) -> dict[str, str]:
-    """bench.json, bench.md and (with rows) bench.png under ``out_dir``."""
+    """bench.json, bench.md and (with rows) the figure bench.png (+ .svg, .pdf) under ``out_dir``."""
     os.makedirs(out_dir, exist_ok=True)
     stem = payload["meta"]["mode"]
     paths = {"json": os.path.join(out_dir, f"{stem}.json"), "markdown": os.path.join(out_dir, f"{stem}.md")}
@@ -414,8 +544,7 @@ def write_outputs(out_dir: str, payload: dict[str, Any], table: str, rows: list[
     with open(paths["markdown"], "w", encoding="utf-8") as f:
         f.write(table)
     if rows is not None:
-        paths["plot"] = os.path.join(out_dir, f"{stem}.png")
-        plot(rows, paths["plot"])
+        paths["plot"], paths["svg"], paths["pdf"] = plot(rows, os.path.join(out_dir, f"{stem}.png"))
     return paths
 
 
@@ -437,14 +566,17 @@ def run(args: argparse.Namespace) -> int:
         from vlm_prune.eval import speed
 
         return speed.run(args)
-    parts = (run_model(name, model, processor, samples, keeps, args)
-             for name, model, processor, samples, keeps in targets(args))
-    return run_and_write("bench", args, parts, markdown, plot=True)
+    parts = (run_model(name, model, processor, samples, keeps, args, seed)
+             for name, seed, model, processor, samples, keeps in targets(args))
+    return run_and_write("bench", args, parts, markdown, plot=True, summarise=summarise)
 
 
 def run_and_write(mode: str, args: argparse.Namespace, parts: Iterable[tuple[list[dict[str, Any]], list[dict[str, Any]]]],
-                  to_markdown: Callable[[list[dict[str, Any]], list[dict[str, Any]]], str], plot: bool) -> int:
-    """Run every (rows, skipped) part lazily, then write bench.json / .md (and the plot) and print the table."""
+                  to_markdown: Callable[[list[dict[str, Any]], list[dict[str, Any]]], str], plot: bool,
+                  summarise: Callable[[list[dict[str, Any]]], dict[str, Any]] | None = None) -> int:
+    """Run every (rows, skipped) part lazily, then write bench.json / .md (and the plot) and print the table.
+
+    ``summarise(rows)`` adds its keys (e.g. the pooled rows and the matched view) to the JSON."""
     start = time.perf_counter()
     rows: list[dict[str, Any]] = []
     skipped: list[dict[str, Any]] = []
@@ -452,7 +584,8 @@ def run_and_write(mode: str, args: argparse.Namespace, parts: Iterable[tuple[lis
         rows += r
         skipped += s
     table = to_markdown(rows, skipped)
-    payload = {"meta": {**meta(mode, args), "seconds": time.perf_counter() - start}, "rows": rows, "skipped": skipped}
+    payload = {"meta": {**meta(mode, args), "seconds": time.perf_counter() - start}, "rows": rows, "skipped": skipped,
+               **(summarise(rows) if summarise else {})}
     paths = write_outputs(args.out, payload, table, rows if plot else None)
     print(table)
     print("wrote " + ", ".join(paths.values()))
@@ -469,6 +602,13 @@ def _keeps(text: str) -> tuple[float, ...]:
     return values
 
 
+def _kinds(text: str) -> tuple[str, ...]:
+    kinds = tuple(k.strip() for k in text.split(",") if k.strip())
+    if not kinds or set(kinds) - {"image", "video"}:
+        raise argparse.ArgumentTypeError(f"expected image, video or image,video, got {text!r}")
+    return kinds
+
+
 def _positive(text: str) -> int:
     value = int(text)
     if value < 1:
@@ -483,7 +623,10 @@ def add_parser(subparsers: Any) -> None:
     )
     p.add_argument("--quick", action="store_true",
                    help="fewer samples (96 image / 48 video) and keep ratios (0.25, 0.05 / 0.25); a row per method")
-    p.add_argument("--limit", type=_positive, default=None, help="samples per model (default 300 image / 150 video)")
+    p.add_argument("--limit", type=_positive, default=None,
+                   help="test samples per model kind, split over the shipped seeds (default 900; --quick 96 image / 48 video)")
+    p.add_argument("--kinds", type=_kinds, default=("image", "video"), help="shipped model kinds to bench (default image,video)")
+    p.add_argument("--seeds", type=_positive, default=None, help="bench only the first N shipped training seeds (default all)")
     p.add_argument("--keep", type=_keeps, default=None, help="keep ratios for every model, e.g. 0.5,0.25")
     p.add_argument("--methods", default=None, help="comma-separated method names to run (default: all registered)")
     p.add_argument("--model", default=None, metavar="PATH_OR_HUB_ID",

@@ -1,9 +1,13 @@
-"""The sweep table (Markdown + JSON) and plot: accuracy and speed-up against the kept fraction.
+"""The sweep table (Markdown + JSON), the sweep figure and the bench figure.
 
 Speed-ups are relative to the unpruned run ("none") when the sweep has one, otherwise to the
 same method's keep=1.0 run: measured time to first token (``ttft_speedup``) and the ideal
 from prefill FLOPs (``flops_speedup``). The kept fraction on the x axis is the measured one
 (visual tokens out / in), so keep and budget settings share one axis.
+
+Figures use one colour-blind-safe colour per method (the same in every figure) and one marker per
+method family, accuracy on the full 0-1 axis with the unpruned run drawn, the legend outside the
+axes, and are written as a 200-dpi PNG with SVG and PDF copies beside it.
 """
 from __future__ import annotations
 
@@ -70,34 +74,181 @@ def markdown_table(rows: list[dict[str, Any]], title: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot(rows: list[dict[str, Any]], path: str, title: str) -> None:
-    """Accuracy (left) and speed-up (right) against the kept fraction, one line per method."""
+# ---- figure style: one colour per method (colour-blind safe), one marker per family -------------
+#: Paul Tol's "muted" and Okabe-Ito colours; the model-free baselines in black and greys
+METHOD_COLOURS = {
+    "saturation": "#000000", "random": "#777777", "pool": "#BBBBBB",
+    "visionzip": "#0072B2", "divprune": "#117733", "cdpruner": "#CC6677", "asvit": "#AA4499", "tome": "#DDCC77",
+    "fastv": "#882255", "pact": "#E69F00", "adaptinfer": "#44AA99",
+    "uniform": "#88CCEE", "keyscore": "#332288", "quota": "#D55E00",
+}
+SPARE_COLOURS = ("#999933", "#56B4E9", "#009E73", "#F0E442", "#CC79A7")
+FAMILY_MARKERS = {"baseline": "X", "vision": "o", "vit": "^", "llm": "s", "frames": "D"}
+FAMILY_NAMES = {"baseline": "model-free baseline", "vision": "vision stage", "vit": "inside the ViT",
+                "llm": "inside the LLM", "frames": "frames stage"}
+BASELINES = ("saturation", "random", "pool")
+
+
+def method_family(method: str) -> str:
+    """"baseline", or the registered stage of the (first) method of ``method`` ("a+b" composes)."""
+    first = method.split("+")[0]
+    if first in BASELINES:
+        return "baseline"
+    try:
+        from vlm_prune.registry import method_class
+
+        return method_class(first).stage
+    except (KeyError, ValueError):
+        return "vision"
+
+
+def method_style(method: str, order: list[str]) -> dict[str, Any]:
+    """Colour by method (a composition "a+b" takes a's colour, dashed), marker by family."""
+    first = method.split("+")[0]
+    colour = METHOD_COLOURS.get(first)
+    if colour is None:
+        unknown = [m for m in order if m.split("+")[0] not in METHOD_COLOURS]
+        colour = SPARE_COLOURS[unknown.index(method) % len(SPARE_COLOURS)] if method in unknown else "#777777"
+    return {"color": colour, "marker": FAMILY_MARKERS[method_family(method)], "ls": "--" if "+" in method else "-",
+            "lw": 2.2 if method == "saturation" else 1.4, "ms": 5.5, "mec": "white" if first != "pool" else "#555555",
+            "mew": 0.6}
+
+
+def save_figure(fig: Any, path: str) -> list[str]:
+    """``path`` as a 200-dpi PNG with SVG and PDF copies beside it; returns the three paths."""
+    stem = os.path.splitext(path)[0]
+    paths = [f"{stem}.png", f"{stem}.svg", f"{stem}.pdf"]
+    for p in paths:
+        fig.savefig(p, dpi=200, bbox_inches="tight")
+    return paths
+
+
+def _fraction_axis(ax: Any, label: str) -> None:
+    """Log axis of fractions of visual tokens from 1.5% to 100%, ticks in percent."""
+    from matplotlib.ticker import NullLocator
+
+    ax.set_xscale("log")
+    ax.set_xlim(0.015, 1.15)
+    ticks = [0.02, 0.05, 0.11, 0.25, 0.5, 1.0]
+    ax.set_xticks(ticks, [f"{100 * t:g}%" for t in ticks])
+    ax.xaxis.set_minor_locator(NullLocator())
+    ax.set_xlabel(label)
+
+
+def _accuracy_axis(ax: Any, ylabel: str = "accuracy") -> None:
+    ax.set_ylim(-0.02, 1.02)
+    ax.set_ylabel(ylabel)
+    ax.grid(alpha=0.25, lw=0.6)
+
+
+def _family_legend(fig: Any, handles: list[Any], labels: list[str], families: list[str]) -> None:
+    from matplotlib.lines import Line2D
+
+    marks = [Line2D([], [], color="#444444", marker=FAMILY_MARKERS[f], ls="none", label=FAMILY_NAMES[f]) for f in families]
+    fig.legend(handles + marks, labels + [m.get_label() for m in marks], loc="center left",
+               bbox_to_anchor=(1.0, 0.5), frameon=False, fontsize=8)
+
+
+def bench_figure(pooled: list[dict[str, Any]], path: str) -> list[str]:
+    """``vlm-prune bench``'s figure: accuracy (mean over model seeds; bars = seed range, or the 95%
+    interval with one seed) against the fraction of visual tokens averaged over the LLM's layers
+    (left) and the ideal prefill FLOPs ratio (right), one row per model. The unpruned accuracy
+    and the chance level are drawn as reference lines."""
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(10, 4), layout="constrained")
-    acc_ax, speed_ax = fig.subplots(1, 2)
-    methods = sorted({r["method"] for r in rows if r["method"] != "none"})
-    for method in methods:
+    models = list(dict.fromkeys(r["model"] for r in pooled))
+    order = list(dict.fromkeys(r["method"] for r in pooled if r["method"] != "none"))
+    fig = Figure(figsize=(10.5, 3.9 * len(models)), layout="constrained")
+    axes = fig.subplots(len(models), 2, squeeze=False)
+    handles: dict[str, Any] = {}
+    for row, model in zip(axes, models):
+        mine = [r for r in pooled if r["model"] == model]
+        base = next((r for r in mine if r["method"] == "none"), None)
+        for ax, key, label in ((row[0], "layer_avg_fraction", "visual tokens, averaged over LLM layers (log)"),
+                               (row[1], "flops_ratio", "prefill FLOPs ratio (ideal)")):
+            for method in order:
+                pts = sorted((r for r in mine if r["method"] == method and r.get(key) is not None), key=lambda r: r[key])
+                if not pts:
+                    continue
+                if base is not None:
+                    pts = pts + [base]
+                ys = [r["accuracy"] for r in pts]
+                lo = [r["accuracy"] - r.get("accuracy_min", r["accuracy"]) for r in pts]
+                hi = [r.get("accuracy_max", r["accuracy"]) - r["accuracy"] for r in pts]
+                if all(len(r.get("seeds", [0])) == 1 for r in pts):
+                    lo = hi = [r.get("accuracy_ci") or 0.0 for r in pts]
+                line = ax.errorbar([r[key] for r in pts], ys, yerr=[lo, hi], capsize=2, elinewidth=0.8,
+                                   label=method, **method_style(method, order))
+                handles.setdefault(method, line)
+            if base is not None:
+                ref = ax.axhline(base["accuracy"], color="black", ls=":", lw=1.0, label="unpruned")
+                handles.setdefault("unpruned", ref)
+                if base.get("chance") is not None:
+                    ch = ax.axhline(base["chance"], color="#999999", ls="-.", lw=0.9, label="chance")
+                    handles.setdefault("chance", ch)
+            if key == "layer_avg_fraction":
+                _fraction_axis(ax, label)
+                for t in (0.25, 0.11, 0.05):
+                    ax.axvline(t, color="#DDDDDD", lw=0.8, zorder=0)
+            else:
+                ax.set_xlim(0, 1.05)
+                ax.set_xlabel(label)
+            _accuracy_axis(ax)
+            ax.set_title(f"{model}: accuracy vs {'tokens' if key == 'layer_avg_fraction' else 'FLOPs'}", fontsize=10)
+    families = sorted({method_family(m) for m in order}, key=list(FAMILY_MARKERS).index)
+    _family_legend(fig, list(handles.values()), list(handles), families)
+    return save_figure(fig, path)
+
+
+def plot(rows: list[dict[str, Any]], path: str, title: str) -> list[str]:
+    """The sweep figure: accuracy against the kept fraction of visual tokens and against the ideal
+    prefill FLOPs ratio, and the speed-up (measured TTFT, solid; ideal from FLOPs, dashed) against
+    the kept fraction; one colour per method, the unpruned run as reference."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(13, 4), layout="constrained")
+    acc_ax, flops_ax, speed_ax = fig.subplots(1, 3)
+    order = list(dict.fromkeys(r["method"] for r in rows if r["method"] != "none"))
+    handles: dict[str, Any] = {}
+    for method in order:
+        style = method_style(method, order)
         pts = sorted((r for r in rows if r["method"] == method and r.get("kept_fraction") is not None),
                      key=lambda r: r["kept_fraction"])
         x = [r["kept_fraction"] for r in pts]
-        line = acc_ax.plot(x, [r["accuracy"] for r in pts], marker="o", label=method)[0]
-        colour = line.get_color()
-        speed_ax.plot(x, [r["ttft_speedup"] or float("nan") for r in pts], marker="o", color=colour,
-                      label=f"{method} (TTFT)")
-        speed_ax.plot(x, [r["flops_speedup"] or float("nan") for r in pts], ls="--", color=colour,
-                      label=f"{method} (FLOPs, ideal)")
+        handles[method] = acc_ax.plot(x, [r["accuracy"] for r in pts], label=method, **style)[0]
+        fl = [r for r in pts if r.get("flops_ratio") is not None]
+        flops_ax.plot([r["flops_ratio"] for r in fl], [r["accuracy"] for r in fl], **style)
+        ttft = [(r["kept_fraction"], r["ttft_speedup"]) for r in pts if r.get("ttft_speedup")]
+        ideal = [(r["kept_fraction"], r["flops_speedup"]) for r in pts if r.get("flops_speedup")]
+        if ttft:
+            speed_ax.plot(*zip(*ttft), **style)
+        if ideal:
+            speed_ax.plot(*zip(*ideal), **{**style, "ls": ":", "marker": "_", "ms": 9, "mew": 1.6, "mec": style["color"]})
+    from matplotlib.lines import Line2D
+
+    handles["measured TTFT speed-up"] = Line2D([], [], color="#444444", ls="-", marker="o")
+    handles["ideal speed-up (FLOPs)"] = Line2D([], [], color="#444444", ls=":", marker="_", ms=9, mew=1.6)
     for r in rows:
         if r["method"] == "none":
-            acc_ax.axhline(r["accuracy"], color="black", ls=":", label="unpruned")
-            speed_ax.axhline(1.0, color="black", ls=":", label="unpruned")
-    acc_ax.set(xlabel="kept fraction of visual tokens", ylabel="accuracy", title="accuracy")
-    speed_ax.set(xlabel="kept fraction of visual tokens", ylabel="speed-up (x)", title="speed-up")
+            for ax in (acc_ax, flops_ax):
+                handles["unpruned"] = ax.axhline(r["accuracy"], color="black", ls=":", lw=1.0, label="unpruned")
+            speed_ax.axhline(1.0, color="black", ls=":", lw=1.0)
     for ax in (acc_ax, speed_ax):
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-    fig.suptitle(title, fontsize=9)
-    fig.savefig(path, dpi=120)
+        _fraction_axis(ax, "kept fraction of visual tokens (measured, log)")
+    flops_ax.set_xlim(0, 1.05)
+    flops_ax.set_xlabel("prefill FLOPs ratio (ideal)")
+    _accuracy_axis(acc_ax)
+    _accuracy_axis(flops_ax)
+    speed_ax.set_ylabel("speed-up over unpruned (x)")
+    speed_ax.set_ylim(bottom=0)
+    speed_ax.grid(alpha=0.25, lw=0.6)
+    acc_ax.set_title("accuracy vs tokens", fontsize=10)
+    flops_ax.set_title("accuracy vs FLOPs", fontsize=10)
+    speed_ax.set_title("speed-up", fontsize=10)
+    families = sorted({method_family(m) for m in order}, key=list(FAMILY_MARKERS).index)
+    _family_legend(fig, list(handles.values()), list(handles), families)
+    fig.suptitle(title, fontsize=10)
+    return save_figure(fig, path)
 
 
 def write_sweep(rows: list[dict[str, Any]], out_dir: str, title: str) -> dict[str, str]:

@@ -3,11 +3,12 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
 from vlm_prune.adapters.llava import LlavaAdapter
 from vlm_prune.adapters.llava_onevision import LlavaOnevisionAdapter
-from vlm_prune.eval.bench import fit_layer
+from vlm_prune.eval.bench import fit_layer, frame_question
 from vlm_prune.eval.speed import LLAMA_7B, QWEN2_7B, scaled
 
 import vlm_prune
@@ -18,7 +19,7 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
 def applicable(stages: set[str], family: str) -> set[str]:
-    out = set()
+    out = {"saturation"}  # the required model-free baseline
     for name in vlm_prune.available_methods():
         cls = method_class(name)
         if cls.stage in stages and (cls.supported is None or family in cls.supported):
@@ -47,7 +48,9 @@ def test_quick_bench_has_a_row_per_applicable_method(quick):
         assert left_out == set(vlm_prune.available_methods()) - applicable(stages, family)
     table = (out / "bench.md").read_text()
     assert "| synthetic-video | quota+pact | 0.25 |" in table and "asvit - vit-stage method" in table
+    assert "Matched layer-avg tokens, synthetic-image" in table and "Best method per task family" in table
     assert (out / "bench.png").read_bytes()[:8] == PNG_MAGIC
+    assert (out / "bench.svg").read_text().lstrip().startswith("<?xml") and (out / "bench.pdf").read_bytes()[:4] == b"%PDF"
 
 
 def test_quick_bench_numbers_are_consistent(quick):
@@ -56,14 +59,23 @@ def test_quick_bench_numbers_are_consistent(quick):
     base = {r["model"]: r for r in rows if r["method"] == "none"}
     assert base["synthetic-image"]["visual_tokens_in"] == 64  # 64x64 image, patch 8
     for r in rows:
-        assert 0.0 <= r["accuracy"] <= 1.0 and r["n"] == 4
-        assert r["retention"] == pytest.approx(r["accuracy"] / base[r["model"]]["accuracy"])
+        assert 0.0 <= r["accuracy"] <= 1.0 and len(r["correct"]) == r["n"] == 4
+        assert r["accuracy"] == r["correct"].count("1") / r["n"]
+        b = base[r["model"]]
+        assert r["retention"] == pytest.approx(r["accuracy"] / b["accuracy"])
+        if b["accuracy"] > b["chance"]:
+            assert r["chance_retention"] == pytest.approx((r["accuracy"] - b["chance"]) / (b["accuracy"] - b["chance"]))
         assert r["prefill_ratio"] > 0 and r["prefill_cpu_ratio"] > 0
-        if r["method"] in ("random", "pool", "divprune", "cdpruner", "visionzip") and r["model"] == "synthetic-image":
+        if r["method"] in ("random", "pool", "divprune", "cdpruner", "visionzip", "saturation") and r["model"] == "synthetic-image":
             assert r["visual_tokens_out"] == 16 and r["kept_fraction"] == 0.25  # floor(0.25 * 64)
-            assert r["flops_ratio"] < 1.0
-        if r["method"] == "uniform":
-            assert r["visual_tokens_out"] == 4 * 4 + 1  # 4 of 16 frames x 2x2 tokens + the newline
+            assert r["visual_tokens_layer_avg"] == 16 and r["flops_ratio"] < 1.0  # removed before layer 0
+        if r["method"] == "fastv" and r["model"] == "synthetic-image":  # all 64 through layers 0-1, 16 after
+            assert r["visual_tokens_layer_avg"] == pytest.approx((2 * 64 + 4 * 16) / 6)
+        if r["method"] in ("uniform", "saturation") and r["model"] == "synthetic-video":
+            assert r["visual_tokens_out"] - b["visual_tokens_in"] + 64 == 4 * 4  # 4 of 16 frames x 2x2 tokens (+ newline)
+    pooled = {(p["model"], p["method"], p["keep"]): p for p in result["pooled"]}
+    for r in rows:
+        assert pooled[(r["model"], r["method"], r["keep"])]["accuracy"] == pytest.approx(r["accuracy"])
 
 
 def test_speed_tiny_scale_reports_savings(tmp_path):
@@ -138,3 +150,76 @@ def test_methods_missing_an_extra_are_skipped_with_the_install_hint(hide_module)
     cases, skipped = plan(model, processor, (0.25,), {"keyscore", "uniform"})
     assert [c.label for c in cases] == ["uniform"]
     assert skipped == [{"method": "keyscore", "reason": skipped[0]["reason"]}] and "vlm-prune[video]" in skipped[0]["reason"]
+
+
+def test_frame_question_comes_from_the_users_query():
+    assert frame_question("how many times does the red shape appear ?") == "is there a red shape ?"
+    assert frame_question("is there a blue shape ?\nDoes the image contain sufficient information") == "is there a blue shape ?"
+    assert frame_question("which colour came first ?") == "is there a coloured shape ?"
+
+
+def _row(method, keep, correct, frac, flops=None, seed=0, model="m"):
+    return {"model": model, "method": method, "keep": keep, "seed": seed, "n": len(correct), "correct": correct,
+            "accuracy": correct.count("1") / len(correct), "kept_fraction": frac, "layer_avg_fraction": frac,
+            "flops_ratio": flops if flops is not None else frac, "by_family": {}, "notes": ""}
+
+
+def test_pooling_over_seeds_concatenates_paired_samples():
+    from vlm_prune.eval.bench_stats import pool_seeds
+
+    rows = [_row("a", 0.5, "1100", 0.5, seed=0), _row("a", 0.5, "1110", 0.5, seed=1), _row("b", 0.5, "0000", 0.5)]
+    pooled = {r["method"]: r for r in pool_seeds(rows)}
+    a = pooled["a"]
+    assert a["correct"] == "11001110" and a["seeds"] == [0, 1] and a["n"] == 8
+    assert a["accuracy"] == pytest.approx(0.625) and (a["accuracy_min"], a["accuracy_max"]) == (0.5, 0.75)
+    sd = np.std([1, 1, 0, 0, 1, 1, 1, 0], ddof=1)
+    assert a["accuracy_ci"] == pytest.approx(1.959964 * sd / np.sqrt(8), rel=1e-5)
+
+
+def test_interpolation_and_paired_intervals_are_exact():
+    from vlm_prune.eval.bench_stats import interpolate, paired
+
+    lo, hi = np.array([0.0, 1.0, 0.0, 1.0]), np.array([1.0, 1.0, 1.0, 0.0])
+    mid = interpolate([(0.1, lo), (0.3, hi)], 0.15)  # a quarter of the way from 0.1 to 0.3
+    assert mid == pytest.approx(0.75 * lo + 0.25 * hi)
+    assert interpolate([(0.1, lo), (0.3, hi)], 0.05) is None  # never extrapolated
+    assert interpolate([(0.1, lo), (0.1, hi), (1.0, hi)], 0.1) == pytest.approx((lo + hi) / 2)  # ties averaged
+    d, h = paired(hi, lo)
+    diffs = hi - lo
+    assert d == pytest.approx(diffs.mean()) and h == pytest.approx(1.959964 * diffs.std(ddof=1) / 2, rel=1e-5)
+
+
+def test_matched_view_names_the_best_method_with_paired_intervals():
+    from vlm_prune.eval.bench_stats import matched, pool_seeds
+
+    ones, zeros = "1" * 10, "0" * 10
+    rows = [_row("none", 1.0, ones, 1.0),
+            _row("random", 0.25, "1" * 5 + "0" * 5, 0.25, flops=0.4), _row("random", 0.05, zeros, 0.05, flops=0.2),
+            _row("good", 0.25, ones, 0.25, flops=0.4), _row("good", 0.05, "1" * 8 + "00", 0.05, flops=0.2),
+            _row("late", 0.5, ones, 0.5, flops=0.6)]  # never reaches 25%
+    view = matched(pool_seeds(rows), {"m": ["x"] * 10})
+    at = {(e["family"], e["axis"], e["fraction"]): e for e in view}
+    e = at[("all", "layer_avg_fraction", 0.25)]
+    assert e["best"] == "good" and e["accuracy"] == {"random": 0.5, "good": 1.0, "late": None}
+    assert e["vs_random"]["diff"] == pytest.approx(0.5) and e["vs_runner_up"]["method"] == "random"
+    e11 = at[("all", "kept_fraction", 0.11)]  # 0.11 lies 0.3 of the way from 0.05 to 0.25
+    assert e11["accuracy"]["good"] == pytest.approx(0.8 + 0.3 * 0.2)
+    flops = at[("all", "flops_ratio", 0.25)]  # random's FLOPs at 25% tokens: 0.4
+    assert flops["target"] == pytest.approx(0.4) and flops["accuracy"]["good"] == 1.0
+    assert at[("x", "layer_avg_fraction", 0.05)]["accuracy"]["good"] == pytest.approx(0.8)
+
+
+def test_figures_give_each_method_its_own_colour_and_write_png_svg_pdf(tmp_path):
+    from vlm_prune.eval.plots import METHOD_COLOURS, method_style, write_sweep
+
+    names = [*vlm_prune.available_methods(), "saturation"]
+    colours = [method_style(m, names)["color"] for m in names]
+    assert len(set(colours)) == len(names) and set(colours) <= set(METHOD_COLOURS.values())
+    assert method_style("quota+pact", names)["color"] == method_style("quota", names)["color"]
+    assert method_style("quota+pact", names)["ls"] == "--"
+    rows = [{"name": "none", "method": "none", "n": 2, "accuracy": 0.5, "kept_fraction": 1.0, "ttft_s": 1.0, "prefill_flops": 4.0},
+            {"name": "random-0.25", "method": "random", "n": 2, "accuracy": 0.5, "kept_fraction": 0.25, "ttft_s": 0.5,
+             "prefill_flops": 1.0, "flops_ratio": 0.25}]
+    paths = write_sweep(rows, str(tmp_path), "test")
+    assert paths["plot"].endswith("sweep.png") and (tmp_path / "sweep.png").read_bytes()[:8] == PNG_MAGIC
+    assert (tmp_path / "sweep.svg").exists() and (tmp_path / "sweep.pdf").read_bytes()[:4] == b"%PDF"

@@ -7,11 +7,15 @@ import torch
 from scipy import ndimage
 from transformers import AutoProcessor, LlavaOnevisionProcessor, LlavaProcessor
 
-from vlm_prune.eval.synthetic import build_processor, evaluate, load, make_dataset, make_sample, model_path
+from vlm_prune.eval.synthetic import (
+    Difficulty, build_processor, evaluate, load, make_dataset, make_sample, model_path, trained_qtypes,
+)
 from vlm_prune.eval.synthetic.ablation import frames, masked_accuracy, random_tokens
 from vlm_prune.eval.synthetic.processing import prompt
-from vlm_prune.eval.synthetic.scenes import COLOURS, COUNTS, IMAGE_QTYPES, NUM_FRAMES
-from vlm_prune.eval.synthetic.train import colours_present, patch_labels
+from vlm_prune.eval.synthetic.scenes import (
+    BACKGROUND_TINTS, COLOURS, COUNTS, FONT, IMAGE_QTYPES, KINDS, NUM_FRAMES, OBJECT_KINDS, VIDEO_QTYPES,
+)
+from vlm_prune.eval.synthetic.train import IGNORE, colours_present, one_cycle, patch_labels
 
 NAMES = list(COLOURS)
 
@@ -29,61 +33,134 @@ def test_same_seed_same_samples_and_splits_differ() -> None:
             assert not any(np.array_equal(_pixels(x), _pixels(y)) for x, y in zip(a, other))
 
 
-def test_image_answers_match_the_rendered_scene() -> None:
-    for s in make_dataset("image", "test", 40, qtypes=IMAGE_QTYPES):
-        labels = s.colour_map
-        present = {NAMES[v - 1] for v in np.unique(labels) if v}
+def _components(mask: np.ndarray) -> int:
+    return ndimage.label(mask)[1]
+
+
+def _centre_x(mask: np.ndarray) -> float:
+    return float(np.nonzero(mask)[-1].mean())
+
+
+def test_image_families_answers_match_the_rendered_scene() -> None:
+    for s in make_dataset("image", "test", 60, qtypes=IMAGE_QTYPES):
+        colours, kinds = s.colour_map, s.kind_map
+        present = {NAMES[v - 1] for v in np.unique(colours) if v}
         assert s.answer in s.options
-        if s.qtype == "colour":
+        if s.qtype == "count":
+            asked = s.question.split()[2]
+            assert _components(colours == NAMES.index(asked) + 1) == COUNTS.index(s.answer) + 1
+        elif s.qtype == "binding":
+            asked = s.question.split()[-2]
+            assert len(present) == 3 and {NAMES[v - 1] for v in np.unique(colours[kinds == KINDS.index(asked) + 1])} == {s.answer}
+        elif s.qtype == "relation":
+            a, b = s.question.split()[2], s.question.split()[-3]
+            left = _centre_x(colours == NAMES.index(a) + 1) < _centre_x(colours == NAMES.index(b) + 1)
+            assert (s.answer == "yes") == left
+        elif s.qtype == "global":
+            pixels = np.asarray(s.image).reshape(-1, 3).astype(float)[colours.reshape(-1) == 0]
+            shift = pixels.mean(0) - pixels.mean()
+            profile = {t: np.corrcoef(shift, np.asarray(COLOURS[t], float))[0, 1] for t in BACKGROUND_TINTS}
+            assert max(profile, key=profile.get) == s.answer
+        elif s.qtype == "digit":
+            ys, xs = np.nonzero(kinds)
+            assert set(np.unique(kinds[ys, xs])) == {OBJECT_KINDS.index(f"digit {s.answer}") + 1}
+            cell = (np.ptp(ys) + 1) // 5  # every glyph spans its full 3 x 5 cells: read them back
+            assert np.ptp(xs) + 1 == 3 * cell
+            read = tuple("".join("1" if kinds[ys.min() + r * cell + cell // 2, xs.min() + c * cell + cell // 2] else "0"
+                                 for c in range(3)) for r in range(5))
+            assert read == FONT[s.answer]
+        elif s.qtype == "colour":
             assert present == {s.answer}
-            ys, xs = np.nonzero(labels)
+            ys, xs = np.nonzero(colours)
             centre = np.asarray(s.image)[int(np.median(ys)), int(np.median(xs))].astype(int)
             assert np.abs(centre - COLOURS[s.answer]).max() <= 6  # drawn colour plus pixel noise
         elif s.qtype == "exist":
             assert (s.answer == "yes") == bool(present)
         elif s.qtype == "position":
-            xs = np.nonzero(labels)[1]
-            assert (s.answer == "left") == (xs.mean() < labels.shape[1] / 2)
-        elif s.qtype == "count":
-            assert ndimage.label(labels > 0)[1] == COUNTS.index(s.answer) + 1
+            assert (s.answer == "left") == (_centre_x(colours > 0) < colours.shape[1] / 2)
         elif s.qtype == "kind":
-            ys, xs = np.nonzero(labels)
+            ys, xs = np.nonzero(colours)
             fill = len(ys) / ((np.ptp(ys) + 1) * (np.ptp(xs) + 1))  # square ~1, circle ~pi/4, triangle ~1/2
             expected = {"square": (0.9, 1.01), "circle": (0.7, 0.86), "triangle": (0.4, 0.65)}[s.answer]
             assert expected[0] <= fill <= expected[1], (s.answer, fill)
 
 
-def test_video_answer_lives_in_a_few_consecutive_frames() -> None:
-    for s in make_dataset("video", "test", 12):
+def _runs(frames: list[int]) -> int:
+    return sum(1 for i, f in enumerate(frames) if i == 0 or frames[i - 1] != f - 1)
+
+
+def test_video_families_answers_live_in_the_frames_they_name() -> None:
+    for s in make_dataset("video", "test", 40, qtypes=VIDEO_QTYPES):
         assert s.frames.shape[0] == NUM_FRAMES and s.frames.dtype == np.uint8
+        showing = {name: [t for t in range(NUM_FRAMES) if (s.colour_map[t] == i + 1).any()] for i, name in enumerate(NAMES)}
         visible = [t for t in range(NUM_FRAMES) if s.colour_map[t].any()]
-        assert visible == s.answer_frames
-        if s.qtype == "exist" and s.answer == "no":
-            assert visible == []
-            continue
-        assert 2 <= len(visible) <= 3 and visible == list(range(visible[0], visible[-1] + 1))
-        if s.qtype == "colour":
-            assert {NAMES[v - 1] for v in np.unique(s.colour_map) if v} == {s.answer}
+        if s.qtype == "order":
+            first = min(visible)
+            assert s.answer == next(n for n, f in showing.items() if first in f) and s.answer_frames == visible
+            assert sum(bool(f) for f in showing.values()) == 2
+        elif s.qtype == "times":
+            asked = s.question.split()[5]
+            assert _runs(showing[asked]) == COUNTS.index(s.answer) + 1 and showing[asked] == s.answer_frames
+        elif s.qtype == "glimpse":
+            assert visible == s.answer_frames and len(visible) == 1 and showing[s.answer] == visible
+        elif s.qtype == "small":
+            asked = s.question.split()[3]
+            assert (s.answer == "yes") == bool(showing[asked]) and showing[asked] == s.answer_frames
+            assert max((s.colour_map[t] > 0).sum() for t in visible) <= 2 * 6 * 6  # small objects
+        elif s.qtype in ("colour", "exist", "position"):
+            assert visible == s.answer_frames
+            if s.answer == "no":
+                assert visible == []
+                continue
+            assert 2 <= len(visible) <= 3 and visible == list(range(visible[0], visible[-1] + 1))
+
+
+def test_difficulty_knobs_change_the_rendering() -> None:
+    def object_pixels(sample) -> np.ndarray:
+        return np.asarray(sample.image)[sample.colour_map > 0].astype(int)
+
+    plain = make_sample("image", "test", 1, qtypes=("binding",))
+    grey = make_sample("image", "test", 1, qtypes=("binding",), difficulty=Difficulty(saturation=0.0))
+    spread = lambda px: (px.max(1) - px.min(1)).mean()  # noqa: E731
+    assert spread(object_pixels(plain)) > 100 and spread(object_pixels(grey)) <= 12
+    big = make_sample("image", "test", 1, qtypes=("binding",), difficulty=Difficulty(size=1.5))
+    assert 1.8 < (big.colour_map > 0).sum() / (plain.colour_map > 0).sum() < 2.7  # area ~ size^2
+    def colourful_clutter(clutter: tuple[int, int]) -> int:  # saturated pixels that are not an object
+        s = make_sample("image", "test", 1, qtypes=("colour",), difficulty=Difficulty(clutter=clutter, clutter_saturation=1.0))
+        px = np.asarray(s.image).astype(int)[s.colour_map == 0]
+        return int(((px.max(1) - px.min(1)) > 80).sum())
+
+    assert colourful_clutter((0, 0)) == 0 and colourful_clutter((12, 12)) > 400
+    long = make_dataset("video", "test", 6, qtypes=("colour",), difficulty=Difficulty(answer_frames=(5, 5)))
+    assert all(len(s.answer_frames) == 5 for s in long)
+    with pytest.raises(ValueError, match="saturation"):
+        Difficulty(saturation=1.5)
 
 
 def test_hand_checked_sample() -> None:
-    s = make_sample("image", "test", 0)
-    assert (s.qtype, s.question, s.options) == ("colour", "what colour is the shape ?", NAMES)
-    assert np.unique(s.colour_map).tolist() == [0, NAMES.index(s.answer) + 1]
+    s = make_sample("image", "test", 1)
+    assert (s.qtype, s.options) == ("binding", NAMES)
+    assert s.question.startswith("what colour is the ") and s.question.split()[-2] in KINDS
+    assert sorted(np.unique(s.kind_map).tolist()) == [0, 1, 2, 3]  # circle, square and triangle
     with pytest.raises(ValueError, match="question types"):
         make_sample("video", "test", 0, qtypes=("count",))
 
 
-def test_patch_labels_mark_colour_and_side() -> None:
+def test_patch_labels_mark_colour_kind_and_column() -> None:
     s = make_sample("image", "test", 0)
     s.colour_map = np.zeros((64, 64), np.uint8)
-    s.colour_map[8:16, 40:48] = 2  # green fills patch (row 1, col 5): right half
-    s.colour_map[0:8, 0:3] = 1  # red covers 24 of patch (0, 0)'s 64 pixels: enough
-    s.colour_map[56:64, 0:1] = 3  # blue covers 8 (< 16): too little
-    labels = patch_labels([s]).view(8, 8)
-    expected = torch.zeros(8, 8, dtype=torch.long)
-    expected[1, 5], expected[0, 0] = 1 + 2 * 1 + 1, 1 + 2 * 0 + 0
-    assert torch.equal(labels, expected)
+    s.kind_map = np.zeros((64, 64), np.uint8)
+    s.colour_map[8:16, 40:48], s.kind_map[8:16, 40:48] = 2, 3  # green triangle fills patch (row 1, col 5)
+    s.colour_map[0:8, 0:1], s.kind_map[0:8, 0:1] = 1, 5  # red "digit 1" ink: 8 of patch (0, 0)'s 64 pixels: enough
+    s.colour_map[56:63, 0:1], s.kind_map[56:63, 0:1] = 3, 1  # blue covers 7 (< 8): too little
+    labels = {k: v.view(8, 8) for k, v in patch_labels([s]).items()}
+    colour = torch.zeros(8, 8, dtype=torch.long)
+    colour[1, 5], colour[0, 0] = 2, 1
+    assert torch.equal(labels["colour"], colour)
+    kind, column = torch.full((8, 8), IGNORE), torch.full((8, 8), IGNORE)
+    kind[1, 5], kind[0, 0] = 2, 4
+    column[1, 5], column[0, 0] = 5, 0
+    assert torch.equal(labels["kind"], kind) and torch.equal(labels["column"], column)
 
 
 def test_cls_target_lists_the_colours_present() -> None:
@@ -126,7 +203,7 @@ def shipped(request):
         pytest.fail(f"shipped {request.param} model missing at {model_path(request.param)}")
     torch.manual_seed(0)
     model, processor = load(request.param)
-    return request.param, model, processor, make_dataset(request.param, "test", 64)
+    return request.param, model, processor, make_dataset(request.param, "test", 64, qtypes=trained_qtypes(request.param))
 
 
 def test_shipped_model_is_accurate_and_blind_pruning_hurts(shipped) -> None:
@@ -148,3 +225,42 @@ def test_ablation_command_prints_every_setting(capsys) -> None:
     for kind, selectors in BLIND.items():
         for name in selectors:
             assert f"{kind}: {name} -> " in out
+
+
+def test_half_top_half_random_keeps_the_top_half_and_random_others() -> None:
+    from vlm_prune.eval.synthetic.baselines import half_top_half_random
+
+    scores = torch.tensor([0.1, 0.9, 0.3, 0.8, 0.0, 0.7, 0.2])
+    for seed in range(5):
+        kept = half_top_half_random(scores, 5, torch.Generator().manual_seed(seed)).tolist()
+        assert len(kept) == 5 and kept == sorted(set(kept)) and {1, 3, 5} <= set(kept)  # ceil(5 / 2) top scores
+    draws = {tuple(half_top_half_random(scores, 4, torch.Generator().manual_seed(s)).tolist()) for s in range(20)}
+    assert len(draws) > 1 and all({1, 3} <= set(d) for d in draws)
+
+
+def test_saturation_baselines_pick_the_colourful_patches_and_frames() -> None:
+    from vlm_prune.eval.synthetic.baselines import PixelTap, SaturationFrames, SaturationTokens, saturation
+    from vlm_prune.methods.base import FramesContext, VisionContext
+
+    mean, std = [0.5, 0.4, 0.3], [0.2, 0.25, 0.3]
+    rgb = torch.full((3, 16, 16), 0.5)
+    rgb[:, 8:16, 0:8] = torch.tensor([0.9, 0.1, 0.1])[:, None, None]  # patch (1, 0) is red
+    pixels = (rgb - torch.tensor(mean)[:, None, None]) / torch.tensor(std)[:, None, None]
+    assert saturation(pixels, mean, std)[12, 3] == pytest.approx(0.8) and saturation(pixels, mean, std)[0, 0] == pytest.approx(0.0)
+    class Stub(torch.nn.Module):
+        def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
+            return pixel_values
+
+    model = Stub()
+    tap = PixelTap(model)
+    model(pixel_values=pixels[None])  # the tap keeps the latest call's pixels
+    method = SaturationTokens(tap, mean, std, patch=8, keep=0.25)
+    ctx = VisionContext(features=torch.zeros(4, 2), n_keep=1, generator=torch.Generator().manual_seed(0))
+    assert method.reduce_image(ctx).indices.tolist() == [2]  # row-major patch (1, 0)
+    tap.close()
+    frames = rgb[None].repeat(6, 1, 1, 1)
+    frames[:, :, 8:, :8] = 0.5
+    frames[4, :, :4, :4] = torch.tensor([0.1, 0.9, 0.1])[:, None, None]  # only frame 4 holds colour
+    frames = (frames - torch.tensor(mean)[:, None, None]) / torch.tensor(std)[:, None, None]
+    plan = SaturationFrames(mean, std).allocate(FramesContext(features=torch.zeros(6, 4, 2), grid=(2, 2), n_total=8, pixels=frames))
+    assert 4 in plan.kept_frames and len(plan.kept_frames) == 2 and plan.tokens_per_frame[4] == 4

@@ -6,12 +6,17 @@ video: LlavaOnevisionForConditionalGeneration, SigLIP tower (2 x 96, patch 8, 32
        16 patches, pooled 2x2 by the model to 4 tokens per frame, 16 frames -> 65 tokens with
        the newline) and a Qwen2 decoder (6 x 128).
 Six decoder layers let the in-LLM methods prune at their own default layers (FastV K=2, PACT 4).
-Sized to train in 5-11 minutes on two CPU cores (BENCHMARKS.md has the commands).
-Trained weights ship as safetensors under eval/synthetic/models/{image,video}.
+BENCHMARKS.md has the training commands. Trained weights ship as float16 safetensors under
+eval/synthetic/models/{image,video} (training seed 0) and {image,video}-seed<N> (further seeds),
+each with ``synthetic.json``: the task families it answers and how it was trained.
 """
 from __future__ import annotations
 
+import json
 from pathlib import Path
+from typing import Any
+
+import torch
 
 from transformers import (
     AutoModelForImageTextToText,
@@ -73,20 +78,44 @@ def build_model(kind: str) -> PreTrainedModel:
     return model
 
 
-def model_path(kind: str) -> Path:
-    """Directory of the shipped ``kind`` ("image" | "video") model and its processor."""
+def model_path(kind: str, seed: int = 0) -> Path:
+    """Directory of the shipped ``kind`` ("image" | "video") model trained with ``seed``, and its processor.
+
+    Seed 0 lives in ``models/<kind>``, further training seeds in ``models/<kind>-seed<N>``.
+    """
     if kind not in ("image", "video"):
         raise ValueError(f"kind must be 'image' or 'video', got {kind!r}")
-    return MODELS_DIR / kind
+    return MODELS_DIR / (kind if seed == 0 else f"{kind}-seed{seed}")
 
 
-def load(kind: str) -> tuple[PreTrainedModel, ProcessorMixin]:
-    """The shipped trained model (eval mode, float32) and its processor, offline."""
-    path = model_path(kind)
+def shipped_seeds(kind: str) -> list[int]:
+    """The training seeds of ``kind`` whose weights ship with the package, in order."""
+    return [s for s in range(16) if (model_path(kind, s) / "model.safetensors").exists()]
+
+
+#: what models shipped before the task families answer (their folders carry no synthetic.json)
+LEGACY_QTYPES: dict[str, tuple[str, ...]] = {"image": ("colour", "exist", "position"), "video": ("colour", "exist")}
+
+
+def model_card(kind: str, seed: int = 0) -> dict[str, Any]:
+    """The training record ``synthetic.json`` beside a shipped model ({} for older models)."""
+    path = model_path(kind, seed) / "synthetic.json"
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def trained_qtypes(kind: str, seed: int = 0) -> tuple[str, ...]:
+    """The question families the shipped ``kind`` model of ``seed`` answers (what to test it on)."""
+    return tuple(model_card(kind, seed).get("eval_qtypes", LEGACY_QTYPES[kind]))
+
+
+def load(kind: str, seed: int = 0) -> tuple[PreTrainedModel, ProcessorMixin]:
+    """The shipped trained model (eval mode, float32) of ``kind`` and training ``seed``, and its processor, offline."""
+    path = model_path(kind, seed)
     if not (path / "model.safetensors").exists():
         raise FileNotFoundError(
-            f"no trained {kind} model at {path}; train it with `python -m vlm_prune.eval.synthetic.train --kind {kind}`"
+            f"no trained {kind} model for seed {seed} at {path} (shipped seeds: {shipped_seeds(kind)}); train it with "
+            f"`python -m vlm_prune.eval.synthetic.train --kind {kind} --seed {seed}`"
         )
-    model = AutoModelForImageTextToText.from_pretrained(path, local_files_only=True)
+    model = AutoModelForImageTextToText.from_pretrained(path, local_files_only=True, dtype=torch.float32)
     processor = AutoProcessor.from_pretrained(path, local_files_only=True)
     return model.eval(), processor

@@ -17,14 +17,15 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
-from vlm_prune.eval.synthetic.scenes import COLOURS, COUNTS, FRAME_SIZE, IMAGE_SIZE, KINDS
+from vlm_prune.eval.synthetic.scenes import COLOURS, COUNTS, DIGITS, FRAME_SIZE, IMAGE_SIZE, KINDS
 
 PATCH_SIZE = 8
 SPECIAL_TOKENS = ["<pad>", "<s>", "</s>", "<unk>", "<image>", "<video>"]
 WORDS = sorted(
     {"user", "assistant", ":", "?", "what", "colour", "is", "the", "shape", "there", "a", "coloured",
-     "left", "or", "right", "how", "many", "shapes", "are", "kind", "yes", "no"}
-    | set(COLOURS) | set(KINDS) | set(COUNTS)
+     "left", "or", "right", "how", "many", "shapes", "are", "kind", "yes", "no", "of", "background",
+     "which", "digit", "came", "first", "times", "does", "appear"}
+    | set(COLOURS) | set(KINDS) | set(COUNTS) | set(DIGITS)
 )
 # role: [<image>|<video>] text ... ; the generation prompt ends with "assistant :"
 CHAT_TEMPLATE = (

@@ -1,104 +1,177 @@
 """Train a tiny benchmark VLM from scratch: ``python -m vlm_prune.eval.synthetic.train --kind image``.
 
-Fresh samples every step from the train split; loss = cross-entropy on "answer </s>" plus an
-auxiliary per-patch colour-and-side classification on the vision features entering the projector (a
-training-only head, not shipped) that makes the tiny tower learn colour and side fast. The image
-model's CLIP tower also trains its CLS token, as CLIP pre-training does: a second training-only
-head predicts from the CLS output which colours the image holds (multi-label). LLaVA drops the CLS
-output, so without this its last-layer query would stay at its random initialisation, and the
-methods that rank patches by CLS attention (VisionZip, AS-ViT) would rank by noise.
-AdamW with a one-cycle schedule and fixed seeds (CPU kernels reproduce for a fixed thread
-count). Saves safetensors and the processor to eval/synthetic/models/<kind> every 200 steps and
-at the end, and prints test accuracy per question type.
+Fresh samples every step from the train split (the model seed also picks its own training stream);
+loss = cross-entropy on "answer </s>" plus training-only heads (not shipped) on the vision features
+entering the projector: per patch, the colour and the kind (shape or digit) of the object covering
+it and, on images, its column, so the tiny tower learns what, which and where fast. The image model's
+CLIP tower also trains its CLS token, as CLIP pre-training does: a head predicts from the CLS output
+which colours the image holds (multi-label). LLaVA drops the CLS output, so without this its
+last-layer query would stay at its random initialisation, and the methods that rank patches by CLS
+attention (VisionZip, AS-ViT) would rank by noise.
+
+AdamW with a one-cycle schedule (warm-up, cosine) over ``--steps``, or over ``--minutes`` of
+wall-clock time on a shared machine (then not step-reproducible). Saves float16 safetensors and the
+processor to eval/synthetic/models/<kind>[-seed<N>] every 250 steps and at the end, then
+``synthetic.json`` (the families to test on, the training settings, test accuracy per family).
 """
 from __future__ import annotations
 
 import argparse
+import itertools
+import json
+import math
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 from torch import nn
 from tqdm import tqdm
+from transformers import AutoModelForImageTextToText
 
 from vlm_prune.eval.synthetic.evaluate import accuracy_by_qtype, encode
 from vlm_prune.eval.synthetic.models import build_model, model_path
 from vlm_prune.eval.synthetic.processing import PATCH_SIZE, build_processor
-from vlm_prune.eval.synthetic.scenes import COLOURS, Sample, make_dataset, make_sample
+from vlm_prune.eval.synthetic.scenes import (
+    COLOURS, DEFAULT_QTYPES, DEFAULT_SEED, IMAGE_SIZE, OBJECT_KINDS, Sample, make_dataset, make_sample,
+)
 
-TRAIN_QTYPES = {"image": ("colour", "exist", "position"), "video": ("colour", "exist", "position")}
-MIN_COVER = PATCH_SIZE * PATCH_SIZE // 4  # pixels of a colour that make a patch "that colour"
+TRAIN_QTYPES = {"image": DEFAULT_QTYPES["image"], "video": DEFAULT_QTYPES["video"] + ("exist",)}
+MIN_COVER = PATCH_SIZE * PATCH_SIZE // 8  # pixels of an object that make a patch "that object"
+IGNORE = -100
 
 
-def patch_labels(samples: list[Sample]) -> torch.Tensor:
-    """Per-patch class, [N * T, patches] in the tower's row-major patch order: 0 = no colour, else
-    1 + 2 * colour_index + (1 if the patch is in the right half), so features carry colour and side."""
-    maps = np.stack([s.colour_map for s in samples])
-    maps = maps.reshape(-1, *maps.shape[-2:])
-    n, h, w = maps.shape
+def patch_labels(samples: list[Sample]) -> dict[str, torch.Tensor]:
+    """Per-patch targets, each [N * T, patches] in the tower's row-major patch order.
+
+    colour: 0 = no object, else 1 + the colour index of the object covering most of the patch;
+    kind: that object's ``OBJECT_KINDS`` index (IGNORE where there is none); column: the patch's
+    column on object patches (IGNORE elsewhere), so features carry what, which and where.
+    """
+    colour_maps = np.stack([s.colour_map for s in samples])
+    colour_maps = colour_maps.reshape(-1, *colour_maps.shape[-2:])
+    kind_maps = np.stack([s.kind_map for s in samples]).reshape(colour_maps.shape)
+    n, h, w = colour_maps.shape
     p = PATCH_SIZE
-    onehot = np.eye(len(COLOURS) + 1, dtype=np.int32)[maps]  # [n, h, w, C]
-    counts = onehot.reshape(n, h // p, p, w // p, p, -1).sum(axis=(2, 4))[..., 1:]
-    right = (np.arange(w // p) >= w // p // 2).astype(np.int64)  # [w / p]
-    labels = np.where(counts.max(-1) >= MIN_COVER, 2 * counts.argmax(-1) + 1 + right, 0)
-    return torch.from_numpy(labels.reshape(n, -1)).long()
+
+    def cover(maps: np.ndarray, classes: int) -> np.ndarray:  # [n, h/p, w/p, classes - 1] pixel counts
+        return np.eye(classes, dtype=np.int32)[maps].reshape(n, h // p, p, w // p, p, -1).sum(axis=(2, 4))[..., 1:]
+
+    colours, kinds = cover(colour_maps, len(COLOURS) + 1), cover(kind_maps, len(OBJECT_KINDS) + 1)
+    found = colours.max(-1) >= MIN_COVER
+    column = np.broadcast_to(np.arange(w // p), found.shape)
+    out = {"colour": np.where(found, colours.argmax(-1) + 1, 0), "kind": np.where(found, kinds.argmax(-1), IGNORE),
+           "column": np.where(found, column, IGNORE)}
+    return {k: torch.from_numpy(v.reshape(n, -1)).long() for k, v in out.items()}
 
 
 def colours_present(samples: list[Sample]) -> torch.Tensor:
-    """[N, len(COLOURS)] multi-hot: which shape colours appear anywhere in each sample's image."""
+    """[N, len(COLOURS)] multi-hot: which object colours appear anywhere in each sample's image."""
     maps = np.stack([s.colour_map for s in samples]).reshape(len(samples), -1)
     return torch.from_numpy(np.stack([(maps == k + 1).any(1) for k in range(len(COLOURS))], 1)).float()
 
 
-def train(kind: str, steps: int, batch_size: int, lr: float, seed: int, out: Path, threads: int) -> None:
+class AuxHeads(nn.Module):
+    """Training-only heads on the vision features entering the projector (per patch) and, for the
+    image model, on CLIP's CLS output (multi-label colours present)."""
+
+    def __init__(self, width: int, kind: str) -> None:
+        super().__init__()
+        self.colour = nn.Linear(width, len(COLOURS) + 1)
+        self.kind = nn.Linear(width, len(OBJECT_KINDS)) if kind == "image" else None
+        self.column = nn.Linear(width, IMAGE_SIZE // PATCH_SIZE) if kind == "image" else None
+        self.cls = nn.Linear(width, len(COLOURS)) if kind == "image" else None
+        self.register_buffer("colour_weight", torch.tensor([1.0] + [5.0] * len(COLOURS)))
+
+    def loss(self, patches: torch.Tensor, cls: torch.Tensor | None, samples: list[Sample]) -> torch.Tensor:
+        targets = patch_labels(samples)
+        ce = nn.functional.cross_entropy
+        loss = ce(self.colour(patches).flatten(0, 1), targets["colour"].flatten(), weight=self.colour_weight)
+        for name in ("kind", "column"):
+            head = getattr(self, name)
+            if head is not None and (targets[name] != IGNORE).any():
+                loss = loss + ce(head(patches).flatten(0, 1), targets[name].flatten(), ignore_index=IGNORE)
+        if self.cls is not None and cls is not None:
+            loss = loss + nn.functional.binary_cross_entropy_with_logits(self.cls(cls), colours_present(samples))
+        return loss
+
+
+def save_half(model: nn.Module, out: Path) -> None:
+    """Save the weights as float16 safetensors (half the size; ``load`` reads them back as float32)."""
+    model.to(torch.float16).save_pretrained(out)
+    model.to(torch.float32)
+
+
+def one_cycle(progress: float, warmup: float = 0.1) -> float:
+    """Learning-rate factor at ``progress`` in [0, 1]: linear warm-up from 0.04, then cosine to 0."""
+    if progress < warmup:
+        return 0.04 + 0.96 * progress / warmup
+    return 0.5 * (1 + math.cos(math.pi * min(1.0, (progress - warmup) / (1 - warmup))))
+
+
+def write_card(out: Path, **record: Any) -> None:
+    """``synthetic.json`` beside the weights: the families to test on and how the model was trained."""
+    (out / "synthetic.json").write_text(json.dumps(record, indent=1) + "\n")
+
+
+def train(kind: str, steps: int, batch_size: int, lr: float, seed: int, out: Path, threads: int,
+          minutes: float | None = None) -> None:
+    """Train ``steps`` steps, or with ``minutes`` for that much wall-clock time: the schedule then
+    follows elapsed time instead of the step count (for a shared machine; not step-reproducible)."""
     torch.set_num_threads(threads)
     torch.manual_seed(seed)
     processor = build_processor(kind)
     model = build_model(kind).train()
-    aux = nn.Linear(model.config.vision_config.hidden_size, 2 * len(COLOURS) + 1)
-    aux_weight = torch.tensor([1.0] + [5.0] * 2 * len(COLOURS))
+    heads = AuxHeads(model.config.vision_config.hidden_size, kind)
     captured: dict[str, torch.Tensor] = {}
     hooks = [model.model.multi_modal_projector.register_forward_hook(lambda m, args, o: captured.__setitem__("x", args[0]))]
-    cls_head = nn.Linear(model.config.vision_config.hidden_size, len(COLOURS)) if kind == "image" else None
-    if cls_head is not None:  # CLIP's CLS token: row 0 of the tower's last hidden state
+    if kind == "image":  # CLIP's CLS token: row 0 of the tower's last hidden state
         hooks.append(model.model.vision_tower.register_forward_hook(
             lambda m, args, o: captured.__setitem__("cls", o.last_hidden_state[:, 0])))
-    params = list(model.parameters()) + list(aux.parameters()) + (list(cls_head.parameters()) if cls_head else [])
+    params = list(model.parameters()) + list(heads.parameters())
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.01)
-    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=steps, pct_start=0.1)
-    val = make_dataset(kind, "val", 64, qtypes=TRAIN_QTYPES[kind])
+    val = make_dataset(kind, "val", 96, qtypes=TRAIN_QTYPES[kind])
+    data_seed = DEFAULT_SEED + 1000 * seed  # each model seed also sees its own training stream
     out.mkdir(parents=True, exist_ok=True)
     processor.save_pretrained(out)
     start = time.time()
-    bar = tqdm(range(steps), desc=f"train {kind}", mininterval=30)
+    bar = tqdm(range(steps) if minutes is None else itertools.count(), desc=f"train {kind}", mininterval=30)
     for step in bar:
-        samples = [make_sample(kind, "train", step * batch_size + i, qtypes=TRAIN_QTYPES[kind]) for i in range(batch_size)]
+        progress = step / steps if minutes is None else (time.time() - start) / (60 * minutes)
+        last = step + 1 == steps if minutes is None else progress >= 1
+        for group in opt.param_groups:
+            group["lr"] = lr * one_cycle(min(progress, 1.0))
+        samples = [make_sample(kind, "train", step * batch_size + i, data_seed, TRAIN_QTYPES[kind]) for i in range(batch_size)]
         batch = encode(processor, samples, with_answers=True)
         labels = torch.full_like(batch["input_ids"], -100)
         labels[:, -2:] = batch["input_ids"][:, -2:]  # left padded: the last two tokens are "answer </s>"
         lm_loss = model(**batch, labels=labels).loss
-        aux_logits = aux(captured["x"])
-        aux_loss = nn.functional.cross_entropy(aux_logits.flatten(0, 1), patch_labels(samples).flatten(), weight=aux_weight)
+        aux_loss = heads.loss(captured["x"], captured.get("cls"), samples)
         loss = lm_loss + aux_loss
-        if cls_head is not None:
-            loss = loss + nn.functional.binary_cross_entropy_with_logits(cls_head(captured["cls"]), colours_present(samples))
         opt.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
-        sched.step()
         bar.set_postfix(lm=f"{lm_loss.item():.3f}", aux=f"{aux_loss.item():.3f}")
-        if (step + 1) % 200 == 0 or step + 1 == steps:
+        if (step + 1) % 250 == 0 or last:
             model.eval()
             accs = accuracy_by_qtype(model, processor, val, batch_size=32)
-            model.save_pretrained(out)
+            save_half(model, out)
             model.train()
             print(f"step {step + 1} {time.time() - start:.0f}s lm {lm_loss.item():.3f} aux {aux_loss.item():.3f} val {accs}", flush=True)
+        if last:
+            break
     for hook in hooks:
         hook.remove()
+    model, processor = AutoModelForImageTextToText.from_pretrained(out, dtype=torch.float32).eval(), processor
     test = make_dataset(kind, "test", 256)
-    print(f"trained {kind} in {time.time() - start:.0f}s; test accuracy {accuracy_by_qtype(model, processor, test, 32)}", flush=True)
+    accs = accuracy_by_qtype(model, processor, test, 32)
+    seconds = time.time() - start
+    write_card(out, kind=kind, seed=seed, eval_qtypes=list(DEFAULT_QTYPES[kind]), train_qtypes=list(TRAIN_QTYPES[kind]),
+               steps=step + 1, batch_size=batch_size, lr=lr, minutes=minutes, threads=threads, seconds=round(seconds),
+               test_accuracy_256=accs)
+    print(f"trained {kind} in {seconds:.0f}s, {step + 1} steps; test accuracy (float16 weights) {accs}", flush=True)
 
 
 def main() -> None:
@@ -108,10 +181,13 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=24)
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--minutes", type=float, default=None,
+                        help="train for this much wall-clock time instead of --steps (the schedule follows time)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", type=Path, default=None, help="output directory (default: the shipped model path)")
     args = parser.parse_args()
-    train(args.kind, args.steps, args.batch_size, args.lr, args.seed, args.out or model_path(args.kind), args.threads)
+    train(args.kind, args.steps, args.batch_size, args.lr, args.seed, args.out or model_path(args.kind, args.seed), args.threads,
+          args.minutes)
 
 
 if __name__ == "__main__":
