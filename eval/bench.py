@@ -82,43 +82,16 @@ def fit_layer(name: str, n_layers: int, factor: float = 1.0) -> tuple[Any, str]:
     return cls(layer=fitted), f"{name} at layer {fitted} (default {layer}; {n_layers} decoder layers)"
 
 
-def frame_question(prompt: str) -> str:
-    """QuoTA's per-frame question in the synthetic vocabulary, from the user's query in ``prompt``.
+def query_objects(query: str) -> list[str]:
+    """QuoTA's query decoupling in the synthetic vocabulary: the objects the user's query names.
 
-    QuoTA decouples the query into the objects to look for and asks per frame whether it contains
-    them; in the synthetic vocabulary the objects a query can name are coloured shapes, so the
-    question is "is there a <colour> shape ?" for the first colour the query names, else "is there
-    a coloured shape ?" (the query names only "shape").
+    The objects a synthetic query can name are coloured shapes: "<colour> shape" for the first
+    colour the query names, else "coloured shape" (the query names only "shape"). QuoTA then asks
+    per frame "is there a <object> ?" and reads P(yes) vs P(no) (``PLAIN_PROMPTS``).
     """
-    words = prompt.lower().replace("?", " ").split()
+    words = query.lower().replace("?", " ").split()
     colour = next((w for w in words if w in COLOURS), None)
-    return f"is there a {colour} shape ?" if colour else "is there a coloured shape ?"
-
-
-class YesNoFrameScorer:
-    """QuoTA frame scorer for tokenizers without an "A" token (the synthetic vocabulary).
-
-    QuoTA asks the VLM one yes/no question per frame and uses P("A"); here the wrapped model
-    itself, unpruned, answers :func:`frame_question` of the user's query (inside QuoTA's frame
-    prompt) about each frame alone, and p_t = P(yes) / (P(yes) + P(no)).
-    LLaVA-OneVision layout (one frame = the pooled grid + the newline token).
-    """
-
-    def __init__(self, model: torch.nn.Module, tokenizer: Any) -> None:
-        self.model = model
-        self.yes, self.no = (tokenizer.convert_tokens_to_ids(w) for w in ("yes", "no"))
-
-    def __call__(self, pixels: torch.Tensor, prompt: str) -> torch.Tensor:
-        adapter = self.model.vlm_prune.adapter
-        rows, cols = adapter.frame_grid()
-        ids = adapter.chat_ids(frame_question(prompt), "video", rows * cols + 1)[None].expand(pixels.shape[0], -1)
-        device = self.model.device
-        with adapter.unpruned(), torch.no_grad():
-            logits = self.model(
-                input_ids=ids.to(device), attention_mask=torch.ones_like(ids).to(device),
-                pixel_values_videos=pixels[:, None].to(device), logits_to_keep=1,
-            ).logits[:, -1, [self.yes, self.no]]
-        return torch.softmax(logits.float(), dim=-1)[:, 0].cpu()
+    return [f"{colour} shape" if colour else "coloured shape"]
 
 
 def has_token(tokenizer: Any, word: str) -> bool:
@@ -164,9 +137,9 @@ def plan(model: torch.nn.Module, processor: Any, keeps: tuple[float, ...], only:
 
     def single(name: str) -> tuple[Callable[[torch.nn.Module], Any], str]:
         if name == "quota" and not has_token(tokenizer, "A"):
-            note = ("quota: tokenizer has no 'A'; frames scored by the model itself, P(yes) to 'is there a "
-                    "<colour named in the query> shape ?' per frame; no query decoupling")
-            return (lambda m: method_class("quota")(scorer=YesNoFrameScorer(m, tokenizer), decouple=False)), note
+            note = ("quota: tokenizer has no 'A'; the model itself scores each frame, P(yes) to 'is there a <object> ?' "
+                    "with the objects the user's query names (bench.query_objects)")
+            return (lambda m: method_class("quota").for_processor(processor, objects=query_objects)), note
         _, note = fit_layer(name, n_layers)
         return (lambda m: fit_layer(name, n_layers)[0]), note
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 from vlm_prune.adapters.llava import LlavaAdapter
 from vlm_prune.adapters.llava_onevision import LlavaOnevisionAdapter
-from vlm_prune.eval.bench import fit_layer, frame_question
+from vlm_prune.eval.bench import fit_layer, query_objects
 from vlm_prune.eval.speed import LLAMA_7B, QWEN2_7B, scaled
 
 import vlm_prune
@@ -152,10 +152,12 @@ def test_methods_missing_an_extra_are_skipped_with_the_install_hint(hide_module)
     assert skipped == [{"method": "keyscore", "reason": skipped[0]["reason"]}] and "vlm-prune[video]" in skipped[0]["reason"]
 
 
-def test_frame_question_comes_from_the_users_query():
-    assert frame_question("how many times does the red shape appear ?") == "is there a red shape ?"
-    assert frame_question("is there a blue shape ?\nDoes the image contain sufficient information") == "is there a blue shape ?"
-    assert frame_question("which colour came first ?") == "is there a coloured shape ?"
+def test_quota_looks_for_the_objects_the_users_query_names():
+    from vlm_prune.frames.quota import PLAIN_PROMPTS, frame_prompt
+
+    assert query_objects("how many times does the red shape appear ?") == ["red shape"]
+    assert query_objects("which colour came first ?") == ["coloured shape"]
+    assert frame_prompt("is there a blue shape ?", query_objects("is there a blue shape ?"), PLAIN_PROMPTS) == "is there a blue shape ?"
 
 
 def _row(method, keep, correct, frac, flops=None, seed=0, model="m"):
