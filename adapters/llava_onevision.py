@@ -2,7 +2,8 @@
 
 Video: every frame's tower features are projected and bilinearly pooled to a
 ceil(h/2) x ceil(w/2) grid (196 tokens at 384px); a video is T frames of that grid followed by
-one newline token, which is always kept. The frames stage (QuoTA, KeyScore, uniform) sees the
+one newline token, which is always kept (and, like the image newlines, never counted as a visual
+token nor pruned or merged inside the LLM). The frames stage (QuoTA, KeyScore, uniform) sees the
 [T, n, D] frame maps; vision methods reduce each frame separately. QuoTA (v1/v2/v3/v5) also gets
 each frame's unpooled 27 x 27 map, kept on the side by a patch of ``apply_pooling``, as the
 official code resizes that map. Images (anyres with newline tokens) are items without a
@@ -18,7 +19,7 @@ import torch
 from transformers.modeling_outputs import BaseModelOutputWithPooling
 
 from vlm_prune.adapters.base import PerThread
-from vlm_prune.adapters.hf_vlm import HFVLMAdapter, Item, fit_grid
+from vlm_prune.adapters.hf_vlm import HFVLMAdapter, Item, Request, fit_grid
 from vlm_prune.adapters.vision_towers import FeatureLayerTap, pool_grid
 from vlm_prune.methods.base import FramesContext
 
@@ -28,6 +29,16 @@ class LlavaOnevisionAdapter(HFVLMAdapter):
     model_classes = ("LlavaOnevisionForConditionalGeneration",)
     stages: ClassVar[tuple[str, ...]] = ("frames", "vision", "llm")
     feature_functions: ClassVar[dict[str, str]] = {"image": "get_image_features", "video": "get_video_features"}
+
+    def new_request(self, args: tuple, kwargs: dict[str, Any]) -> Request | None:
+        """As the base class; the image / video newline tokens are not visual tokens: in-LLM
+        methods never prune or merge them (the official PACT code keeps them) and the stats do
+        not count them. They are the rows whose embedding is the model's ``image_newline``."""
+        request = super().new_request(args, kwargs)
+        newline = getattr(self.inner, "image_newline", None)
+        if request is not None and newline is not None:
+            request.pending.not_visual = lambda embeds: (embeds == newline.to(embeds.dtype)).all(-1)
+        return request
 
     def frame_grid(self) -> tuple[int, int]:
         vc = self.model.config.vision_config

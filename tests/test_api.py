@@ -140,17 +140,22 @@ def test_last_stats_report_real_counts(llava, method, kw, expected):
     assert out.shape[1] == rows.shape[1]
 
 
-def test_pipeline_budget_goes_to_the_first_stage(llava):
+def test_pipeline_budget_is_the_final_count(llava):
+    """keep=0.5 over two stages: the first keeps round(16 * 0.5 ** (1/2)) = 11, the last ends at 8."""
     inp = T.llava_inputs()
     vlm_prune.wrap(llava, ["random", "fastv"], keep=0.5)
     try:
         with torch.no_grad():
             llava(**inp)
-        stages = llava.vlm_prune.last_stats["stages"]
+        stats = llava.vlm_prune.last_stats
     finally:
         vlm_prune.unwrap(llava)
+    stages = stats["stages"]
     assert [s["stage"] for s in stages] == ["vision", "llm"]
-    assert stages[0]["tokens_out"] == [8, 8] and stages[1]["tokens_out"] == [4, 4]  # FastV's own R=50%
+    assert stages[0]["tokens_out"] == [11, 11] and stages[1]["tokens_out"] == [8, 8]
+    assert stats["visual_tokens_out"] == [8, 8]
+    # 6 decoder layers: layers 0-1 see the 11 random survivors, layers 2-5 FastV's 8
+    assert stats["visual_tokens_layer_avg"] == [pytest.approx((2 * 11 + 4 * 8) / 6)] * 2
 
 
 @pytest.mark.parametrize("query", ["last", "text"])

@@ -193,7 +193,7 @@ def test_pact_merging_equals_masked_reference_with_log_size_bias(case):
             seen["origin"], seen["reds"] = ctx.extras["origin"], reds
             return reds
 
-    logits, rows = pruned_prefill(model, Recording(layer=2, cutoff=0.6), inp, keep=0.75)
+    logits, rows = pruned_prefill(model, Recording(layer=2, rho=0.75, cutoff=0.6), inp)
     b, s = inp["input_ids"].shape
     d = model.config.text_config.hidden_size
     kept = torch.zeros(b, s, dtype=torch.bool)

@@ -20,7 +20,7 @@ from transformers.models.llama.modeling_llama import (
 
 from vlm_prune.engine import LMSpec, PrunedDecoder
 from vlm_prune.methods import LayerContext, VisionContext
-from vlm_prune.methods.adaptinfer import SCHEDULES, AdaptInfer, derive_counts
+from vlm_prune.methods.adaptinfer import SCHEDULES, AdaptInfer, derive_counts, final_counts
 from vlm_prune.methods.cdpruner import (
     CDPruner,
     conditional_kernel,
@@ -193,16 +193,16 @@ def test_pact_euti_equals_direct_formula():
             assert float(scores[b, last + 1 :].abs().sum()) == 0.0
 
 
-def test_pact_without_merging_is_euti_topk_and_honours_n_keep():
+def test_pact_without_merging_is_euti_topk():
     """cutoff 0: every kept token is its own cluster, pruned tokens are dropped."""
     layer, rotary = tiny_layer()
     hidden, valid, visual, text, positions, _ = padded_batch([20, 17], n_sys=2, n_vis=12)
-    for keep, n_keep in [(None, None), (0.25, 3)]:
-        method = PACT(cutoff=0.0, keep=keep)
-        ctx = layer_ctx(hidden, valid, visual, text, positions, layer, rotary, n_keep=[n_keep or 0] * 2, family="qwen2_vl")
+    for _ in range(1):
+        method = PACT(cutoff=0.0)
+        ctx = layer_ctx(hidden, valid, visual, text, positions, layer, rotary, n_keep=[0] * 2, family="qwen2_vl")
         reds = method.select(ctx)
         scores = method.scores(ctx)
-        expect_k = n_keep if keep else math.floor(0.8 * 12)  # qwen2_vl rho = 0.8
+        expect_k = math.floor(0.8 * 12)  # qwen2_vl rho = 0.8
         for b, red in enumerate(reds):
             vis = torch.nonzero(visual[b]).squeeze(1)
             top = vis[torch.topk(scores[b, vis], expect_k).indices]
@@ -247,7 +247,7 @@ def test_pact_merges_clusters_with_reattached_pruned_tokens():
         sizes=torch.ones(1, s), n_keep=torch.tensor([5]), layer_module=Layer(), project_qk=project,
         extras={"family": "llava_onevision"},
     )
-    (red,) = PACT(keep=5 / 6, cutoff=0.1).select(ctx)
+    (red,) = PACT(rho=5 / 6, cutoff=0.1).select(ctx)
     centres = [i for i in red.indices.tolist() if visual[0, i]]
     assert len(centres) == 2 and centres[0] in (2, 3) and centres[1] in (5, 6, 7)
     assert red.indices.tolist() == [0, 1, centres[0], centres[1], 8, 9]
@@ -317,26 +317,64 @@ def test_adaptinfer_select_keeps_text_and_n_keep_best_visual():
         assert set(torch.nonzero(valid[b] & ~visual[b]).squeeze(1).tolist()) <= set(red.indices.tolist())
 
 
+class _Adapter:
+    """The two things AdaptInfer.check_model reads of an adapter: family and LM shape."""
+
+    def __init__(self, family, layers, hidden):
+        from transformers import LlamaConfig
+
+        self.family = family
+        self.model = type("M", (), {"config": LlamaConfig(num_hidden_layers=layers, hidden_size=hidden)})()
+
+
+def _configured(adapter, keep=None, budget=None, **kw):
+    m = AdaptInfer(**kw)
+    m.configure_budget(keep, budget)
+    m.check_model(adapter)
+    return m
+
+
 def test_adaptinfer_published_schedules():
-    m = AdaptInfer(schedule="llava-1.5-7b")
-    m.configure_budget(None, 64)
+    """A model of a published shape gets the published layers, and with the paper's average= the
+    published counts (LLaVA-1.5-7B, 64: 133, 27, 3; scaled for two images) or ratios (Qwen2-VL-2B)."""
+    m = _configured(_Adapter("llava", 32, 4096), average=64)
     assert m.prune_layers(32) == [2, 11, 21]
     assert [m.n_keep_at(2, 576, 576), m.n_keep_at(11, 576, 133), m.n_keep_at(21, 576, 27)] == [133, 27, 3]
-    assert m.n_keep_at(2, 1152, 1152) == 266  # two images' worth of tokens: counts scale
-    q = AdaptInfer(schedule="qwen2-vl-2b")
-    q.configure_budget(None, None)
-    assert q.prune_layers(28) == [1, 10, 20]
+    assert m.n_keep_at(2, 1152, 1152, 2) == 266  # two images' worth of tokens: counts scale
+    assert m.positions == "renumber"  # the official LLaVA code renumbers positions
+    m13 = _configured(_Adapter("llava", 40, 5120), average=128)
+    m13.prune_layers(40)
+    assert [m13.n_keep_at(a, 576, 576) for a in (2, 11, 21)] == [300, 94, 30]
+    q = _configured(_Adapter("qwen2_vl", 28, 1536))  # no target: the official default ratios
+    assert q.prune_layers(28) == [1, 10, 20] and q.positions == "keep"
     assert [q.n_keep_at(1, 1000, 1000), q.n_keep_at(10, 1000, 170), q.n_keep_at(20, 1000, 102)] == [170, 102, 30]
-    q30 = AdaptInfer(schedule="qwen2-vl-2b", keep=0.3)
-    q30.configure_budget(None, None)
+    q30 = _configured(_Adapter("qwen2_vl", 28, 1536), average=0.3)
     q30.prune_layers(28)
     assert q30.n_keep_at(1, 1000, 1000) == 500
+    # keep / budget on a published shape: published layers, counts ending at the target
+    f = _configured(_Adapter("llava", 32, 4096), budget=64)
+    assert f.prune_layers(32) == [2, 11, 21]
+    assert [f.n_keep_at(a, 576, 576) for a in (2, 11, 21)] == [277, 133, 64]
+    # a forced published schedule needs a published average
     with pytest.raises(ValueError, match="128, 64, 48, 32"):
-        AdaptInfer(schedule="llava-1.5-7b").configure_budget(None, 100)
+        _configured(_Adapter("llava", 6, 64), schedule="llava-1.5-7b", average=100)
     with pytest.raises(ValueError, match="only 12 decoder layers"):
         m.prune_layers(12)
     with pytest.raises(ValueError, match="needs a target"):
-        AdaptInfer().configure_budget(None, None)
+        _configured(_Adapter("llava", 6, 64))
+    with pytest.raises(ValueError, match="not both"):
+        _configured(_Adapter("llava", 6, 64), keep=0.5, average=16)
+    with pytest.raises(ValueError, match="M-RoPE"):
+        _configured(_Adapter("qwen2_vl", 6, 64), keep=0.5, positions="renumber")
+
+
+def test_adaptinfer_final_counts_end_at_the_target():
+    assert final_counts(576, 64, 3) == [277, 133, 64]
+    assert final_counts(64, 64, 3) == [64, 64, 64]  # keep=1.0 prunes nothing
+    assert final_counts(16, 1, 3) == [6, 3, 1]
+    for n, t in [(576, 3), (100, 7), (17, 16)]:
+        counts = final_counts(n, t, 3)
+        assert counts[-1] == t and counts == sorted(counts, reverse=True) and counts[0] <= n
 
 
 def test_adaptinfer_derived_schedule_reproduces_paper_accounting():
@@ -347,8 +385,7 @@ def test_adaptinfer_derived_schedule_reproduces_paper_accounting():
     for target, counts in SCHEDULES["llava-1.5-7b"].counts.items():
         avg = (1 * 576 + 9 * counts[0] + 10 * counts[1] + 12 * counts[2]) / 32
         assert target <= avg < target + 2
-    m = AdaptInfer(keep=0.25)
-    m.configure_budget(None, None)
+    m = _configured(_Adapter("llava", 12, 64), average=0.25)
     after = [a - 1 for a in m.prune_layers(12)]
     assert after == [0, 4, 8]
     n = 400

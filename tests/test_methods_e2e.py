@@ -6,13 +6,15 @@ adapters' business (their invariant tests); here the methods' budgets are checke
 """
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from tiny_models import llava_inputs, tiny_llava
 
 import vlm_prune
 from vlm_prune.methods import PACT, AdaptInfer, CDPruner, DivPrune, VisionZip
-from vlm_prune.methods.adaptinfer import auto_layers, derive_counts
+from vlm_prune.methods.adaptinfer import auto_layers, derive_counts, final_counts
 
 N_IMG = 16  # visual tokens per image of the tiny LLaVA
 
@@ -51,19 +53,29 @@ def test_visionzip_keeps_its_budget(model):
     assert stats["stages"][0]["tokens_out"] == [8, 8]
 
 
-def test_pact_prunes_then_merges_within_the_pruning_budget(model):
+def test_pact_meets_the_target_and_runs_the_official_knobs_without_one(model):
     stats = run(model, PACT(layer=2), keep=0.5)
     (stage,) = stats["stages"]
     assert stage["stage"] == "llm" and stage["layer"] == 2
-    assert all(1 <= n <= N_IMG // 2 for n in stage["tokens_out"])
-    # family defaults (llava: rho 0.55): at most floor(0.55 * 16) = 8 rows remain
+    assert stage["tokens_out"] == [8, 8] and stats["visual_tokens_out"] == [8, 8]
+    # no target: family defaults (llava: rho 0.55): at most floor(0.55 * 16) = 8 rows remain
     stats = run(model, PACT(layer=2))
     assert all(1 <= n <= 8 for n in stats["stages"][0]["tokens_out"])
+    with pytest.raises(ValueError, match="rho / cutoff or keep"):
+        run(model, PACT(rho=0.5), keep=0.25)
 
 
-def test_adaptinfer_stage_counts_follow_the_derived_schedule(model):
+def test_adaptinfer_stage_counts_end_at_the_target(model):
     stats = run(model, AdaptInfer(), keep=0.3)
     after = auto_layers(6)
-    counts = derive_counts(N_IMG, 0.3 * N_IMG, after, 6, (0.25, 0.25))
+    counts = final_counts(N_IMG, math.floor(0.3 * N_IMG), len(after))
     assert [s["layer"] for s in stats["stages"]] == [a + 1 for a in after]
+    assert [s["tokens_out"] for s in stats["stages"]] == [[c, c] for c in counts]
+    assert stats["visual_tokens_out"] == [4, 4]
+
+
+def test_adaptinfer_average_follows_the_derived_schedule(model):
+    stats = run(model, AdaptInfer(average=0.3))
+    after = auto_layers(6)
+    counts = derive_counts(N_IMG, 0.3 * N_IMG, after, 6, (0.25, 0.25))
     assert [s["tokens_out"] for s in stats["stages"]] == [[c, c] for c in counts]

@@ -1,13 +1,15 @@
 """Public API: wrap / unwrap a model with one or more pruning methods."""
 from __future__ import annotations
 
+import copy
 import threading
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import torch
 
-from vlm_prune.methods.base import STAGES, Method, validate_budget
+from vlm_prune.methods.base import STAGES, BudgetWarning, Method, validate_budget
 from vlm_prune.registry import make_method
 
 
@@ -20,6 +22,8 @@ class WrapState:
     methods: dict[str, Method]
     processor: Any = None
     seed: int = 0
+    #: budget targets this model cannot reach, with the reachable value (warned once by wrap())
+    budget_notes: list[str] = field(default_factory=list)
     #: the calling thread's last request (see last_stats / last_rows)
     _last: threading.local = field(default_factory=threading.local, repr=False, compare=False)
 
@@ -77,7 +81,8 @@ def build_pipeline(
         )
     by_stage: dict[str, Method] = {}
     for spec in specs:
-        m = make_method(spec)
+        # a copy: the object the user configured is never changed by wrap()
+        m = copy.copy(make_method(spec))
         if m.stage not in STAGES:
             raise ValueError(f"method {m.name!r} declares unknown stage {m.stage!r}; stages are {STAGES}")
         if m.stage in by_stage:
@@ -86,13 +91,12 @@ def build_pipeline(
                 f"stage; a pipeline takes at most one method per stage (frames -> vision -> llm)"
             )
         by_stage[m.stage] = m
-    # keep / budget set the first stage; later stages with their own defaults keep them
-    for i, stage in enumerate(s for s in STAGES if s in by_stage):
-        m = by_stage[stage]
-        if i == 0 or not m.own_schedule:
-            m.configure_budget(keep, budget)
-        else:
-            m.configure_budget(None, None)
+    # one target, the final count: every stage gets it; stage i of m keeps an even share of the
+    # reduction (Method.n_keep), so the last stage lands on the target
+    ordered = [by_stage[s] for s in STAGES if s in by_stage]
+    for i, m in enumerate(ordered, start=1):
+        m._share = (i, len(ordered))
+        m.configure_budget(keep, budget)
     if "vision" in by_stage and "vit" in by_stage:
         raise ValueError(
             f"methods {by_stage['vit'].name!r} (inside the ViT) and {by_stage['vision'].name!r} "
@@ -118,11 +122,13 @@ def wrap(
         model: a supported Hugging Face VLM or timm ViT (see ``vlm_prune.adapters``).
         method: a registered name (``"fastv"``), a configured object
             (``vlm_prune.methods.FastV(layer=2)``), or a list of them, at most one per stage.
-        keep: fraction of visual tokens kept, in (0, 1].
-        budget: visual tokens kept per image (per video for frames methods). Give exactly one of
-            keep / budget unless the method defines its own schedule. In a pipeline they set the
-            first stage; later stages that have defaults of their own (fastv, pact, adaptinfer)
-            keep them - pass configured objects to set them, e.g. ``FastV(keep=0.5)``.
+        keep: fraction of each image's visual tokens (each video's, for frames methods) that
+            reach the language model's last layer, in (0, 1]; 1.0 changes nothing.
+        budget: the same as a count per image (per video for frames methods). Give exactly one
+            of keep / budget unless the method has its own defaults (fastv, pact, adaptinfer).
+            In a pipeline it is the final count: stage i of m keeps an even share of the
+            reduction and the last stage lands on it. A target the model cannot reach (e.g.
+            ToMe's half per block) is warned once (``BudgetWarning``) with the reachable value.
         frames, tokens: the frames-stage and token-stage methods, as an alternative spelling of
             ``method=[frames, tokens]``.
         processor: the model's processor (tokenizer, image processor); frame methods that
@@ -142,6 +148,10 @@ def wrap(
     adapter.check_methods()
     for m in methods.values():
         m.check_model(adapter)
+        note = m.budget_warning(adapter)
+        if note:
+            state.budget_notes.append(note)
+            warnings.warn(note, BudgetWarning, stacklevel=2)
     state.adapter = adapter
     adapter.attach()
     model.vlm_prune = state

@@ -65,6 +65,9 @@ class Pending:
     visual_in: list[int] | None = None  # visual tokens per sample before any reduction
     #: resized frame maps (QuoTA on M-RoPE models): new spatial positions for some rows
     position_rewrites: list["PositionRewrite"] = field(default_factory=list)
+    #: callable(embeds [B, S, D]) -> [B, S] bool: placeholder rows that are not visual tokens
+    #: (LLaVA-OneVision's newline tokens); never counted, pruned or merged
+    not_visual: Callable[[torch.Tensor], torch.Tensor] | None = None
 
 
 @dataclass
@@ -99,6 +102,9 @@ class CacheSegments:
     key_valid: list[torch.Tensor]  # per segment [B, kv]
     key_bias: list[torch.Tensor]  # per segment [B, kv] float32 (log sizes)
     next_pos: torch.Tensor  # [P, B] next default position per sample
+    #: per segment [P, B] next position, when a method renumbered positions after pruning
+    #: (each layer then continues from its own row count, as AdaptInfer's official LLaVA code)
+    segment_next_pos: list[torch.Tensor] | None = None
 
 
 def default_positions(
@@ -249,11 +255,12 @@ class PrunedDecoder:
         n_img = (self.pending.images_per_sample if self.pending and self.pending.images_per_sample else None)
         out = []
         for b, n in enumerate(n_vis.tolist()):
+            orig = self.pending.visual_in[b] if self.pending and self.pending.visual_in else n
+            images = n_img[b] if n_img else 1
             if hasattr(m, "n_keep_at"):
-                orig = self.pending.visual_in[b] if self.pending and self.pending.visual_in else n
-                out.append(m.n_keep_at(layer, orig, n))
+                out.append(m.n_keep_at(layer, orig, n, images))
             else:
-                out.append(m.n_keep(n, n_img[b] if n_img else 1))
+                out.append(m.n_keep(n, images, orig))
         return torch.tensor(out, dtype=torch.long, device=rows.valid.device)
 
     def _context(self, layer: int, rows: Rows, prune_before: int) -> LayerContext:
@@ -268,7 +275,8 @@ class PrunedDecoder:
             n_keep=self._n_keep(prune_before, rows),
             layer_module=self.spec.layers[layer],
             project_qk=self.project_qk(layer),
-            extras={"family": self.spec.family, "prune_before": prune_before, "origin": rows.origin},
+            extras={"family": self.spec.family, "prune_before": prune_before, "origin": rows.origin,
+                    "images": self.pending.images_per_sample if self.pending else None},
         )
 
     def _select(self, layer: int, rows: Rows, prune_before: int) -> tuple[list[Reduction], float]:
@@ -347,6 +355,8 @@ class PrunedDecoder:
         visual = pending.visual.to(device) if pending is not None else torch.zeros(b, s, dtype=torch.bool, device=device)
         sizes = pending.sizes.to(device).float() if pending is not None and pending.sizes is not None else torch.ones(b, s, device=device)
         origin = torch.where(valid, torch.arange(s, device=device), -1)
+        if pending is not None and pending.not_visual is not None:
+            visual = visual & ~pending.not_visual(embeds).to(device)
         if pending is not None and pending.position_rewrites:
             pos = pos.clone()
             for rewrite in pending.position_rewrites:
@@ -369,12 +379,17 @@ class PrunedDecoder:
         key_valid: list[torch.Tensor] = []
         key_bias: list[torch.Tensor] = []
         planned: dict[int, tuple[list[Reduction], float]] = {}
+        renumber = bool(getattr(method, "renumber_positions", False)) and bool(points)
+        segment_next: list[torch.Tensor] = []
+        layer_visual: list[torch.Tensor] = []  # visual rows each layer saw, per sample
         mask = pe = None
         for idx in range(n_layers):
             if idx in points and (rows.visual & rows.valid).any():
                 reds, secs = planned.pop(idx) if idx in planned else self._select(idx, rows, idx)
                 before = (rows.visual & rows.valid).sum(1).tolist()
                 rows = apply(rows, reds)
+                if renumber:
+                    rows = replace(rows, pos=renumbered(rows.pos, rows.valid))
                 records.append({
                     "stage": "llm", "method": method.name, "layer": idx,
                     "tokens_in": before, "tokens_out": (rows.visual & rows.valid).sum(1).tolist(), "seconds": secs,
@@ -385,14 +400,17 @@ class PrunedDecoder:
                 key_bias.append(torch.log(rows.sizes.float()).masked_fill(~rows.valid, 0.0))
                 mask = self._mask(rows.valid, key_bias[-1], rows.valid, rows.hidden.dtype)
                 pe = spec.lm.rotary_emb(rows.hidden, spec.rope_positions(rows.pos))
+                segment_next.append(rows.pos.masked_fill(~rows.valid, -1).amax(-1) + 1)
             layer_segment.append(len(key_valid) - 1)
+            layer_visual.append((rows.visual & rows.valid).sum(1))
             if early and (idx + 1) in points and (rows.visual & rows.valid).any():
                 planned[idx + 1] = self._select(idx, rows, idx + 1)
             rows = replace(rows, hidden=self._run_layer(idx, rows.hidden, mask, pe, rows.pos, cache, use_cache, kwargs))
 
         if cache is not None and use_cache:
-            cache._vlm_prune = CacheSegments(layer_segment, key_valid, key_bias, next_pos=pos[:, :, -1] + 1)
-        self.state.last_stats = _stats(stats_in, rows, records)
+            cache._vlm_prune = CacheSegments(layer_segment, key_valid, key_bias, next_pos=pos[:, :, -1] + 1,
+                                             segment_next_pos=segment_next if renumber else None)
+        self.state.last_stats = _stats(stats_in, rows, records, layer_visual, self.state)
         self.state.last_rows = rows.origin
         return rows.hidden
 
@@ -413,10 +431,17 @@ class PrunedDecoder:
         segs.key_bias = [torch.cat([kb, torch.zeros(b, s, device=kb.device)], 1) for kb in segs.key_bias]
         segs.next_pos = pos[:, :, -1] + 1
         masks = [self._mask(kv, kb, valid, embeds.dtype) for kv, kb in zip(segs.key_valid, segs.key_bias)]
-        pe = spec.lm.rotary_emb(embeds, spec.rope_positions(pos))
+        if segs.segment_next_pos is not None:  # renumbered: each segment continues from its own rows
+            ar = torch.arange(s, device=valid.device)
+            seg_pos = [nxt[:, :, None] + ar for nxt in segs.segment_next_pos]
+            segs.segment_next_pos = [p[:, :, -1] + 1 for p in seg_pos]
+        else:
+            seg_pos = [pos] * len(segs.key_valid)
+        pes = [spec.lm.rotary_emb(embeds, spec.rope_positions(p)) for p in seg_pos]
         hidden = embeds
         for idx in range(len(spec.layers)):
-            hidden = self._run_layer(idx, hidden, masks[segs.layer_segment[idx]], pe, pos, cache, True, kwargs)
+            seg = segs.layer_segment[idx]
+            hidden = self._run_layer(idx, hidden, masks[seg], pes[seg], seg_pos[seg], cache, True, kwargs)
         return hidden
 
 
@@ -506,10 +531,26 @@ def apply(rows: Rows, reds: list[Reduction]) -> Rows:
     return Rows(hidden, pos, new_valid, visual, sizes, origin)
 
 
-def _stats(stats_in: list[int], rows: Rows, records: list[dict[str, Any]]) -> dict[str, Any]:
-    return {
+def renumbered(pos: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """[P, B, S] positions renumbered without gaps: each sample's valid rows count up from its
+    first position (what AdaptInfer's official LLaVA code does after each pruning step)."""
+    first = pos.masked_fill(~valid, torch.iinfo(pos.dtype).max).amin(-1, keepdim=True)
+    rank = valid.long().cumsum(-1) - 1
+    return torch.where(valid, first + rank, pos)
+
+
+def _stats(stats_in: list[int], rows: Rows, records: list[dict[str, Any]], layer_visual: list[torch.Tensor],
+           state: Any) -> dict[str, Any]:
+    """last_stats: visual tokens entering the LM (before any stage), reaching its last layer, and
+    averaged over its layers (what prefill FLOPs follow), per sample; each stage's record."""
+    avg = torch.stack(layer_visual).float().mean(0).tolist() if layer_visual else [float(n) for n in stats_in]
+    out = {
         "visual_tokens_in": stats_in,
         "visual_tokens_out": (rows.visual & rows.valid).sum(1).tolist(),
+        "visual_tokens_layer_avg": avg,
         "stages": records,
         "seconds": sum(r.get("seconds", 0.0) for r in records),
     }
+    if getattr(state, "budget_notes", None):
+        out["budget_notes"] = list(state.budget_notes)
+    return out

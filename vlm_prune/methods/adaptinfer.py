@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -25,8 +26,10 @@ class Schedule:
     reference_tokens: int = 576
 
 
-#: From weiczh02/AdaptInfer-base (llava/model/language_model/score.py, qwen2_vl/pruning.py)
-#: and the paper (arXiv 2508.06084).
+#: From weiczh02/AdaptInfer-base (llava/model/language_model/score.py and
+#: modelling_sparse_llama.py at commit 91b1784a; qwen2_vl/pruning.py at 8f5ae0c0) and the paper
+#: (arXiv 2508.06084). Keys: the paper's target, the depth-average visual tokens (LLaVA: tokens per
+#: image; Qwen2-VL: fraction of the visual tokens, None = the official default).
 SCHEDULES: dict[str, Schedule] = {
     "llava-1.5-7b": Schedule(
         after=(1, 10, 20),
@@ -39,8 +42,29 @@ SCHEDULES: dict[str, Schedule] = {
     ),
 }
 
+#: The language-model shape (adapter family, decoder layers, hidden size) of each published model:
+#: a wrapped model of that shape gets the published schedule automatically.
+PUBLISHED_SHAPES: dict[str, tuple[str, int, int]] = {
+    "llava-1.5-7b": ("llava", 32, 4096),
+    "llava-1.5-13b": ("llava", 40, 5120),
+    "qwen2-vl-2b": ("qwen2_vl", 28, 1536),
+}
+
+#: Position ids after a pruning step, per family, as the official code does: its LLaVA code
+#: renumbers the kept rows 0..n-1 (``position_ids[:, :kept]``) and each later decode step takes
+#: its layer's cache length as position; elsewhere the kept rows keep their original ids.
+OFFICIAL_POSITIONS: dict[str, str] = {"llava": "renumber", "llava_next": "renumber"}
+
 #: Where the derived schedule prunes, as fractions of the depth (LLaVA-1.5-7B's 1, 10, 20 of 32).
 AUTO_LAYER_FRACTIONS = (1 / 32, 10 / 32, 20 / 32)
+
+
+def published_for(family: str, num_layers: int, hidden: int) -> str | None:
+    """The published schedule whose model has this language-model shape, if any."""
+    for name, shape in PUBLISHED_SHAPES.items():
+        if shape == (family, num_layers, hidden):
+            return name
+    return None
 
 
 def auto_layers(num_layers: int, fractions: tuple[float, ...] = AUTO_LAYER_FRACTIONS) -> list[int]:
@@ -48,6 +72,16 @@ def auto_layers(num_layers: int, fractions: tuple[float, ...] = AUTO_LAYER_FRACT
     if num_layers < 2:
         raise ValueError(f"AdaptInfer needs at least 2 decoder layers to prune after one, got {num_layers}")
     return sorted({min(num_layers - 2, max(0, round(f * num_layers))) for f in fractions})
+
+
+def final_counts(n_visual: int, target: int, n_stages: int) -> list[int]:
+    """Stage counts ending at ``target``: each stage keeps the same fraction of the tokens,
+    stage i leaves round(n * (target / n) ** (i / m)) and the last exactly ``target``."""
+    if target >= n_visual:
+        return [n_visual] * n_stages
+    ratio = target / n_visual
+    counts = [round(n_visual * ratio ** (i / n_stages)) for i in range(1, n_stages)] + [target]
+    return [max(c, target) for c in counts]
 
 
 def derive_counts(
@@ -125,27 +159,35 @@ def text_rows_attention(
 
 @register
 class AdaptInfer(LLMMethod):
-    """AdaptInfer: text-guided multi-layer pruning (arXiv 2508.06084; weiczh02/AdaptInfer-base).
+    """AdaptInfer: text-guided multi-layer pruning (arXiv 2508.06084; weiczh02/AdaptInfer-base,
+    LLaVA code at commit 91b1784a, Qwen2-VL code at 8f5ae0c0).
 
     After each layer l of a schedule, visual tokens are ranked by the attention the text queries
     pay them, each text token weighted by its importance inside the text: with A the layer's
     causal attention, A_tt its text-text block, S = A_tt + A_tt^T - diag(A_tt),
     text_imp = column sums of S, score[v] = sum_h sum_t text_imp[h, t] A[h, t, v]. The text rows
     of A are recomputed on the side from layer l's own q/k (exact, O(T S) per head), so the
-    model keeps SDPA / FlashAttention. Pruning happens before layer l + 1; kept tokens keep their
-    original position ids.
+    model keeps SDPA / FlashAttention. Pruning happens before layer l + 1.
 
-    ``schedule``:
-    - "auto" (default): prune after round(depth * (1, 10, 20) / 32) (or ``layers``), stage
-      counts from :func:`derive_counts` so that the depth-average visual count equals the
-      target, given as keep (fraction of the sample's visual tokens) or budget (visual tokens
-      of the sample, summed over its images). Required.
-    - "llava-1.5-7b": budget in {128, 64, 48, 32} -> published counts after layers 1, 10, 20
-      (for 576 tokens; scaled proportionally for other token counts).
-    - "llava-1.5-13b": budget in {128, 64}.
-    - "qwen2-vl-2b": after layers 0, 9, 19, fractions of the current count: (0.17, 0.6, 0.3) by
-      default, keep=0.3 -> (0.5, 0.6, 0.3), keep=0.5 -> (0.7, 0.9, 0.3).
-    The engine asks :meth:`n_keep_at` for each stage's count.
+    Where it prunes: after the published layers when the wrapped model has a published shape
+    (LLaVA-1.5-7B / 13B: 1, 10, 20; Qwen2-VL-2B: 0, 9, 19), else after ``layers`` or
+    round(depth * (1, 10, 20) / 32). ``schedule`` names a published schedule to force it.
+
+    How many it keeps, from one of:
+    - ``keep`` / ``budget`` (the library's target, given to wrap()): the visual tokens that reach
+      the last layer. Each stage keeps the same fraction and the last lands on the target
+      (:func:`final_counts`); keep=1.0 prunes nothing.
+    - ``average`` (the paper's target): the depth-average visual tokens (an int: per image; a
+      float: fraction). On a published shape with a published average this is the official
+      schedule exactly (LLaVA-1.5-7B, average=64: 133, 27, 3 of 576 tokens, scaled for other
+      counts; Qwen2-VL-2B, average=0.3: 0.5, 0.6, 0.3 of the current count); otherwise
+      :func:`derive_counts` solves for it. No keep / budget needed.
+    - nothing, on a Qwen2-VL-2B shape: the official default ratios (0.17, 0.6, 0.3).
+
+    ``positions``: "renumber" (kept rows renumbered 0..n-1 after each step, each decode step at
+    its layer's row count, as the official LLaVA code) or "keep" (original position ids, gaps
+    stay). Default: the official code's handling of the family ("renumber" on LLaVA-1.5 and
+    LLaVA-NeXT, "keep" elsewhere; M-RoPE models only "keep").
     """
 
     name = "adaptinfer"
@@ -156,8 +198,10 @@ class AdaptInfer(LLMMethod):
     def __init__(
         self,
         schedule: str = "auto",
+        average: int | float | None = None,
         layers: tuple[int, ...] | list[int] | None = None,
         stage_ratios: tuple[float, ...] = (0.25, 0.25),
+        positions: str | None = None,
         keep: float | None = None,
         budget: int | None = None,
     ) -> None:
@@ -172,40 +216,74 @@ class AdaptInfer(LLMMethod):
             raise ValueError(f"AdaptInfer layers must be distinct increasing layer indices >= 0, got {layers!r}")
         if any(not 0 < c <= 1 for c in stage_ratios):
             raise ValueError(f"AdaptInfer stage_ratios must lie in (0, 1], got {stage_ratios!r}")
+        if average is not None and (isinstance(average, bool) or not isinstance(average, (int, float)) or average <= 0
+                                    or (isinstance(average, float) and average > 1)):
+            raise ValueError(
+                f"AdaptInfer average is the depth-average visual tokens: a count >= 1 (per image) or a "
+                f"fraction in (0, 1], got {average!r}"
+            )
+        if positions not in (None, "renumber", "keep"):
+            raise ValueError(f"AdaptInfer positions must be 'renumber' or 'keep' (None: the official one), got {positions!r}")
         self.schedule = schedule
+        self.average = average
         self.layers = list(layers) if layers is not None else None
         self.stage_ratios = tuple(stage_ratios)
+        self.positions = positions
+        self._published: str | None = schedule if schedule != "auto" else None
         self._after: list[int] | None = None
         self._num_layers: int | None = None
 
     def configure_budget(self, keep: float | None, budget: int | None) -> None:
+        if self.average is not None and (keep is not None or budget is not None or self.keep is not None
+                                         or self.budget is not None):
+            raise ValueError(
+                "AdaptInfer takes either the paper's average= (depth-average visual tokens) or keep= / budget= "
+                "(visual tokens reaching the last layer), not both"
+            )
         super().configure_budget(keep, budget)
-        if self.schedule == "auto" and self.keep is None and self.budget is None:
+
+    def check_model(self, adapter: Any) -> None:
+        """Pick the published schedule of the model's shape, the family's official position
+        handling, and check that a target is set."""
+        super().check_model(adapter)
+        cfg = adapter.model.config
+        text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+        if self.schedule == "auto":
+            self._published = published_for(adapter.family, text.num_hidden_layers, text.hidden_size)
+        if self.positions is None:
+            self.positions = OFFICIAL_POSITIONS.get(adapter.family, "keep")
+        if self.positions == "renumber" and adapter.family == "qwen2_vl":
+            raise ValueError("AdaptInfer positions='renumber' is for 1-D positions; Qwen2-VL's M-RoPE keeps its positions")
+        published = SCHEDULES.get(self._published or "")
+        has_target = self.keep is not None or self.budget is not None or self.average is not None
+        if not has_target and not (published is not None and None in published.ratios):
             raise ValueError(
-                "AdaptInfer with schedule='auto' needs a target: keep= (average fraction of visual tokens "
-                "over the layers) or budget= (average visual tokens), or pick a published schedule"
+                "AdaptInfer needs a target: keep= / budget= (visual tokens reaching the last layer) or "
+                "average= (the paper's depth-average visual tokens)"
             )
-        published = SCHEDULES.get(self.schedule)
-        if published is not None and published.counts and self.budget not in published.counts:
+        if self.schedule != "auto" and self.average is not None and not self._published_average(published):
+            keys = published.counts or published.ratios
             raise ValueError(
-                f"AdaptInfer schedule {self.schedule!r} is published for budget= "
-                f"{', '.join(str(c) for c in published.counts)} (average visual tokens); got "
-                f"keep={self.keep!r}, budget={self.budget!r}"
+                f"AdaptInfer schedule {self.schedule!r} is published for average= "
+                f"{', '.join(str(k) for k in keys if k is not None)}; got {self.average!r}"
             )
-        if published is not None and published.ratios and self.budget is not None:
-            raise ValueError(f"AdaptInfer schedule {self.schedule!r} takes keep=, not budget=")
-        if published is not None and published.ratios and self.keep not in published.ratios:
-            raise ValueError(
-                f"AdaptInfer schedule {self.schedule!r} is published for keep= "
-                f"{', '.join(str(k) for k in published.ratios)}; got keep={self.keep!r}"
-            )
+
+    def _published_average(self, published: Schedule | None) -> bool:
+        """True when the average (or no target) is one the published schedule lists."""
+        if published is None or self.keep is not None or self.budget is not None:
+            return False
+        return self.average in (published.counts or published.ratios)
+
+    @property
+    def renumber_positions(self) -> bool:
+        return self.positions == "renumber"
 
     def prune_after(self, num_layers: int) -> list[int]:
         """0-indexed layers whose attention scores a pruning step (pruning happens after them)."""
-        if self.schedule == "auto":
-            after = self.layers if self.layers is not None else auto_layers(num_layers)
+        if self._published is not None:
+            after = list(SCHEDULES[self._published].after)
         else:
-            after = list(SCHEDULES[self.schedule].after)
+            after = self.layers if self.layers is not None else auto_layers(num_layers)
         if after[-1] > num_layers - 2:
             raise ValueError(
                 f"AdaptInfer prunes after layers {after}, but the model has only {num_layers} decoder "
@@ -218,24 +296,27 @@ class AdaptInfer(LLMMethod):
         self._num_layers = num_layers
         return [layer + 1 for layer in self._after]
 
-    def n_keep_at(self, layer: int, n_visual_original: int, n_visual_now: int) -> int:
+    def n_keep_at(self, layer: int, n_visual_original: int, n_visual_now: int, n_images: int = 1) -> int:
         """Visual tokens to keep before decoder ``layer`` (one of :meth:`prune_layers`)."""
         if self._after is None or self._num_layers is None:
             raise RuntimeError("AdaptInfer.n_keep_at called before prune_layers(num_layers)")
         if layer - 1 not in self._after:
             raise ValueError(f"AdaptInfer does not prune before layer {layer}; it prunes before {[a + 1 for a in self._after]}")
         stage = self._after.index(layer - 1)
-        if self.schedule == "auto":
-            target = self.keep * n_visual_original if self.keep is not None else min(self.budget, n_visual_original)
-            counts = derive_counts(n_visual_original, target, self._after, self._num_layers, self.stage_ratios)
+        n, images = n_visual_original, max(1, n_images)
+        if self.keep is not None or self.budget is not None:
+            counts = final_counts(n, self.target_count(n, images), len(self._after))
             return min(n_visual_now, counts[stage])
-        published = SCHEDULES[self.schedule]
-        if published.ratios:
-            ratio = published.ratios[self.keep][stage]
-            return max(1, min(int(ratio * n_visual_now), n_visual_now)) if n_visual_now else 0
-        count = published.counts[self.budget][stage]
-        scaled = round(count * n_visual_original / published.reference_tokens)
-        return min(n_visual_now, scaled)
+        published = SCHEDULES.get(self._published or "")
+        if self._published_average(published):
+            if published.ratios:
+                ratio = published.ratios[self.average][stage]
+                return max(1, min(int(ratio * n_visual_now), n_visual_now)) if n_visual_now else 0
+            count = published.counts[self.average][stage]
+            return min(n_visual_now, round(count * n / published.reference_tokens))
+        average = self.average * n if isinstance(self.average, float) else min(self.average * images, n)
+        counts = derive_counts(n, average, self._after, self._num_layers, self.stage_ratios)
+        return min(n_visual_now, counts[stage])
 
     def scores(self, ctx: LayerContext) -> torch.Tensor:
         """[B, S] text-guided scores from the attention of ``ctx.layer_module`` (the layer

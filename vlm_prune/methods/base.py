@@ -10,8 +10,11 @@ tensors handed to it in a context object that an adapter fills in:
 - ``llm``: drop or merge hidden states before chosen decoder layers (FastV, PACT, AdaptInfer).
   Returns one :class:`Reduction` per sample over that sample's current rows.
 
-Budgets: a method is configured with ``keep`` (fraction of visual tokens, in (0, 1]) or
-``budget`` (visual tokens per image). :meth:`Method.n_keep` turns either into a count.
+Budgets, one language for every method and pipeline (:data:`BUDGET_DEFINITION`): ``keep`` is
+the fraction, ``budget`` the count, of an image's visual tokens (a video's, for frames methods)
+that reach the language model's LAST decoder layer. :meth:`Method.n_keep` turns either into the
+count a stage keeps; in a pipeline the target is the final count and earlier stages take an
+even share of the reduction (:meth:`Method.n_keep`).
 """
 from __future__ import annotations
 
@@ -22,6 +25,16 @@ from typing import Any, Callable, ClassVar
 import torch
 
 STAGES = ("frames", "vision", "vit", "llm")
+
+BUDGET_DEFINITION = (
+    "keep / budget: the visual tokens of each image (of each video, for frames methods) that reach "
+    "the language model's last layer, as a fraction (keep, in (0, 1]) or a count (budget). The same "
+    "for every method and pipeline; keep=1.0 (or a budget at least the token count) changes nothing."
+)
+
+
+class BudgetWarning(UserWarning):
+    """wrap() could not promise the requested visual-token target; the message gives the reachable value."""
 
 
 @dataclass
@@ -196,26 +209,55 @@ class Method:
     def __init__(self, keep: float | None = None, budget: int | None = None) -> None:
         self.keep = keep
         self.budget = budget
+        #: (i, m): this method is stage i of an m-stage pipeline (set by wrap on its own copy)
+        self._share: tuple[int, int] = (1, 1)
 
     # ---- budgets -------------------------------------------------------------------------
     def configure_budget(self, keep: float | None, budget: int | None) -> None:
-        """Validate and set keep / budget given to wrap(); values set on the object win."""
+        """Validate and set keep / budget given to wrap(); values set on the object win.
+
+        wrap() calls this on its own copy of the method: the object a user configured is never
+        changed, so wrapping it again with another budget applies that budget."""
         keep = self.keep if self.keep is not None else keep
         budget = self.budget if self.budget is not None else budget
         self.keep, self.budget = validate_budget(keep, budget, required=not self.own_schedule, method=self.name)
 
-    def n_keep(self, n_tokens: int, n_images: int = 1) -> int:
-        """Tokens to keep out of ``n_tokens`` visual tokens spread over ``n_images`` images.
+    def target_count(self, n_tokens: int, n_images: int = 1) -> int:
+        """Visual tokens that should reach the last layer out of ``n_tokens`` (over ``n_images``).
 
         keep: floor(keep * n), at least 1 when n > 0. budget: budget per image, capped at n.
+        No target (a method with its own schedule and nothing set): n.
         """
         if n_tokens <= 0:
             return 0
         if self.budget is not None:
             return min(n_tokens, int(self.budget) * max(1, n_images))
         if self.keep is not None:
-            return max(1, min(n_tokens, math.floor(self.keep * n_tokens + 1e-9)))
+            return max(1, min(n_tokens, math.floor(float(self.keep) * n_tokens + 1e-9)))
         return n_tokens
+
+    def n_keep(self, n_tokens: int, n_images: int = 1, n_original: int | None = None) -> int:
+        """Tokens this stage keeps of the ``n_tokens`` it sees (``n_images`` images).
+
+        ``n_original``: the visual tokens before any stage ran (default ``n_tokens``). Alone, or
+        as the last stage of a pipeline, the method ends at :meth:`target_count` of the original
+        tokens. Stage i of m leaves the even share n * (target / n) ** (i / m) of them (rounded),
+        so the reduction is spread evenly over the stages and the last one lands on the target.
+        """
+        if n_tokens <= 0:
+            return 0
+        n = n_tokens if n_original is None else max(n_original, n_tokens)
+        target = self.target_count(n, n_images)
+        i, m = getattr(self, "_share", (1, 1))
+        if i < m and 0 < target < n:
+            target = round(n * (target / n) ** (i / m))
+        return max(1, min(n_tokens, target))
+
+    def budget_warning(self, adapter: Any) -> str | None:
+        """Why the target cannot be reached on this model, with the reachable value; None if it can.
+
+        wrap() emits it once as a :class:`BudgetWarning` and keeps it in ``last_stats``."""
+        return None
 
     def check_model(self, adapter: Any) -> None:
         """Raise ValueError at wrap time when the model does not meet the method's needs."""

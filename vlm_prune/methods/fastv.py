@@ -33,9 +33,14 @@ class FastV(LLMMethod):
     pkunlp-icler/FastV).
 
     Before decoder layer ``layer`` (K, default 2) drop visual tokens, ranked by the attention
-    they receive in layer K-1, averaged over heads. Defaults: K=2, keep=0.5 when neither keep
-    nor budget is given (the paper's R=50%). ``query="last"`` uses the last query token (as the
-    official KV-cache implementation does); ``query="text"`` averages over all text queries.
+    they receive in layer K-1, averaged over heads. ``query="last"`` uses the last query token
+    (as the official KV-cache implementation does: pkunlp-icler/FastV,
+    src/FastV/lmms-eval-with-kvcache/fastv_kvcache.py at commit 49dfad77, which keeps
+    floor(ratio * tokens) and the kept tokens' original position ids; that file hard-codes K=3,
+    the paper's default is K=2); ``query="text"`` averages over all text queries.
+    Budget: FastV prunes once, so the tokens it keeps are the ones that reach the last layer:
+    ``keep`` / ``budget`` is exactly that count (floor(keep * n)); without either, the paper's
+    R=50% (keep=0.5). In a pipeline it ends at the pipeline's target.
     The needed attention rows are computed on the side from layer K-1's own q/k projections, so
     the model keeps SDPA / FlashAttention. Kept tokens keep their original position ids.
     """

@@ -5,9 +5,9 @@ import math
 
 import torch
 
-from vlm_prune.kernels import euti_scores, scatter_mean
+from vlm_prune.kernels import cosine_distance, euti_scores, scatter_mean
 from vlm_prune.methods.base import LayerContext, LLMMethod, Reduction
-from vlm_prune.methods.dbdpc import dbdpc
+from vlm_prune.methods.dbdpc import Clustering, dbdpc
 from vlm_prune.methods.fastv import last_valid_index
 from vlm_prune.registry import register
 
@@ -21,6 +21,9 @@ FAMILY_DEFAULTS: dict[str, tuple[float, float]] = {
     "llava_next": (0.55, 0.21),
 }
 FALLBACK_DEFAULTS = FAMILY_DEFAULTS["llava_onevision"]
+
+#: Bisection steps on the cutoff when PACT meets a keep / budget target.
+CUTOFF_SEARCH_STEPS = 20
 
 
 def distinct_kv_heads(k: torch.Tensor, layer_module: torch.nn.Module) -> torch.Tensor:
@@ -53,10 +56,19 @@ class PACT(LLMMethod):
        accuracy; use SDPA or eager attention for PACT as published.
 
     Defaults per model family (``ctx.extras["family"]``): rho 0.55 / d_c 0.21 for
-    llava_onevision, 0.8 / 0.1 for qwen2_vl; llava and llava_next use the OneVision values
-    (unverified). ``rho`` and ``cutoff`` override them; ``keep`` / ``budget`` given to wrap()
-    replace rho (the pruning step keeps exactly that many visual tokens; clustering then
-    leaves at most that many). The final count is set by d_c, not by a budget.
+    llava_onevision, 0.8 / 0.1 for qwen2_vl (orailix/PACT: configs/pact.json at commit 423c799f,
+    scripts/pact_qwenvl2.0_7b.sh at f18acc1f); llava and llava_next use the
+    OneVision values (unverified). Without keep / budget, or with ``rho`` / ``cutoff`` given,
+    PACT is the official algorithm and the final count follows from the clustering.
+
+    With ``keep`` / ``budget`` (the visual tokens reaching the last layer) PACT meets the target
+    T exactly: the pruning step keeps max(T, floor(rho |V|)) tokens (the pruning share grows when
+    rho alone keeps fewer than T), and the cutoff d_c is bisected over [0, 2] until DBDPC yields
+    T clusters (:func:`cluster_to_count`); if no cutoff gives exactly T, the clustering with the
+    fewest clusters above T keeps its T centres of highest EUTI score and the members of the
+    others are re-attached like pruned tokens (nearest kept centre within 1.5 d_c, else
+    dropped). keep=1.0 leaves the tokens untouched. LLaVA-OneVision's newline tokens are not
+    visual tokens: they are never pruned or merged (the engine does not mark them visual).
     """
 
     name = "pact"
@@ -87,6 +99,19 @@ class PACT(LLMMethod):
         self.cutoff = cutoff
         self.reattach_factor = reattach_factor
 
+    def configure_budget(self, keep: float | None, budget: int | None) -> None:
+        super().configure_budget(keep, budget)
+        if (self.rho is not None or self.cutoff is not None) and (self.keep is not None or self.budget is not None):
+            raise ValueError(
+                "PACT(rho=, cutoff=) is the official algorithm, whose final count follows from the clustering; "
+                "give either rho / cutoff or keep= / budget= (then PACT adapts them to meet the target)"
+            )
+
+    @property
+    def targeted(self) -> bool:
+        """True when PACT meets a keep / budget target instead of running the official knobs."""
+        return self.keep is not None or self.budget is not None
+
     def prune_layers(self, num_layers: int) -> list[int]:
         if self.layer >= num_layers:
             raise ValueError(f"PACT layer L={self.layer} but the model has only {num_layers} decoder layers")
@@ -98,10 +123,11 @@ class PACT(LLMMethod):
         return (self.rho if self.rho is not None else rho, self.cutoff if self.cutoff is not None else d_c)
 
     def pruning_count(self, ctx: LayerContext, b: int, n_visual: int, rho: float) -> int:
-        """Visual tokens the EUTI step keeps in sample b."""
-        if self.keep is not None or self.budget is not None:
-            return min(n_visual, int(ctx.n_keep[b]))
-        return min(n_visual, max(1, math.floor(rho * n_visual + 1e-9))) if n_visual else 0
+        """Visual tokens the EUTI step keeps in sample b: floor(rho |V|), and at least the target."""
+        official = min(n_visual, max(1, math.floor(rho * n_visual + 1e-9))) if n_visual else 0
+        if self.targeted:
+            return min(n_visual, max(official, int(ctx.n_keep[b])))
+        return official
 
     def scores(self, ctx: LayerContext) -> torch.Tensor:
         """[B, S] EUTI scores (0 past the last visual token)."""
@@ -130,6 +156,9 @@ class PACT(LLMMethod):
         out = []
         for b in range(ctx.hidden.shape[0]):
             vis = torch.nonzero(vis_mask[b]).squeeze(1)
+            if self.targeted and int(ctx.n_keep[b]) >= vis.numel():
+                out.append(Reduction(torch.nonzero(ctx.valid[b]).squeeze(1)))  # the target keeps everything
+                continue
             n_prune_keep = self.pruning_count(ctx, b, vis.numel(), rho)
             out.append(self._reduce_sample(ctx, b, vis, scores[b], k_rope[b], n_prune_keep, d_c))
         return out
@@ -143,7 +172,11 @@ class PACT(LLMMethod):
         top_mask[torch.topk(scores[vis], n_keep, sorted=False).indices] = True
         kept, pruned = vis[top_mask], vis[~top_mask]
         flat = keys.permute(1, 0, 2).flatten(1)  # [rows, H_kv * d]
-        cl = dbdpc(flat[kept], d_c, extra=flat[pruned], extra_factor=self.reattach_factor)
+        if self.targeted:
+            cl = cluster_to_count(flat[kept], flat[pruned], int(ctx.n_keep[b]), d_c, self.reattach_factor,
+                                  scores[kept])
+        else:
+            cl = dbdpc(flat[kept], d_c, extra=flat[pruned], extra_factor=self.reattach_factor)
         rows = torch.cat([kept, pruned])
         labels = torch.cat([cl.labels, cl.extra_labels])
         merged, sizes = scatter_mean(ctx.hidden[b, rows], labels, cl.centres.numel(), ctx.sizes[b, rows].float())
@@ -153,3 +186,47 @@ class PACT(LLMMethod):
             features=torch.cat([hidden[other], merged]),
             sizes=torch.cat([ctx.sizes[b, other].float(), sizes]),
         )
+
+
+def cluster_to_count(
+    points: torch.Tensor, extra: torch.Tensor, target: int, d_c: float, extra_factor: float,
+    importance: torch.Tensor,
+) -> Clustering:
+    """DBDPC of ``points`` with exactly ``target`` clusters (fewer only if fewer distinct points).
+
+    Bisects the cutoff over [0, 2] (cosine distances), starting from ``d_c``: a larger cutoff
+    gives fewer clusters. When no cutoff gives exactly ``target``, the clustering with the fewest
+    clusters above it keeps the ``target`` centres of highest ``importance`` (EUTI); members of
+    the other clusters join the nearest kept centre within ``extra_factor`` times the cutoff,
+    like pruned tokens, or are dropped.
+    """
+    lo, hi, cut = 0.0, 2.0, d_c
+    above: tuple[Clustering, float] | None = None
+    for _ in range(CUTOFF_SEARCH_STEPS):
+        cl = dbdpc(points, cut, extra=extra, extra_factor=extra_factor)
+        n = cl.centres.numel()
+        if n == target:
+            return cl
+        if n > target:
+            lo = cut
+            if above is None or n < above[0].centres.numel():
+                above = (cl, cut)
+        else:
+            hi = cut
+        cut = (lo + hi) / 2
+    if above is None:  # even a zero cutoff merges duplicates below the target: keep them all
+        return dbdpc(points, 0.0, extra=extra, extra_factor=extra_factor)
+    cl, cut = above
+    keep = torch.topk(importance[cl.centres].float(), target).indices.sort().values
+    centres = cl.centres[keep]
+    relabel = torch.full((cl.centres.numel() + 1,), -1, dtype=torch.long, device=points.device)
+    relabel[keep] = torch.arange(target, device=points.device)
+    labels = relabel[cl.labels]
+    extra_labels = relabel[cl.extra_labels]  # -1 stays -1 (the last slot)
+    loose_pts = labels < 0
+    loose_extra = (cl.extra_labels >= 0) & (extra_labels < 0)
+    for loose, pts, lab in ((loose_pts, points, labels), (loose_extra, extra, extra_labels)):
+        if bool(loose.any()):
+            best, nearest = cosine_distance(pts[loose], points[centres]).min(dim=1)
+            lab[loose] = torch.where(best <= extra_factor * cut, nearest, torch.full_like(nearest, -1))
+    return Clustering(centres, labels, extra_labels)
