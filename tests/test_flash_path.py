@@ -189,8 +189,8 @@ def test_pact_under_flash_counts_merged_keys_once(case: str) -> None:
             seen["origin"], seen["reds"] = ctx.extras["origin"], super().select(ctx)
             return seen["reds"]
 
-    method = Recording(layer=2, cutoff=0.6)
-    logits, rows, gen = pruned_run(fa, method, inp, keep=0.75)
+    method = Recording(layer=2, rho=0.75, cutoff=0.6)  # the official knobs: merges happen
+    logits, rows, gen = pruned_run(fa, method, inp)
     b, s = inp["input_ids"].shape
     kept = torch.zeros(b, s, dtype=torch.bool)
     centre = torch.zeros(b, s, dtype=torch.bool)
@@ -205,7 +205,7 @@ def test_pact_under_flash_counts_merged_keys_once(case: str) -> None:
     assert merged, "the test needs at least one real merge"
     ref = masked_llm_reference(sdpa, inp, 2, kept, merged=(centre, feats, torch.ones(b, s)))
     inv.assert_kept_rows_equal(logits, rows, ref)
-    vlm_prune.wrap(fa, method, keep=0.75)
+    vlm_prune.wrap(fa, method)
     try:
         with torch.no_grad():
             no_cache = fa.generate(**inp, max_new_tokens=20, min_new_tokens=20, do_sample=False, use_cache=False)

@@ -61,8 +61,8 @@ def test_pact_meets_the_target_and_runs_the_official_knobs_without_one(model):
     # no target: family defaults (llava: rho 0.55): at most floor(0.55 * 16) = 8 rows remain
     stats = run(model, PACT(layer=2))
     assert all(1 <= n <= 8 for n in stats["stages"][0]["tokens_out"])
-    with pytest.raises(ValueError, match="rho / cutoff or keep"):
-        run(model, PACT(rho=0.5), keep=0.25)
+    # the official knobs given with a target: the target wins
+    assert run(model, PACT(layer=2, rho=0.5, cutoff=0.6), keep=0.25)["visual_tokens_out"] == [4, 4]
 
 
 def test_adaptinfer_stage_counts_end_at_the_target(model):

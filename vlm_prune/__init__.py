@@ -5,8 +5,8 @@
     vlm_prune.unwrap(model)
 """
 from vlm_prune.api import unwrap, wrap
-from vlm_prune.registry import available_methods, register
+from vlm_prune.registry import available_methods, describe_methods, register
 from vlm_prune.frames.select import select_frames
 
-__all__ = ["wrap", "unwrap", "available_methods", "register", "select_frames", "__version__"]
+__all__ = ["wrap", "unwrap", "available_methods", "describe_methods", "register", "select_frames", "__version__"]
 __version__ = "0.1.0"

@@ -73,7 +73,7 @@ def build_pipeline(
     budget: int | None = None,
 ) -> dict[str, Method]:
     """Resolve names / objects into configured methods keyed by stage, validating budgets."""
-    validate_budget(keep, budget, required=False)
+    keep, budget = validate_budget(keep, budget, required=False)
     specs = _as_list(method) + _as_list(frames) + _as_list(tokens)
     if not specs:
         raise ValueError(

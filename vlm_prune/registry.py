@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import difflib
+import inspect
 from typing import Any
 
 from vlm_prune.methods.base import Method
@@ -27,6 +28,31 @@ def available_methods() -> list[str]:
     """Names accepted by ``vlm_prune.wrap``."""
     _load_builtin()
     return sorted(_METHODS)
+
+
+def method_knobs(name: str) -> dict[str, Any]:
+    """The method's own arguments and their defaults (``keep`` / ``budget`` are wrap()'s target,
+    the same for every method, so they are left out), e.g. {"layer": 2, "query": "last"}."""
+    params = inspect.signature(method_class(name).__init__).parameters
+    return {
+        p.name: (None if p.default is inspect.Parameter.empty else p.default)
+        for p in list(params.values())[1:]
+        if p.name not in ("keep", "budget") and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+    }
+
+
+def describe_methods() -> list[dict[str, Any]]:
+    """One plain dict per registered method: name, stage, paper, supported model families (None:
+    all), whether it runs without keep / budget (its own defaults), and its knobs with defaults."""
+    out = []
+    for name in available_methods():
+        cls = method_class(name)
+        out.append({
+            "name": name, "stage": cls.stage, "paper": cls.paper,
+            "supported": list(cls.supported) if cls.supported is not None else None,
+            "own_defaults": bool(cls.own_schedule), "knobs": method_knobs(name),
+        })
+    return out
 
 
 def method_class(name: str) -> type[Method]:

@@ -58,8 +58,8 @@ class PACT(LLMMethod):
     Defaults per model family (``ctx.extras["family"]``): rho 0.55 / d_c 0.21 for
     llava_onevision, 0.8 / 0.1 for qwen2_vl (orailix/PACT: configs/pact.json at commit 423c799f,
     scripts/pact_qwenvl2.0_7b.sh at f18acc1f); llava and llava_next use the
-    OneVision values (unverified). Without keep / budget, or with ``rho`` / ``cutoff`` given,
-    PACT is the official algorithm and the final count follows from the clustering.
+    OneVision values (unverified). Without keep / budget, PACT is the official algorithm (with
+    ``rho`` / ``cutoff`` if given) and the final count follows from the clustering.
 
     With ``keep`` / ``budget`` (the visual tokens reaching the last layer) PACT meets the target
     T exactly: the pruning step keeps max(T, floor(rho |V|)) tokens (the pruning share grows when
@@ -67,7 +67,8 @@ class PACT(LLMMethod):
     T clusters (:func:`cluster_to_count`); if no cutoff gives exactly T, the clustering with the
     fewest clusters above T keeps its T centres of highest EUTI score and the members of the
     others are re-attached like pruned tokens (nearest kept centre within 1.5 d_c, else
-    dropped). keep=1.0 leaves the tokens untouched. LLaVA-OneVision's newline tokens are not
+    dropped). ``rho`` / ``cutoff`` given with a target are where this starts (the least pruning
+    share, the first cutoff tried). keep=1.0 leaves the tokens untouched. LLaVA-OneVision's newline tokens are not
     visual tokens: they are never pruned or merged (the engine does not mark them visual).
     """
 
@@ -99,13 +100,6 @@ class PACT(LLMMethod):
         self.cutoff = cutoff
         self.reattach_factor = reattach_factor
 
-    def configure_budget(self, keep: float | None, budget: int | None) -> None:
-        super().configure_budget(keep, budget)
-        if (self.rho is not None or self.cutoff is not None) and (self.keep is not None or self.budget is not None):
-            raise ValueError(
-                "PACT(rho=, cutoff=) is the official algorithm, whose final count follows from the clustering; "
-                "give either rho / cutoff or keep= / budget= (then PACT adapts them to meet the target)"
-            )
 
     @property
     def targeted(self) -> bool:
