@@ -53,14 +53,8 @@ def not_yet(name: str, case: str, kind: str, value: float) -> str | None:
     handling) does not meet yet. Strict xfails: they flip to failures once they do."""
     if kind == "keep" and value == 1.0:
         return None
-    if name == "tome" and case == "timm_vit":
-        return ("last_stats['vit'] reports the tokens entering each block, not the count after ToMe's merge "
-                "inside the last block")
     if (name == "cdpruner" and case == "llava_next") or (name, case, kind, value) == ("tome", "llava_next", "keep", 0.5):
         return "per-crop / per-tile reduction keeps LLaVA-NeXT's newline rows (counted as visual) above the target"
-    if name == "quota" and (case, kind, value) in {("onevision_video", "budget", 3), ("qwen2_vl_video", "keep", 0.5),
-                                                   ("qwen2_vl_video", "keep", 0.25)}:
-        return "QuoTA v2's per-frame cap under-spends the budget (official behaviour) without a BudgetWarning"
     if name == "cdpruner" and (case, kind, value) == ("onevision_image", "keep", 0.5):
         return "vision methods count OneVision's image newline rows toward an image's budget"
     return None
@@ -111,9 +105,8 @@ def _run(model, inp, name, kind, value):
 def _counts(case, stats):
     """(visual tokens in, visual tokens reaching the last layer) per sample."""
     if case == "timm_vit":
-        per_block = stats["vit"]["tokens_per_block"]
-        n_in, n_out = per_block[0] - 1, per_block[-1] - 1  # without the CLS token
-        return [n_in] * 2, [n_out] * 2
+        n_in = stats["vit"]["tokens_per_block"][0] - 1  # without the CLS token
+        return [n_in] * 2, [stats["vit"]["patches_out"]] * 2
     return stats["visual_tokens_in"], stats["visual_tokens_out"]
 
 
