@@ -157,9 +157,9 @@ def test_tome_r_equals_the_official_forward():
 
 
 def test_tome_budget_reaches_its_target_or_warns_the_reachable_count():
-    assert merge_schedule(16, 1, 6, 4) == [2, 2, 2, 2, 2, 2]
+    assert merge_schedule(16, 1, 6, 4) == (2, 2, 2, 2, 2, 2)
     # 2 blocks can at most halve twice: 16 -> 8 -> 4; a target of 5 front-loads the merges
-    assert reachable_tokens(16, 1, 2) == 4 and merge_schedule(16, 1, 2, 5) == [6, 5]
+    assert reachable_tokens(16, 1, 2) == 4 and merge_schedule(16, 1, 2, 5) == (6, 5)
     m = tiny_vit(depth=2)
     for budget, floor in ((5, None), (4, None), (3, 4), (1, 4)):
         vlm_prune.wrap(m, ToMe(budget=budget))

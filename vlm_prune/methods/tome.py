@@ -15,6 +15,7 @@ functions are pure so any ViT adapter can reuse them.
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -89,7 +90,8 @@ def merged_order(t: torch.Tensor, unmerged: torch.Tensor, n_prefix: int = 0, b_r
     return torch.cat([t[:, :n_prefix], gather_tokens(t[:, ::2], unmerged[:, pa:]), b[:, pb:]], dim=1)
 
 
-def merge_schedule(n_patches: int, n_prefix: int, depth: int, target: int) -> list[int]:
+@functools.lru_cache(maxsize=64)
+def merge_schedule(n_patches: int, n_prefix: int, depth: int, target: int) -> tuple[int, ...]:
     """Tokens to merge in each of ``depth`` blocks so that ``n_patches`` patch tokens end at
     ``target``: an even share of the remaining merges per block (earlier blocks take the
     remainder), raised where the later blocks' half-per-block cap would otherwise leave the
@@ -104,7 +106,7 @@ def merge_schedule(n_patches: int, n_prefix: int, depth: int, target: int) -> li
             r += 1
         out.append(r)
         cur -= r
-    return out
+    return tuple(out)
 
 
 def reachable_tokens(n_patches: int, n_prefix: int, depth: int) -> int:
