@@ -171,6 +171,10 @@ class HFVLMAdapter(Adapter):
         self.patches.set(self.inner, fname, features)
 
     # ---- per request --------------------------------------------------------------------------
+    #: the placeholder rows holding the model's ``image_newline`` (LLaVA-NeXT, LLaVA-OneVision) are
+    #: not visual tokens: never counted, pruned or merged in the LLM (the official code keeps them)
+    newline_not_visual: ClassVar[bool] = False
+
     def new_request(self, args: tuple, kwargs: dict[str, Any]) -> Request | None:
         """The request of a prefill: its visual rows for the engine (None for decode steps)."""
         input_ids = kwargs.get("input_ids", args[0] if args else None)
@@ -183,11 +187,15 @@ class HFVLMAdapter(Adapter):
         for m in masks.values():
             visual |= m
         attn = kwargs.get("attention_mask")
+        pending = Pending(visual=visual, images_per_sample=self.images_per_sample(masks))
+        newline = getattr(self.inner, "image_newline", None) if self.newline_not_visual else None
+        if newline is not None:
+            pending.not_visual = lambda embeds: (embeds == newline.to(embeds.dtype)).all(-1)
         return Request(
             input_ids=input_ids,
             attention_mask=attn if attn is not None else torch.ones_like(input_ids),
             masks=masks,
-            pending=Pending(visual=visual, images_per_sample=self.images_per_sample(masks)),
+            pending=pending,
         )
 
     def reduce_encoded(self, kwargs: dict[str, Any]) -> None:

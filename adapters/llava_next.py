@@ -4,10 +4,12 @@ Each image's tokens (base tile, then the unpadded high-resolution grid with a ne
 ending every row) are one item without a rectangular grid: grid-aware methods (pool) fall
 back to 1-D pooling along the sequence.
 
-Vision-stage methods that select per crop (``per_crop``: CDPruner, as its official code) get
-each image's tokens with the crop of every token (the base image, then each high-resolution
-tile; the image_newline tokens marked as always kept), found by packing a crop-id map with the
-model's own ``pack_image_features``.
+The image_newline tokens are not visual tokens (``newline_not_visual``): vision-stage methods
+see an image's other tokens only and the newlines are always kept, in-LLM methods never prune
+or merge them, and the stats do not count them. Vision-stage methods that select per crop
+(``per_crop``: CDPruner, as its official code) get each image's tokens with the crop of every
+token (the base image, then each high-resolution tile; -1 for the newlines), found by packing a
+crop-id map with the model's own ``pack_image_features``.
 
 ViT-stage methods (AS-ViT, ToMe) run inside the CLIP tower (vlm_prune.adapters.clip_tower)
 with every tile of every image as one tower row, all rows keeping the same number of tokens.
@@ -25,6 +27,7 @@ from typing import Any
 
 import torch
 
+from vlm_prune.adapters.base import PerThread
 from vlm_prune.adapters.clip_tower import CLIPTowerAdapter
 from vlm_prune.adapters.hf_vlm import Item
 from vlm_prune.methods.base import Reduction, VisionContext
@@ -34,8 +37,10 @@ class LlavaNextAdapter(CLIPTowerAdapter):
     family = "llava_next"
     model_classes = ("LlavaNextForConditionalGeneration",)
 
-    #: per image of the encoder output being reduced: [N] crop of each token, -1 for newlines
-    _crops: list[torch.Tensor] | None = None
+    #: the image_newline rows are not visual tokens (never counted, pruned or merged)
+    newline_not_visual = True
+    #: per image of the encoder output being reduced (this thread): [N] crop of each token, -1 for newlines
+    _crops = PerThread()
 
     def items(self, modality: str, out: Any) -> list[Item]:
         return [Item(f, 1, None) for f in out.pooler_output]
@@ -62,26 +67,38 @@ class LlavaNextAdapter(CLIPTowerAdapter):
     def reduce_features(self, modality: str, out: Any) -> Any:
         if self.tower_stage is not None:
             return self.reduce_tower_output(modality, out)
-        method = self.state.methods.get("vision")
-        if not getattr(method, "per_crop", False):
+        if "vision" not in self.state.methods:
             return super().reduce_features(modality, out)
         vcfg = self.model.config.vision_config
         n_tile = (vcfg.image_size // vcfg.patch_size) ** 2 + (self.model.config.vision_feature_select_strategy == "full")
         self._crops = self.crop_ids(out.vlm_prune_call["image_sizes"], n_tile, out.pooler_output[0].device)
         try:
-            return super().reduce_features(modality, out)
+            reduced = super().reduce_features(modality, out)
+            record = self.request.pending.records[-1]  # count visual tokens only, as the engine does
+            newlines = [int((c < 0).sum()) for c in self._crops]
+            for key in ("tokens_in", "tokens_out"):
+                record[key] = [n - k for n, k in zip(record[key], newlines)]
+            return reduced
         finally:
             self._crops = None
 
     def reduce_frames(self, method: Any, it: Item, sample: int, gen: torch.Generator, index: int) -> Reduction:
-        if self._crops is None:
-            return super().reduce_frames(method, it, sample, gen, index)
-        crops = self._crops[index]
-        ctx = VisionContext(
-            features=it.features, n_keep=method.n_keep(int((crops >= 0).sum()), 1),
-            text_embeds=self.text_embeds(sample).detach(), generator=gen, image_index=index,
-        )
-        return method.reduce_crops(ctx, crops)
+        """Vision methods see an image's visual tokens only; its newline tokens are always kept.
+        Methods that select per crop (``per_crop``) get the crop of every token."""
+        crops = self._crops[index].to(it.features.device)
+        visual = crops >= 0
+        if getattr(method, "per_crop", False):
+            ctx = VisionContext(
+                features=it.features, n_keep=method.n_keep(int(visual.sum()), 1),
+                text_embeds=self.text_embeds(sample).detach(), generator=gen, image_index=index,
+            )
+            return method.reduce_crops(ctx, crops)
+        rows = torch.nonzero(visual).squeeze(1)
+        newlines = torch.nonzero(~visual).squeeze(1)
+        red = super().reduce_frames(method, Item(it.features[rows], 1, None), sample, gen, index)
+        feats = None if red.features is None else torch.cat([red.features, it.features[newlines]])
+        sizes = None if red.sizes is None else torch.cat([red.sizes, torch.ones(newlines.numel(), device=red.sizes.device)])
+        return Reduction(torch.cat([rows[red.indices.to(rows.device)], newlines]), feats, sizes)
 
     def attach_tower_outputs(self) -> None:
         """Scatter a pruned tower's per-tile survivors back to full tiles before the model packs them."""
@@ -117,19 +134,20 @@ class LlavaNextAdapter(CLIPTowerAdapter):
             )
         device = feats[0].device
         slots, sizes = stage.survivors(run, rows, device)
-        # channel 0: kept, channel 1: merge size; dropped positions: (0, 1), newline tokens: (1, 1)
-        layout = torch.zeros(rows, stage.n_features(run), 2, device=device)
-        layout[..., 1] = 1.0
+        # channel 0: kept, 1: merge size, 2: visual; dropped positions: (0, 1, 1), newline tokens: (1, 1, 0)
+        layout = torch.zeros(rows, stage.n_features(run), 3, device=device)
+        layout[..., 1:] = 1.0
         values = torch.stack([torch.ones_like(slots, dtype=torch.float32),
                               sizes.float() if sizes is not None else torch.ones_like(slots, dtype=torch.float32)], -1)
-        layout.scatter_(1, slots[..., None].expand(-1, -1, 2), values)
+        layout[..., :2].scatter_(1, slots[..., None].expand(-1, -1, 2), values)
         packed, _ = self.patches.original(self.inner, "pack_image_features")(
             layout.split(tiles), image_sizes, cfg.vision_feature_select_strategy,
-            image_newline=torch.ones(2, device=device),
+            image_newline=torch.tensor([1.0, 1.0, 0.0], device=device),
         )
         keep_list = [p[:, 0] > 0.5 for p in packed]
         size_list = [p[:, 1] for p in packed]
+        visual = [p[:, 2] > 0.5 for p in packed]
         self._commit_vision(modality, keep_list, size_list)
-        record = stage.record(run, [int(k.numel()) for k in keep_list], [int(k.sum()) for k in keep_list])
+        record = stage.record(run, [int(v.sum()) for v in visual], [int((k & v).sum()) for k, v in zip(keep_list, visual)])
         self.request.pending.records.append(record)
         return out

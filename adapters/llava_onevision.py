@@ -19,7 +19,7 @@ import torch
 from transformers.modeling_outputs import BaseModelOutputWithPooling
 
 from vlm_prune.adapters.base import PerThread
-from vlm_prune.adapters.hf_vlm import HFVLMAdapter, Item, Request, fit_grid
+from vlm_prune.adapters.hf_vlm import HFVLMAdapter, Item, fit_grid
 from vlm_prune.adapters.vision_towers import FeatureLayerTap, pool_grid
 from vlm_prune.methods.base import FramesContext
 
@@ -30,15 +30,9 @@ class LlavaOnevisionAdapter(HFVLMAdapter):
     stages: ClassVar[tuple[str, ...]] = ("frames", "vision", "llm")
     feature_functions: ClassVar[dict[str, str]] = {"image": "get_image_features", "video": "get_video_features"}
 
-    def new_request(self, args: tuple, kwargs: dict[str, Any]) -> Request | None:
-        """As the base class; the image / video newline tokens are not visual tokens: in-LLM
-        methods never prune or merge them (the official PACT code keeps them) and the stats do
-        not count them. They are the rows whose embedding is the model's ``image_newline``."""
-        request = super().new_request(args, kwargs)
-        newline = getattr(self.inner, "image_newline", None)
-        if request is not None and newline is not None:
-            request.pending.not_visual = lambda embeds: (embeds == newline.to(embeds.dtype)).all(-1)
-        return request
+    #: the image / video newline tokens are not visual tokens: in-LLM methods never prune or merge
+    #: them (the official PACT code keeps them) and the stats do not count them
+    newline_not_visual = True
 
     def frame_grid(self) -> tuple[int, int]:
         vc = self.model.config.vision_config

@@ -53,8 +53,6 @@ def not_yet(name: str, case: str, kind: str, value: float) -> str | None:
     handling) does not meet yet. Strict xfails: they flip to failures once they do."""
     if kind == "keep" and value == 1.0:
         return None
-    if (name == "cdpruner" and case == "llava_next") or (name, case, kind, value) == ("tome", "llava_next", "keep", 0.5):
-        return "per-crop / per-tile reduction keeps LLaVA-NeXT's newline rows (counted as visual) above the target"
     if name == "cdpruner" and (case, kind, value) == ("onevision_image", "keep", 0.5):
         return "vision methods count OneVision's image newline rows toward an image's budget"
     return None

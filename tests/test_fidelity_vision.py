@@ -233,7 +233,8 @@ def test_cdpruner_per_crop_on_llava_next_equals_the_official_selection():
             kernel = rel[idx, None] * (f[idx] @ f[idx].t()) * rel[None, idx]
             expected += [idx[j] for j in greedy_logdet(kernel, 2)]
         assert red.indices.tolist() == sorted(expected)
-    assert model.vlm_prune.last_stats["visual_tokens_out"] == [6 + 4, 6 + 4]  # the 4 newlines stay
+    assert model.vlm_prune.last_stats["visual_tokens_in"] == [48, 48]  # the 4 newlines are not visual tokens
+    assert model.vlm_prune.last_stats["visual_tokens_out"] == [6, 6]
 
 
 def test_crop_budgets_split_exactly():
