@@ -14,14 +14,63 @@ from vlm_prune.eval.datasets import LETTERS, Sample
 
 MC_INSTRUCTION = "Answer with the option's letter from the given choices directly."
 OPEN_INSTRUCTION = "Answer the question using a single word or phrase."
+VIDEOMME_INSTRUCTION = (
+    "Select the best answer to the following multiple-choice question based on the video and the subtitles. "
+    "Respond with only the letter (A, B, C, or D) of the correct option."
+)
+SUBTITLES_HEADER = "This video's subtitles are listed below: \n"
 
 
-def format_prompt(sample: Sample) -> str:
-    """Question, lettered options and the instruction, as one user turn's text."""
+def _lettered(sample: Sample, style: str) -> list[str]:
+    if style == "paren":
+        return [f"({LETTERS[i]}) {o}" for i, o in enumerate(sample.options)]
+    return [f"{LETTERS[i]}. {o}" for i, o in enumerate(sample.options)]
+
+
+def _videomme(sample: Sample, subtitles: str | None) -> str:
+    body = "\n".join([VIDEOMME_INSTRUCTION, sample.question, *_lettered(sample, "dot")])
+    if subtitles is None:
+        return body + "\n\n" + MC_INSTRUCTION
+    return SUBTITLES_HEADER + (subtitles or "No subtitles available") + "\n" + body + "\nThe best answer is:"
+
+
+def _mlvu(sample: Sample, subtitles: str | None) -> str:
+    lines = [f"Question: {sample.question}", "Options:", *_lettered(sample, "paren")]
+    return "\n".join(lines) + "\nOnly give the best option.\nBest option: ("
+
+
+def _mvbench(sample: Sample, subtitles: str | None) -> str:
+    return f"Question:{sample.question}\nOption:\n" + "".join(o + "\n" for o in _lettered(sample, "paren")) + \
+        "Only give the best option.\n"
+
+
+def _nextqa(sample: Sample, subtitles: str | None) -> str:
+    return "\n".join([sample.question.strip(), *_lettered(sample, "dot")])
+
+
+def _generic(sample: Sample, subtitles: str | None) -> str:
     if not sample.options:
         return f"{sample.question}\n{OPEN_INSTRUCTION}"
-    lines = [sample.question] + [f"{LETTERS[i]}. {o}" for i, o in enumerate(sample.options)]
-    return "\n".join(lines + [MC_INSTRUCTION])
+    return "\n".join([sample.question, *_lettered(sample, "dot"), MC_INSTRUCTION])
+
+
+# Each benchmark's prompt as lmms-eval 0.7's task of that name builds it ("default" kwargs).
+PROMPTS = {"videomme": _videomme, "mlvu": _mlvu, "mvbench": _mvbench, "nextqa": _nextqa,
+           "egoschema": _generic}
+PROMPT_VERSION = "lmms-eval-0.7"
+
+
+def prompt_style(dataset: str) -> str:
+    """The name of the prompt a dataset gets (stored with a run, so a change is not resumed over)."""
+    return f"{dataset}:{PROMPT_VERSION}" if dataset in PROMPTS else "generic"
+
+
+def format_prompt(sample: Sample, subtitles: str | None = None) -> str:
+    """The user turn's text for ``sample``: its benchmark's prompt (lmms-eval's task prompts:
+    Video-MME, MLVU, MVBench, NExT-QA, EgoSchema), else the question, lettered options and
+    "Answer with the option's letter ..." (or a one-phrase instruction without options).
+    subtitles: Video-MME's "w/ subs" setting; the subtitle lines shown with the frames."""
+    return PROMPTS.get(sample.benchmark, _generic)(sample, subtitles)
 
 
 def _letters(n: int) -> str:

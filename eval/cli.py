@@ -8,6 +8,7 @@ Multi-GPU: ``accelerate launch --num_processes 8 -m vlm_prune.eval <same argumen
 from __future__ import annotations
 
 import argparse
+import sys
 
 from vlm_prune.eval.datasets import LOADERS
 
@@ -51,9 +52,11 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--keep", type=_floats, default=[], help="kept fractions to sweep, e.g. 1.0,0.5,0.25,0.11")
     p.add_argument("--budget", type=_ints, default=[], help="visual tokens kept per image/frame, to sweep")
     p.add_argument("--frames", type=_frames, default=32, help="frames per video, or 'quota' (default 32)")
-    p.add_argument("--limit", type=int, default=None, help="evaluate only the first N questions")
+    p.add_argument("--limit", type=int, default=None,
+                   help="evaluate N questions spread evenly over the dataset (every task represented)")
     p.add_argument("--split", default=None, help="split where the layout has several (nextqa: val or test)")
-    p.add_argument("--skip-missing", action="store_true", help="skip questions whose video is missing")
+    p.add_argument("--skip-missing", action="store_true",
+                   help="evaluate the questions whose media exist; the others are counted as skipped")
     p.add_argument("--max-new-tokens", type=int, default=16)
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="auto: bfloat16 on CUDA, float32 on CPU")
@@ -61,6 +64,8 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attn-implementation", default=None, help="sdpa, eager or flash_attention_2")
     p.add_argument("--seed", type=int, default=0, help="seed of sampling methods (random)")
     p.add_argument("--decode-timeout", type=float, default=300.0, help="seconds allowed to decode one video")
+    p.add_argument("--decode-workers", type=int, default=2,
+                   help="threads decoding the next videos while the model runs (0: decode in turn; default 2)")
     p.add_argument("--out", required=True, help="output folder; rerunning into it resumes")
 
 
@@ -79,11 +84,27 @@ def run(args: argparse.Namespace) -> int:
         keeps=args.keep, budgets=args.budget, frames=args.frames, limit=args.limit, split=args.split,
         skip_missing=args.skip_missing, max_new_tokens=args.max_new_tokens, dtype=args.dtype,
         device_map=args.device_map, attn_implementation=args.attn_implementation, seed=args.seed,
-        decode_timeout=args.decode_timeout,
+        decode_timeout=args.decode_timeout, decode_workers=args.decode_workers,
     )
     rows = run_eval(cfg)
-    if rows is not None:
-        for row in rows:
-            print(f"{row['name']:32s} accuracy {row['accuracy']:.3f}  n {row['n']}")
-        print(f"summary: {args.out}/summary.md")
+    if rows is None:  # not rank 0: rank 0 reports
+        return 0
+    for row in rows:
+        print(summary_line(row))
+    print(f"summary: {args.out}/summary.md")
+    empty = [row["name"] for row in rows if row["evaluated"] == 0]
+    if empty:
+        print(f"error: no question was evaluated in {', '.join(empty)} (see the skipped / failed reasons above "
+              f"and the records in {args.out}/<setting>/results.jsonl)", file=sys.stderr)
+        return 1
     return 0
+
+
+def summary_line(row: dict) -> str:
+    """One setting on the console: official score first, then accuracy and the counts."""
+    from vlm_prune.eval.metrics import counts_line
+
+    head = f"{row['name']:28s} {row['official_name']} {row['official']:.3f}"
+    if row["official_name"] != "accuracy":
+        head += f"  accuracy {row['accuracy']:.3f}"
+    return f"{head}  {counts_line(row)}"

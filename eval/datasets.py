@@ -55,6 +55,9 @@ class Sample:
     categories: breakdown fields, e.g. {"duration": "short", "domain": "Knowledge"}.
     clip: (start_s, end_s) of the video segment the question is about, or None for all of it.
     frames_fps: frame rate of a frame folder (None for video files and images).
+    benchmark: which benchmark's prompt and official score apply ("videomme", "mlvu", ...;
+        "generic" for the generic layouts).
+    subtitles: path of the video's .srt subtitles (Video-MME), or None.
     """
 
     id: str
@@ -66,6 +69,8 @@ class Sample:
     categories: dict[str, str] = field(default_factory=dict)
     clip: tuple[float, float] | None = None
     frames_fps: float | None = None
+    benchmark: str = "generic"
+    subtitles: str | None = None
 
 
 def _fail(msg: str) -> DatasetLayoutError:
@@ -140,15 +145,21 @@ def _strip_letter(option: str, i: int) -> str:
     return option[m.end():].strip() if m else option.strip()
 
 
-def _letter_of(answer: Any, options: list[str], where: str) -> str:
-    """The answer letter from a letter, an index or an option's text."""
+def _letter_of(answer: Any, options: list[str], where: str, text_answer: bool = False) -> str:
+    """The answer letter from a letter, an index or an option's text.
+
+    text_answer: the layout stores the option's text (MLVU, MVBench), so a number such as 3 is
+    the option reading "3", never an index.
+    """
     if isinstance(answer, bool):
         raise _fail(f"{where}: answer {answer!r} is neither a letter, an index nor an option text")
     text = str(answer).strip()
-    if isinstance(answer, str):  # option text first: MLVU's count answers are "2", "3", ...
+    if isinstance(answer, str) or text_answer:  # option text first: MLVU's count answers are "2", "3", ...
         for i, opt in enumerate(options):
-            if text == opt or _strip_letter(text, i) == opt:
+            if text == opt.strip() or _strip_letter(text, i) == opt.strip():
                 return LETTERS[i]
+        if text_answer:
+            raise _fail(f"{where}: answer {text!r} is not the text of any option (options: {options})")
         letter = text.strip("().").upper()
         if len(letter) == 1 and letter in LETTERS[: len(options)]:
             return letter
@@ -168,19 +179,29 @@ def _find_video(folder: str, stem: str) -> str:
     return os.path.join(folder, stem + ".mp4")
 
 
-def _check_media(samples: list[Sample], dataset: str, skip_missing: bool) -> list[Sample]:
-    """Drop (skip_missing) or report samples whose media files are absent."""
-    missing = [s for s in samples if not all(os.path.exists(p) for p in s.media)]
-    if not missing:
-        return samples
-    if skip_missing:
-        gone = {s.id for s in missing}
-        return [s for s in samples if s.id not in gone]
-    first = next(p for s in missing for p in s.media if not os.path.exists(p))
-    raise _fail(
-        f"{dataset}: {len(missing)} of {len(samples)} samples have missing media, first {first}; "
-        "download the videos into the expected folder, or pass --skip-missing to evaluate the rest"
+def split_missing(samples: list[Sample]) -> tuple[list[Sample], list[tuple[Sample, str]]]:
+    """(samples whose media all exist, [(sample, "missing <path>")] for the others)."""
+    present, missing = [], []
+    for s in samples:
+        gone = next((p for p in s.media if not os.path.exists(p)), None)
+        if gone is None:
+            present.append(s)
+        else:
+            missing.append((s, f"missing {gone}"))
+    return present, missing
+
+
+def missing_media_error(dataset: str, n_total: int, missing: list[tuple[Sample, str]]) -> DatasetLayoutError:
+    first = missing[0][1].removeprefix("missing ")
+    return _fail(
+        f"{dataset}: {len(missing)} of {n_total} samples have missing media, first {first}; "
+        "download the videos into the expected folder, or pass --skip-missing to evaluate the rest "
+        "(they are then counted as skipped)"
     )
+
+
+def _existing(path: str) -> str | None:
+    return path if os.path.exists(path) else None
 
 
 # ---------------------------------------------------------------------------------- Video-MME
@@ -205,7 +226,9 @@ def load_videomme(root: str) -> list[Sample]:
             samples.append(Sample(
                 id=str(row["question_id"]),
                 media=[_find_video(video_dir, str(row["videoID"]))],
+                subtitles=_existing(os.path.join(root, "subtitle", f"{row['videoID']}.srt")),
                 media_type="video",
+                benchmark="videomme",
                 question=str(row["question"]),
                 options=options,
                 answer=_letter_of(row["answer"], options, where),
@@ -244,9 +267,10 @@ def load_mlvu(root: str) -> list[Sample]:
                 id=f"{task}/{n}",
                 media=[os.path.join(root, "video", task, row["video"])],
                 media_type="video",
+                benchmark="mlvu",
                 question=str(row["question"]),
                 options=options,
-                answer=_letter_of(row["answer"], options, where),
+                answer=_letter_of(row["answer"], options, where, text_answer=True),
                 categories={"task": str(row.get("question_type", task))},
             ))
     return samples
@@ -299,9 +323,10 @@ def load_mvbench(root: str) -> list[Sample]:
                 id=f"{task}/{n}",
                 media=[os.path.join(root, "video", folder, row["video"])],
                 media_type="video",
+                benchmark="mvbench",
                 question=str(row["question"]),
                 options=options,
-                answer=_letter_of(row["answer"], options, where),
+                answer=_letter_of(row["answer"], options, where, text_answer=True),
                 categories={"task": task},
                 clip=(float(row["start"]), float(row["end"])) if bounded else None,
                 frames_fps=TVQA_FPS if is_frames else None,
@@ -333,6 +358,7 @@ def load_nextqa(root: str, split: str = "val") -> list[Sample]:
             id=f"{vid}_{row['qid']}",
             media=[_find_video(os.path.join(root, "NExTVideo"), mapping[vid])],
             media_type="video",
+            benchmark="nextqa",
             question=str(row["question"]),
             options=options,
             answer=_letter_of(int(row["answer"]), options, where),
@@ -367,6 +393,7 @@ def load_egoschema(root: str) -> list[Sample]:
             id=uid,
             media=[_find_video(video_dir, uid)],
             media_type="video",
+            benchmark="egoschema",
             question=str(row["question"]),
             options=options,
             answer=_letter_of(int(idx), options, f"subset_answers.json[{uid}]"),
@@ -451,8 +478,8 @@ LOADERS: dict[str, Callable[[str], list[Sample]]] = {
 }
 
 
-def load_samples(dataset: str, root: str, *, split: str | None = None, skip_missing: bool = False) -> list[Sample]:
-    """Load ``dataset`` (a key of LOADERS) from ``root``; checks that every media file exists."""
+def read_samples(dataset: str, root: str, *, split: str | None = None) -> list[Sample]:
+    """Every question of ``dataset`` (a key of LOADERS) under ``root``, media present or not."""
     if dataset not in LOADERS:
         raise ValueError(f"unknown dataset {dataset!r}; choose one of {', '.join(LOADERS)}")
     if not os.path.exists(root):
@@ -464,4 +491,13 @@ def load_samples(dataset: str, root: str, *, split: str | None = None, skip_miss
     if len(set(ids)) != len(ids):
         dup = next(i for i in ids if ids.count(i) > 1)
         raise _fail(f"{dataset}: sample id {dup!r} occurs more than once; ids must be unique")
-    return _check_media(samples, dataset, skip_missing)
+    return samples
+
+
+def load_samples(dataset: str, root: str, *, split: str | None = None, skip_missing: bool = False) -> list[Sample]:
+    """:func:`read_samples`, checking that every media file exists (or dropping, with skip_missing)."""
+    samples = read_samples(dataset, root, split=split)
+    present, missing = split_missing(samples)
+    if missing and not skip_missing:
+        raise missing_media_error(dataset, len(samples), missing)
+    return present

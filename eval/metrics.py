@@ -13,10 +13,12 @@ import math
 import resource
 import sys
 import time
-from collections import defaultdict
-from typing import Any, Iterable
+from collections import Counter, defaultdict
+from typing import Any, Callable, Iterable
 
 import torch
+
+from vlm_prune.eval.sharding import status
 
 
 def text_config(config: Any) -> Any:
@@ -109,23 +111,67 @@ def _mean(values: Iterable[float | None]) -> float | None:
     return sum(vals) / len(vals) if vals else None
 
 
-def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
-    """Accuracy (overall and per category value), mean tokens, times and FLOPs of one run."""
-    n = len(records)
+def _accuracy(rows: list[dict[str, Any]]) -> float:
+    return sum(bool(r["correct"]) for r in rows) / len(rows) if rows else math.nan
+
+
+def _mean_over(field: str) -> Callable[[list[dict[str, Any]]], float]:
+    def score(rows: list[dict[str, Any]]) -> float:
+        groups: dict[str, list[dict[str, Any]]] = defaultdict(list)
+        for r in rows:
+            groups[r.get("categories", {}).get(field, "")].append(r)
+        return sum(_accuracy(g) for g in groups.values()) / len(groups) if groups else math.nan
+    return score
+
+
+# The figure each benchmark's leaderboard reports, over the answered questions:
+# MLVU's M-Avg and MVBench's average are means over tasks; the others are plain accuracy.
+OFFICIAL: dict[str, tuple[str, Callable[[list[dict[str, Any]]], float]]] = {
+    "mlvu": ("M-Avg (mean over tasks)", _mean_over("task")),
+    "mvbench": ("mean over tasks", _mean_over("task")),
+    "videomme": ("accuracy", _accuracy),
+    "nextqa": ("accuracy", _accuracy),
+    "egoschema": ("accuracy", _accuracy),
+}
+
+
+def _reason(record: dict[str, Any]) -> str:
+    """A short class of why a question was not answered: "missing media", "VideoDecodeError", ..."""
+    if status(record) == "skipped":
+        return "missing media" if str(record.get("reason", "")).startswith("missing") else str(record.get("reason"))
+    return str(record.get("error", "error")).split(":", 1)[0]
+
+
+def summarize(records: list[dict[str, Any]], dataset: str = "generic") -> dict[str, Any]:
+    """Counts (questions, evaluated, skipped, failed, with reasons), the official score of the
+    dataset and the accuracy over the evaluated questions (overall and per category value),
+    mean tokens, decode / model seconds, FLOPs and peak memory of one run."""
+    ok = [r for r in records if status(r) == "ok"]
+    lost = {k: [r for r in records if status(r) == k] for k in ("skipped", "failed")}
     by_cat: dict[str, dict[str, list[bool]]] = defaultdict(lambda: defaultdict(list))
-    for r in records:
+    for r in ok:
         for k, v in r.get("categories", {}).items():
             by_cat[k][v].append(bool(r["correct"]))
-    tokens_in = _mean(r.get("visual_tokens_in") for r in records)
-    tokens_out = _mean(r.get("visual_tokens_out") for r in records)
-    flops = _mean(r.get("prefill_flops") for r in records)
-    flops_full = _mean(r.get("prefill_flops_unpruned") for r in records)
+    name, official = OFFICIAL.get(dataset, ("accuracy", _accuracy))
+    tokens_in = _mean(r.get("visual_tokens_in") for r in ok)
+    tokens_out = _mean(r.get("visual_tokens_out") for r in ok)
+    flops = _mean(r.get("prefill_flops") for r in ok)
+    flops_full = _mean(r.get("prefill_flops_unpruned") for r in ok)
     return {
-        "n": n,
-        "correct": sum(bool(r["correct"]) for r in records),
-        "accuracy": sum(bool(r["correct"]) for r in records) / n if n else math.nan,
-        "unanswered": sum(r.get("pred") is None for r in records),
-        "errors": sum(bool(r.get("error")) for r in records),
+        "n": len(records),
+        "evaluated": len(ok),
+        "skipped": len(lost["skipped"]),
+        "failed": len(lost["failed"]),
+        "not_evaluated": {k: dict(Counter(_reason(r) for r in rows).most_common()) for k, rows in lost.items()},
+        "not_evaluated_examples": [
+            {"id": r["id"], "status": status(r), "why": r.get("reason") or r.get("error")}
+            for r in (lost["skipped"] + lost["failed"])[:10]
+        ],
+        "official_name": name,
+        "official": official(ok) if ok else math.nan,
+        "correct": sum(bool(r["correct"]) for r in ok),
+        "accuracy": _accuracy(ok),
+        "unanswered": sum(r.get("pred") is None for r in ok),
         "by_category": {
             k: {v: {"n": len(x), "accuracy": sum(x) / len(x)} for v, x in sorted(vals.items())}
             for k, vals in sorted(by_cat.items())
@@ -133,10 +179,22 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
         "visual_tokens_in": tokens_in,
         "visual_tokens_out": tokens_out,
         "kept_fraction": tokens_out / tokens_in if tokens_in else None,
-        "ttft_s": _mean(r.get("ttft_s") for r in records),
-        "generate_s": _mean(r.get("generate_s") for r in records),
+        "ttft_s": _mean(r.get("ttft_s") for r in ok),
+        "generate_s": _mean(r.get("generate_s") for r in ok),
+        "decode_s": sum(r.get("decode_s") or 0.0 for r in ok) / len(ok) if ok else None,
+        "decode_wait_s": _mean(r.get("decode_wait_s") for r in ok),
         "prefill_flops": flops,
         "prefill_flops_unpruned": flops_full,
         "flops_ratio": flops / flops_full if flops and flops_full else None,
-        "peak_memory_bytes": max((r.get("peak_memory_bytes") or 0 for r in records), default=0),
+        "peak_memory_bytes": max((r.get("peak_memory_bytes") or 0 for r in ok), default=0),
     }
+
+
+def counts_line(row: dict[str, Any]) -> str:
+    """ "evaluated 10 of 12 (skipped 1: missing media 1; failed 1: VideoDecodeError 1)" """
+    parts = []
+    for kind in ("skipped", "failed"):
+        if row.get(kind):
+            why = ", ".join(f"{k} {v}" for k, v in row["not_evaluated"][kind].items())
+            parts.append(f"{kind} {row[kind]}: {why}")
+    return f"evaluated {row['evaluated']} of {row['n']}" + (f" ({'; '.join(parts)})" if parts else "")

@@ -17,14 +17,18 @@ from typing import Any
 
 COLUMNS = [
     ("name", "setting", "{}"),
-    ("n", "n", "{}"),
+    ("official", "official", "{:.3f}"),
     ("accuracy", "accuracy", "{:.3f}"),
+    ("evaluated", "evaluated", "{}"),
+    ("skipped", "skipped", "{}"),
+    ("failed", "failed", "{}"),
     ("kept_fraction", "kept", "{:.3f}"),
     ("visual_tokens_out", "visual tokens", "{:.0f}"),
     ("ttft_s", "TTFT s", "{:.4f}"),
     ("ttft_speedup", "TTFT speed-up", "{:.2f}x"),
     ("flops_speedup", "FLOPs speed-up", "{:.2f}x"),
     ("generate_s", "generate s", "{:.4f}"),
+    ("decode_s", "decode s", "{:.4f}"),
     ("peak_memory_bytes", "peak MiB", "{:.0f}"),
 ]
 
@@ -54,6 +58,10 @@ def add_speedups(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def markdown_table(rows: list[dict[str, Any]], title: str) -> str:
+    """The sweep as Markdown: the official score first (its definition under the table), the
+    accuracy over the evaluated questions, and what was skipped or failed, and why."""
+    from vlm_prune.eval.metrics import counts_line
+
     lines = [f"# {title}", "", "| " + " | ".join(c[1] for c in COLUMNS) + " |",
              "|" + "---|" * len(COLUMNS)]
     for row in rows:
@@ -64,6 +72,13 @@ def markdown_table(rows: list[dict[str, Any]], title: str) -> str:
                 value = value / 2**20
             cells.append("-" if value is None else fmt.format(value))
         lines.append("| " + " | ".join(cells) + " |")
+    names = sorted({r["official_name"] for r in rows if r.get("official_name")})
+    if names:
+        lines += ["", f"official: {', '.join(names)} over the evaluated questions; accuracy: correct / evaluated."]
+    lost = [r for r in rows if r.get("skipped") or r.get("failed")]
+    if lost:
+        lines += ["", "## Not evaluated (left out of every score)", ""]
+        lines += [f"- {r['name']}: {counts_line(r)}" for r in lost]
     cats = [r for r in rows if r.get("by_category")]
     if cats:
         lines += ["", "## Accuracy by category", ""]

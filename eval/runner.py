@@ -10,6 +10,10 @@ from __future__ import annotations
 
 import json
 import os
+import queue
+import threading
+import time
+from concurrent.futures import Future
 from dataclasses import asdict, dataclass, field
 from typing import Any, Sequence
 
@@ -21,8 +25,8 @@ from transformers import LogitsProcessor, LogitsProcessorList
 
 import vlm_prune
 from vlm_prune.eval import metrics, sharding
-from vlm_prune.eval.answers import format_prompt, score
-from vlm_prune.eval.datasets import Sample, load_samples
+from vlm_prune.eval.answers import format_prompt, prompt_style, score
+from vlm_prune.eval.datasets import Sample, missing_media_error, read_samples, split_missing
 
 IMAGE_EXTS = (".jpg", ".jpeg", ".png", ".bmp", ".webp")
 
@@ -130,47 +134,140 @@ def _pick(n: int, k: int) -> np.ndarray:
     return np.round(np.linspace(0, n - 1, k)).astype(np.int64)
 
 
+def _frame_number(name: str, position: int) -> int:
+    """The number in a frame file's name ("00042.jpg" -> 42), else its 1-based position."""
+    digits = "".join(c for c in os.path.splitext(name)[0] if c.isdigit())
+    return int(digits) if digits else position + 1
+
+
 def _read_frame_folder(folder: str, frames: int, fps: float, clip: tuple[float, float] | None) -> np.ndarray:
+    """Frames of a folder of images taken at ``fps`` (MVBench's TVQA: 3 fps), file number m at
+    m / fps seconds (the official MVBench reader's 1-based numbering); a clip keeps the frames
+    inside it."""
     files = sorted(f for f in os.listdir(folder) if f.lower().endswith(IMAGE_EXTS))
     if not files:
         raise FileNotFoundError(f"no image frames ({', '.join(IMAGE_EXTS)}) in {folder}")
-    idx = np.arange(len(files))
+    numbers = np.array([_frame_number(f, i) for i, f in enumerate(files)])
+    order = np.argsort(numbers, kind="stable")
+    idx = order
     if clip is not None:
-        inside = idx[(idx / fps >= clip[0]) & (idx / fps <= clip[1])]
-        idx = inside if inside.size else idx
+        times = numbers[order] / fps
+        idx = order[(times >= clip[0]) & (times <= clip[1])]
+        if not idx.size:
+            raise ValueError(
+                f"no frame of {folder} lies inside {clip[0]:g}-{clip[1]:g} s "
+                f"({len(files)} frames at {fps:g} fps: {numbers.min() / fps:.2f}-{numbers.max() / fps:.2f} s)"
+            )
     idx = idx[_pick(len(idx), frames)]
     return np.stack([np.asarray(Image.open(os.path.join(folder, files[i])).convert("RGB")) for i in idx])
 
 
-def load_visuals(sample: Sample, frames: int | str, decode_timeout: float | None = None) -> list[Any]:
-    """A video as [frames uint8 [T,H,W,3]] (the clip only, for clipped questions) or PIL images.
+@dataclass
+class Visuals:
+    """What one question shows the model: a video as [uint8 [T,H,W,3]] or PIL images, the
+    seconds decoding took, and the decoder's warnings (a truncated file, a fallback backend)."""
 
-    frames: frames per video (an int, or "quota" for QuoTA's duration rule). A clipped
-    question reads four times as many frames over the whole video and keeps those inside
-    the clip, spread uniformly.
+    items: list[Any]
+    decode_s: float = 0.0
+    warnings: list[str] = field(default_factory=list)
+
+
+def load_visuals(sample: Sample, frames: int | str, decode_timeout: float | None = None) -> Visuals:
+    """A video's frames (a clipped question: sampled inside its clip only) or PIL images.
+
+    frames: frames per video (an int, or "quota" for QuoTA's duration rule; 32 for folders of
+    frames under "quota").
     """
-    from vlm_prune.video import read_frames
+    from vlm_prune.video import decode
 
+    start = time.perf_counter()
     if sample.media_type == "image":
-        return [Image.open(p).convert("RGB") for p in sample.media]
-    path = sample.media[0]
-    if os.path.isdir(path):
-        return [_read_frame_folder(path, frames if isinstance(frames, int) else 32, sample.frames_fps or 1.0, sample.clip)]
-    if sample.clip is None:
-        video, _ = read_frames(path, num_frames=frames, timeout=decode_timeout)
-        return [video]
-    n_read = frames * 4 if isinstance(frames, int) else frames
-    video, times = read_frames(path, num_frames=n_read, timeout=decode_timeout)
-    inside = np.nonzero((times >= sample.clip[0]) & (times <= sample.clip[1]))[0]
-    keep = inside if inside.size else np.arange(len(times))
-    k = frames if isinstance(frames, int) else len(keep)
-    return [video[keep[_pick(len(keep), k)]]]
+        items, notes = [Image.open(p).convert("RGB") for p in sample.media], []
+    elif os.path.isdir(sample.media[0]):
+        n = frames if isinstance(frames, int) else 32
+        items, notes = [_read_frame_folder(sample.media[0], n, sample.frames_fps or 1.0, sample.clip)], []
+    else:
+        out = decode(sample.media[0], num_frames=frames, timeout=decode_timeout, bound=sample.clip)
+        items, notes = [out.frames], out.warnings
+    return Visuals(items, time.perf_counter() - start, notes)
+
+
+def frame_plan(sample: Sample, frames: int | str) -> tuple[Any, ...]:
+    """What decides the frames a question sees: equal plans share one decode."""
+    return (tuple(sample.media), frames, sample.clip, sample.frames_fps)
+
+
+class Prefetcher:
+    """Decodes the visuals of the questions ahead on daemon threads while the model runs.
+
+    Each frame plan (:func:`frame_plan`) is decoded once and kept only until its last question
+    has taken it. ``workers`` threads decode (decoders release the GIL), at most ``ahead`` plans
+    are held at a time. Daemon threads: Ctrl-C and SIGTERM stop the process without waiting for
+    them.
+    """
+
+    def __init__(self, samples: Sequence[Sample], frames: int | str, decode_timeout: float | None,
+                 workers: int = 2, ahead: int = 4) -> None:
+        self.frames, self.timeout = frames, decode_timeout
+        self.order: list[tuple[Any, ...]] = []
+        self.first: dict[tuple[Any, ...], Sample] = {}
+        self.uses: dict[tuple[Any, ...], int] = {}
+        for s in samples:
+            key = frame_plan(s, frames)
+            if key not in self.first:
+                self.first[key] = s
+                self.order.append(key)
+            self.uses[key] = self.uses.get(key, 0) + 1
+        self.futures: dict[tuple[Any, ...], Future] = {}
+        self.taken: set[tuple[Any, ...]] = set()
+        self.next, self.ahead = 0, max(1, ahead)
+        self.queue: queue.Queue = queue.Queue()
+        for i in range(max(1, workers)):
+            threading.Thread(target=self._work, name=f"vlm_prune-prefetch-{i}", daemon=True).start()
+        self._fill()
+
+    def _work(self) -> None:
+        while True:
+            key, fut = self.queue.get()
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                fut.set_result(load_visuals(self.first[key], self.frames, self.timeout))
+            except BaseException as err:  # noqa: BLE001 - handed to the question that needs it
+                fut.set_exception(err)
+
+    def _fill(self, need: tuple[Any, ...] | None = None) -> None:
+        while self.next < len(self.order) and (len(self.futures) < self.ahead or (need and need not in self.futures)):
+            key = self.order[self.next]
+            self.next += 1
+            self.futures[key] = Future()
+            self.queue.put((key, self.futures[key]))
+
+    def get(self, sample: Sample) -> tuple[Visuals, bool]:
+        """(visuals of ``sample``, whether this call is the first use of its decode); raises what
+        decoding raised. Questions must be asked for in the order given."""
+        key = frame_plan(sample, self.frames)
+        self._fill(need=key)
+        first = key not in self.taken
+        self.taken.add(key)
+        fut = self.futures[key]
+        try:
+            return fut.result(), first
+        finally:
+            self.uses[key] -= 1
+            if self.uses[key] == 0:
+                del self.futures[key]
+                self._fill()
 
 
 # ------------------------------------------------------------------------------------- config
 @dataclass
 class EvalConfig:
-    """Everything one ``vlm-prune eval`` invocation needs; see ``vlm_prune.eval.cli``."""
+    """Everything one ``vlm-prune eval`` invocation needs; see ``vlm_prune.eval.cli``.
+
+    decode_workers: background threads decoding the next questions' videos while the model
+    answers (0: decode on the model's thread, when it is needed).
+    """
 
     model: str
     data: str
@@ -189,6 +286,10 @@ class EvalConfig:
     attn_implementation: str | None = None
     seed: int = 0
     decode_timeout: float | None = 300.0
+    decode_workers: int = 2
+
+    def __post_init__(self) -> None:  # paths may come as pathlib.Path
+        self.model, self.data, self.out = os.fspath(self.model), os.fspath(self.data), os.fspath(self.out)
 
 
 @dataclass(frozen=True)
@@ -208,7 +309,10 @@ class Setting:
 
 
 def settings(cfg: EvalConfig) -> list[Setting]:
-    """The sweep: "none" once, every other method at each keep (or budget)."""
+    """The sweep: "none" once, every other method at each keep (or budget); every method name is
+    checked against the registry here, before any data or model is loaded."""
+    from vlm_prune.api import build_pipeline
+
     out = []
     for method in cfg.methods:
         if method == "none":
@@ -216,8 +320,23 @@ def settings(cfg: EvalConfig) -> list[Setting]:
             continue
         if not cfg.keeps and not cfg.budgets:
             raise ValueError(f"method {method!r} needs --keep (fractions) or --budget (tokens per image/frame)")
-        out += [Setting(method, keep=k) for k in cfg.keeps] + [Setting(method, budget=b) for b in cfg.budgets]
+        plan = [Setting(method, keep=k) for k in cfg.keeps] + [Setting(method, budget=b) for b in cfg.budgets]
+        try:
+            build_pipeline(method.split("+"), keep=plan[0].keep, budget=plan[0].budget)
+        except (ValueError, TypeError) as err:
+            raise ValueError(f"--method {method!r}: {err}") from None
+        out += plan
     return out
+
+
+def spread(samples: list[Sample], limit: int | None) -> list[Sample]:
+    """``limit`` questions spread evenly over the dataset (so every task of MVBench / MLVU is
+    represented), in file order; all of them without a limit."""
+    if limit is None or limit >= len(samples):
+        return samples
+    if limit < 1:
+        raise ValueError(f"--limit must be at least 1, got {limit}")
+    return [samples[i] for i in np.unique(np.round(np.linspace(0, len(samples) - 1, limit)).astype(np.int64))]
 
 
 def load_model(cfg: EvalConfig, dist: sharding.Dist) -> tuple[torch.nn.Module, Any]:
@@ -262,53 +381,134 @@ def _check_run_dir(run_dir: str, identity: dict[str, Any], dist: sharding.Dist) 
     os.replace(tmp, path)
 
 
-def _record(sample: Sample, gen: Generation | None, error: str | None, device: torch.device) -> dict[str, Any]:
-    pred, correct = score(sample, gen.text) if gen is not None else (None, False)
-    rec: dict[str, Any] = {"id": sample.id, "categories": sample.categories, "answer": sample.answer,
-                           "output": gen.text if gen else None, "pred": pred, "correct": correct}
-    if gen is not None:
-        rec.update({k: v for k, v in asdict(gen).items() if k != "text"})
-    rec["peak_memory_bytes"] = metrics.peak_memory_bytes(device)
-    if error:
-        rec["error"] = error
+def _base_record(sample: Sample, status: str) -> dict[str, Any]:
+    return {"id": sample.id, "status": status, "categories": sample.categories, "answer": sample.answer}
+
+
+def _answered(sample: Sample, gen: Generation, visuals: Visuals, first_use: bool, wait_s: float,
+              device: torch.device) -> dict[str, Any]:
+    pred, correct = score(sample, gen.text)
+    rec = {**_base_record(sample, "ok"), "output": gen.text, "pred": pred, "correct": correct}
+    rec.update({k: v for k, v in asdict(gen).items() if k != "text"})
+    rec.update({"decode_s": visuals.decode_s if first_use else 0.0, "decode_wait_s": wait_s,
+                "peak_memory_bytes": metrics.peak_memory_bytes(device)})
+    if visuals.warnings:
+        rec["warnings"] = visuals.warnings
     return rec
 
 
-def evaluate_setting(
-    predictor: Predictor, samples: list[Sample], run_dir: str, cfg: EvalConfig, dist: sharding.Dist, desc: str,
-) -> dict[str, Any] | None:
-    """Evaluate this rank's shard of ``samples`` into ``run_dir``; rank 0 returns the summary."""
-    from vlm_prune.video import VideoError
+def _failed(sample: Sample, err: BaseException, stage: str) -> dict[str, Any]:
+    """The record of a question that raised: kept with its error, left out of the accuracy,
+    tried again on the next run."""
+    message = f"{type(err).__name__}: {err}"
+    return {**_base_record(sample, "failed"), "correct": False, "stage": stage, "error": message[:2000]}
 
-    mine = sharding.shard(samples, dist)
-    done = sharding.read_records(run_dir)
-    todo = [s for s in mine if s.id not in done]
-    correct = sum(bool(done[s.id]["correct"]) for s in mine if s.id in done)
-    seen = len(mine) - len(todo)
-    label = desc if dist.world_size == 1 else f"{desc} [rank {dist.rank}]"
-    metrics.reset_peak_memory(predictor.device)
-    with sharding.RankWriter(run_dir, dist) as writer, tqdm(
-        total=len(mine), initial=seen, desc=label, position=dist.rank, dynamic_ncols=True
-    ) as bar:
-        for sample in todo:
-            gen, error = None, None
-            try:
-                visuals = load_visuals(sample, cfg.frames, cfg.decode_timeout)
-                gen = predictor.generate(format_prompt(sample), visuals, sample.media_type)
-            except (VideoError, OSError) as err:  # unreadable media: counted as wrong, kept in the file
-                error = f"{type(err).__name__}: {err}"
-            rec = _record(sample, gen, error, predictor.device)
-            writer.write(rec)
-            seen += 1
-            correct += bool(rec["correct"])
-            bar.update(1)
-            bar.set_postfix(acc=f"{correct / seen:.3f}")
-    if not dist.is_main:
-        return None
-    records = sharding.wait_for(run_dir, [s.id for s in samples], log=tqdm.write)
-    ordered = [records[s.id] for s in samples]
-    sharding.write_merged(run_dir, ordered)
-    summary = metrics.summarize(ordered)
+
+def skipped_record(sample: Sample, reason: str) -> dict[str, Any]:
+    return {**_base_record(sample, "skipped"), "correct": False, "reason": reason}
+
+
+def _free_memory(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+class _Tally:
+    """Progress-bar text: answered / failed so far and the running accuracy of each setting."""
+
+    def __init__(self, names: list[str], done: dict[str, dict[str, dict[str, Any]]]) -> None:
+        self.ok = {n: [bool(r.get("correct")) for r in done[n].values() if not sharding.is_failed(r)] for n in names}
+        self.failed = 0
+
+    def add(self, name: str, rec: dict[str, Any]) -> None:
+        if rec["status"] == "ok":
+            self.ok[name].append(bool(rec["correct"]))
+        else:
+            self.failed += 1
+
+    def text(self) -> str:
+        accs = [f"{sum(v) / len(v):.3f}" for v in self.ok.values() if v]
+        return f"acc {'/'.join(accs) or '-'}" + (f" failed {self.failed}" if self.failed else "")
+
+
+def evaluate_samples(
+    model: torch.nn.Module, processor: Any, plan: list[Setting], samples: list[Sample],
+    run_dirs: dict[str, str], cfg: EvalConfig, dist: sharding.Dist,
+) -> None:
+    """Answer this rank's questions under every setting of ``plan``, question by question.
+
+    Each question's video is decoded once (in the background, ahead of the model) and answered
+    under each setting whose folder lacks an answer to it; the model is wrapped for that
+    setting and unwrapped after. An exception on one question (a broken video, out of memory)
+    is recorded as that question's failure and the run goes on.
+    """
+    mine = sharding.shard(samples, dist, key=lambda s: tuple(s.media))
+    done = {st.name: sharding.read_records(run_dirs[st.name]) for st in plan}
+    pending = {s.id: [st for st in plan if s.id not in done[st.name] or sharding.is_failed(done[st.name][s.id])]
+               for s in mine}
+    todo = [s for s in mine if pending[s.id]]
+    device = next(model.parameters()).device
+    predictor = Predictor(model, processor, cfg.max_new_tokens)
+    metrics.reset_peak_memory(device)
+    prefetch = Prefetcher(todo, cfg.frames, cfg.decode_timeout, workers=cfg.decode_workers,
+                          ahead=2 * max(1, cfg.decode_workers)) if cfg.decode_workers > 0 else None
+    tally = _Tally([st.name for st in plan], done)
+    label = "eval" if dist.world_size == 1 else f"eval [rank {dist.rank}]"
+    writers = {st.name: sharding.RankWriter(run_dirs[st.name], dist) for st in plan}
+    try:
+        with tqdm(total=len(mine), initial=len(mine) - len(todo), desc=label, position=dist.rank,
+                  dynamic_ncols=True) as bar:
+            for sample in todo:
+                start = time.perf_counter()
+                try:
+                    if prefetch is not None:
+                        visuals, first_use = prefetch.get(sample)
+                    else:
+                        visuals, first_use = load_visuals(sample, cfg.frames, cfg.decode_timeout), True
+                except Exception as err:  # noqa: BLE001 - one broken video must not stop the run
+                    visuals, error = None, err
+                wait_s = time.perf_counter() - start
+                for setting in pending[sample.id]:
+                    if visuals is None:
+                        rec = _failed(sample, error, "decode")
+                    else:
+                        rec = _answer(predictor, sample, setting, visuals, first_use, wait_s, cfg, processor)
+                        first_use = False
+                    writers[setting.name].write(rec)
+                    tally.add(setting.name, rec)
+                bar.update(1)
+                bar.set_postfix_str(tally.text())
+    finally:
+        for w in writers.values():
+            w.close()
+
+
+def _answer(predictor: Predictor, sample: Sample, setting: Setting, visuals: Visuals, first_use: bool,
+            wait_s: float, cfg: EvalConfig, processor: Any) -> dict[str, Any]:
+    """One question under one setting: wrap, generate, unwrap; an exception becomes the record."""
+    model = predictor.model
+    try:
+        if setting.method != "none":
+            vlm_prune.wrap(model, setting.method.split("+"), keep=setting.keep, budget=setting.budget,
+                           processor=processor, seed=cfg.seed)
+        try:
+            gen = predictor.generate(format_prompt(sample), visuals.items, sample.media_type)
+        finally:
+            if setting.method != "none":
+                vlm_prune.unwrap(model)
+    except Exception as err:  # noqa: BLE001 - e.g. out of memory on one long video: record, go on
+        _free_memory(predictor.device)
+        return _failed(sample, err, "model")
+    return _answered(sample, gen, visuals, first_use, wait_s, predictor.device)
+
+
+def merge_setting(run_dir: str, questions: list[Sample], skipped: dict[str, str], dataset: str) -> dict[str, Any]:
+    """Rank 0: every question's record in dataset order (answered, failed, or skipped with its
+    reason) into results.jsonl, and the setting's summary into summary.json."""
+    records = sharding.wait_for(run_dir, [s.id for s in questions if s.id not in skipped], log=tqdm.write)
+    merged = [skipped_record(s, skipped[s.id]) if s.id in skipped else records[s.id] for s in questions]
+    sharding.write_merged(run_dir, merged)
+    summary = metrics.summarize(merged, dataset)
     with open(os.path.join(run_dir, "summary.json"), "w", encoding="utf-8") as f:
         json.dump(summary, f, indent=1)
     return summary
@@ -320,37 +520,39 @@ def run_eval(
     """Run every setting of ``cfg``; rank 0 returns one summary row per setting (others None).
 
     model / processor: already loaded objects (tests, notebooks); loaded from ``cfg.model`` if None.
+    Every question of the dataset (or of ``--limit``) ends up in each setting's results.jsonl as
+    answered, failed (with its error; retried on the next run) or skipped (missing media, with
+    ``skip_missing``); the accuracy counts the answered ones and the summaries say how many of
+    each there are, and why.
     """
     from vlm_prune.eval.plots import write_sweep
 
     dist = sharding.current()
-    samples = load_samples(cfg.dataset, cfg.data, split=cfg.split, skip_missing=cfg.skip_missing)
-    if cfg.limit is not None:
-        samples = samples[: cfg.limit]
     plan = settings(cfg)
+    questions = spread(read_samples(cfg.dataset, cfg.data, split=cfg.split), cfg.limit)
+    present, missing = split_missing(questions)
+    if missing and not cfg.skip_missing:
+        raise missing_media_error(cfg.dataset, len(questions), missing)
+    skipped = {s.id: reason for s, reason in missing}
+    if missing and dist.is_main:
+        tqdm.write(f"skipping {len(missing)} of {len(questions)} questions whose media is missing "
+                   f"(--skip-missing), first: {missing[0][1]}")
     if model is None:
         model, processor = load_model(cfg, dist)
     if processor is None:
         raise ValueError("run_eval needs the model's processor when a model object is given")
-    rows = []
+    run_dirs = {}
     for setting in plan:
-        run_dir = os.path.join(cfg.out, setting.name)
+        run_dirs[setting.name] = os.path.join(cfg.out, setting.name)
         identity = {"model": cfg.model, "dataset": cfg.dataset, "data": os.path.abspath(cfg.data),
                     "split": cfg.split, "frames": cfg.frames, "max_new_tokens": cfg.max_new_tokens,
-                    "seed": cfg.seed, **asdict(setting)}
-        _check_run_dir(run_dir, identity, dist)
-        if setting.method != "none":
-            vlm_prune.wrap(model, setting.method.split("+"), keep=setting.keep, budget=setting.budget,
-                           processor=processor, seed=cfg.seed)
-        try:
-            predictor = Predictor(model, processor, cfg.max_new_tokens)
-            summary = evaluate_setting(predictor, samples, run_dir, cfg, dist, setting.name)
-        finally:
-            if setting.method != "none":
-                vlm_prune.unwrap(model)
-        if summary is not None:
-            rows.append({"name": setting.name, **asdict(setting), **summary})
+                    "seed": cfg.seed, "prompt": prompt_style(cfg.dataset), **asdict(setting)}
+        _check_run_dir(run_dirs[setting.name], identity, dist)
+    evaluate_samples(model, processor, plan, present, run_dirs, cfg, dist)
+    sharding.barrier(dist)
     if not dist.is_main:
         return None
+    rows = [{"name": st.name, **asdict(st), **merge_setting(run_dirs[st.name], questions, skipped, cfg.dataset)}
+            for st in plan]
     write_sweep(rows, cfg.out, title=f"{cfg.model} on {cfg.dataset}")
     return rows

@@ -1,20 +1,23 @@
 """Per-rank result files, resuming and merging, for one process or many.
 
 Each process (rank r of W, from the RANK / WORLD_SIZE / LOCAL_RANK variables that
-``accelerate launch`` and ``torchrun`` set; 0 of 1 otherwise) evaluates samples r, r+W, ...
+``accelerate launch`` and ``torchrun`` set; 0 of 1 otherwise) evaluates every W-th group of
+samples (a group: the questions about one video, so each video is decoded by one rank only)
 and appends one JSON line per sample to ``samples.rank<r>.jsonl``, flushed as it goes. On a
-restart every rank reads the ids already present in all rank files (a half-written last line
-is cut off) and skips them, so nothing is lost or counted twice, even if W changed. Rank 0
-waits until every expected id is on disk, then writes ``results.jsonl`` with each id once.
+restart every rank reads the ids already answered in all rank files (a half-written last line
+is cut off) and skips them, so nothing is lost or counted twice, even if W changed; a record
+whose ``status`` is "failed" is tried again, and a later success replaces it. Rank 0 waits
+until every expected id is on disk, then writes ``results.jsonl`` with each id once.
 """
 from __future__ import annotations
 
+import datetime
 import glob
 import json
 import os
 import time
 from dataclasses import dataclass
-from typing import Any, Iterator, Sequence, TypeVar
+from typing import Any, Callable, Hashable, Iterator, Sequence, TypeVar
 
 T = TypeVar("T")
 RANK_FILE = "samples.rank{}.jsonl"
@@ -42,9 +45,26 @@ def current() -> Dist:
     return Dist(rank, world, local)
 
 
-def shard(items: Sequence[T], dist: Dist) -> list[T]:
-    """Items rank, rank + W, rank + 2W, ... (every item in exactly one shard)."""
-    return list(items[dist.rank :: dist.world_size])
+def shard(items: Sequence[T], dist: Dist, key: Callable[[T], Hashable] | None = None) -> list[T]:
+    """This rank's items: groups rank, rank + W, ... of the items with equal ``key`` (in order of
+    first appearance; each item is its own group without a key), every item in exactly one
+    shard, returned group by group."""
+    if key is None:
+        return list(items[dist.rank :: dist.world_size])
+    groups: dict[Hashable, list[T]] = {}
+    for item in items:
+        groups.setdefault(key(item), []).append(item)
+    return [item for g in list(groups.values())[dist.rank :: dist.world_size] for item in g]
+
+
+def status(record: dict[str, Any]) -> str:
+    """"ok" (answered), "failed" (raised; retried on the next run) or "skipped" (media missing).
+    Records written before statuses existed are failed when they carry an error."""
+    return record.get("status", "failed" if record.get("error") else "ok")
+
+
+def is_failed(record: dict[str, Any]) -> bool:
+    return status(record) == "failed"
 
 
 def _iter_records(path: str) -> Iterator[tuple[dict[str, Any], int]]:
@@ -63,11 +83,14 @@ def _iter_records(path: str) -> Iterator[tuple[dict[str, Any], int]]:
 
 
 def read_records(out_dir: str) -> dict[str, dict[str, Any]]:
-    """id -> record over all rank files in ``out_dir`` (the first occurrence of an id wins)."""
+    """id -> record over all rank files in ``out_dir``: the first answered record of an id wins,
+    else its last failed one."""
     done: dict[str, dict[str, Any]] = {}
     for path in sorted(glob.glob(os.path.join(out_dir, RANK_FILE.format("*")))):
         for rec, _ in _iter_records(path):
-            done.setdefault(str(rec["id"]), rec)
+            key = str(rec["id"])
+            if key not in done or is_failed(done[key]):
+                done[key] = rec
     return done
 
 
@@ -99,6 +122,21 @@ class RankWriter:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def barrier(dist: Dist) -> bool:
+    """Wait for every rank here when the launcher gave a rendezvous (MASTER_ADDR / MASTER_PORT,
+    as torchrun and accelerate set); joins the process group first (gloo) if nobody has.
+    Returns False, without waiting, for one process or no rendezvous."""
+    if dist.world_size == 1 or not (os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT")):
+        return False
+    import torch.distributed as tdist
+
+    if not tdist.is_initialized():
+        tdist.init_process_group("gloo", rank=dist.rank, world_size=dist.world_size,
+                                 timeout=datetime.timedelta(days=1))  # ranks finish far apart on long videos
+    tdist.barrier()
+    return True
 
 
 def wait_for(out_dir: str, ids: Sequence[str], poll_s: float = 1.0, log: Any = None) -> dict[str, dict[str, Any]]:

@@ -95,7 +95,7 @@ def test_mlvu(tmp_path):
 
 def test_mlvu_answer_not_an_option(tmp_path):
     dump(f"{tmp_path}/json/2_needle.json", [{"video": "n.mp4", "question": "Q", "candidates": ["a", "b"], "answer": "c"}])
-    with pytest.raises(DatasetLayoutError, match=r"2_needle\.json record 0: answer 'c' matches no option"):
+    with pytest.raises(DatasetLayoutError, match=r"2_needle\.json record 0: answer 'c' is not the text of any option"):
         load_samples("mlvu", str(tmp_path))
 
 

@@ -40,12 +40,32 @@ def test_summarize():
         {"id": "b", "categories": {"duration": "long"}, "correct": False, "pred": None, "visual_tokens_in": 10,
          "visual_tokens_out": 5, "ttft_s": 3.0, "prefill_flops": 50.0, "prefill_flops_unpruned": 100.0, "peak_memory_bytes": 9},
         {"id": "c", "categories": {"duration": "long"}, "correct": True, "pred": "B", "error": None},
+        {"id": "d", "status": "failed", "categories": {"duration": "long"}, "correct": False,
+         "error": "OutOfMemoryError: CUDA out of memory"},
+        {"id": "e", "status": "skipped", "categories": {"duration": "long"}, "correct": False, "reason": "missing /x.mp4"},
+        {"id": "f", "categories": {"duration": "long"}, "correct": False, "error": "VideoDecodeError: bad"},  # old format
     ]
     s = metrics.summarize(recs)
-    assert (s["n"], s["correct"], s["unanswered"], s["errors"]) == (3, 2, 1, 0)
-    assert math.isclose(s["accuracy"], 2 / 3)
+    assert (s["n"], s["evaluated"], s["skipped"], s["failed"], s["correct"], s["unanswered"]) == (6, 3, 1, 2, 2, 1)
+    assert s["not_evaluated"] == {"skipped": {"missing media": 1}, "failed": {"OutOfMemoryError": 1, "VideoDecodeError": 1}}
+    assert math.isclose(s["accuracy"], 2 / 3) and (s["official_name"], s["official"]) == ("accuracy", s["accuracy"])
+    assert metrics.counts_line(s) == ("evaluated 3 of 6 (skipped 1: missing media 1; "
+                                      "failed 2: OutOfMemoryError 1, VideoDecodeError 1)")
     assert s["by_category"] == {"duration": {"long": {"n": 2, "accuracy": 0.5}, "short": {"n": 1, "accuracy": 1.0}}}
     assert (s["kept_fraction"], s["ttft_s"], s["flops_ratio"], s["peak_memory_bytes"]) == (0.5, 2.0, 0.5, 9)
+
+
+def test_official_scores_are_means_over_tasks_where_the_leaderboard_says_so():
+    # task a: 3 of 4 right, task b: 0 of 1 -> overall 3/5 = 0.6, mean over tasks (0.75 + 0) / 2 = 0.375
+    recs = [{"id": str(i), "categories": {"task": t}, "correct": c}
+            for i, (t, c) in enumerate([("a", True), ("a", True), ("a", True), ("a", False), ("b", False)])]
+    recs.append({"id": "x", "status": "failed", "categories": {"task": "c"}, "correct": False, "error": "E: e"})
+    for dataset in ("mlvu", "mvbench"):
+        s = metrics.summarize(recs, dataset)
+        assert math.isclose(s["accuracy"], 0.6) and math.isclose(s["official"], 0.375)  # failed task c not a task
+    assert metrics.summarize(recs, "mlvu")["official_name"] == "M-Avg (mean over tasks)"
+    assert math.isclose(metrics.summarize(recs, "videomme")["official"], 0.6)
+    assert math.isnan(metrics.summarize(recs[-1:], "mlvu")["official"])
 
 
 def test_sweep_outputs(tmp_path):
@@ -61,7 +81,7 @@ def test_sweep_outputs(tmp_path):
     saved = json.load(open(paths["json"]))
     assert [(r["ttft_speedup"], r["flops_speedup"]) for r in saved] == [(1.0, 1.0), (2.0, 2.5), (None, 1.0)]
     md = open(paths["markdown"]).read()
-    assert "| random_keep0.5 | 4 | 0.500 | 0.500 |" in md and "2.00x | 2.50x" in md
+    assert "| random_keep0.5 | - | 0.500 | - | - | - | 0.500 |" in md and "2.00x | 2.50x" in md
     with open(paths["plot"], "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
     assert os.path.getsize(paths["plot"]) > 5000

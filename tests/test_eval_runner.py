@@ -196,3 +196,83 @@ def test_cli_rejects_bad_keep(capsys):
     with pytest.raises(SystemExit):
         main(["eval", "--model", "m", "--data", "d", "--dataset", "jsonl", "--out", "o", "--keep", "0.5,1.5"])
     assert "keep fractions must lie in (0, 1], got [1.5]" in capsys.readouterr().err
+
+
+def test_nothing_lost_silently_failures_isolated_and_retried(ckpt, tmp_path, monkeypatch, capsys):
+    from vlm_prune.eval import runner
+    from vlm_prune.eval.__main__ import main
+
+    root = tmp_path / "qa"
+    rows_in = [("q0", "v0.mp4", "what ?"), ("q1", "v1.mp4", "what ?"), ("q2", "gone.mp4", "what ?"),
+               ("q3", "junk.mp4", "what ?"), ("q4", "v4.mp4", "which shape ?")]
+    root.mkdir()
+    with open(root / "qa.jsonl", "w") as f:
+        for qid, video, question in rows_in:
+            f.write(json.dumps({"id": qid, "video": video, "question": question, "options": ["red", "blue"],
+                                "answer": "A"}) + "\n")
+    for i in (0, 1, 4):
+        write_video(str(root / f"v{i}.mp4"), n_frames=6, seed=i)
+    (root / "junk.mp4").write_bytes(os.urandom(3000))
+    model, processor = load(ckpt)
+    always_a(model, processor)
+    real = runner.Predictor.generate
+
+    def out_of_memory_on_shape(self, text, *args, **kw):
+        if "shape" in text:
+            raise RuntimeError("CUDA out of memory (simulated)")
+        return real(self, text, *args, **kw)
+
+    monkeypatch.setattr(runner.Predictor, "generate", out_of_memory_on_shape)
+    out = str(tmp_path / "out")
+    cfg = cfg_for(ckpt, str(root), out, skip_missing=True)
+    with pytest.raises(ValueError, match="1 of 5 samples have missing media.*--skip-missing"):
+        run_eval(cfg_for(ckpt, str(root), out), model, processor)
+    [row] = run_eval(cfg, model, processor)
+    assert (row["n"], row["evaluated"], row["skipped"], row["failed"], row["correct"]) == (5, 2, 1, 2, 2)
+    assert row["accuracy"] == 1.0 and row["official"] == 1.0  # over the evaluated questions only
+    assert row["not_evaluated"] == {"skipped": {"missing media": 1}, "failed": {"VideoDecodeError": 1, "RuntimeError": 1}}
+    recs = {r["id"]: r for r in read_jsonl(os.path.join(out, "none", "results.jsonl"))}
+    assert [recs[q]["status"] for q in ("q0", "q1", "q2", "q3", "q4")] == ["ok", "ok", "skipped", "failed", "failed"]
+    assert recs["q2"]["reason"].endswith("gone.mp4") and recs["q3"]["stage"] == "decode"
+    assert recs["q4"]["stage"] == "model" and "out of memory" in recs["q4"]["error"]
+    md = open(os.path.join(out, "summary.md")).read()
+    assert "- none: evaluated 2 of 5 (skipped 1: missing media 1; failed 2: VideoDecodeError 1, RuntimeError 1)" in md
+    assert json.load(open(os.path.join(out, "none", "summary.json")))["failed"] == 2
+
+    # repaired: the video downloaded, the broken file replaced, the model fixed -> rerun retries exactly those
+    monkeypatch.setattr(runner.Predictor, "generate", real)
+    write_video(str(root / "gone.mp4"), n_frames=6, seed=2)
+    write_video(str(root / "junk.mp4"), n_frames=6, seed=3)
+    [row] = run_eval(cfg, model, processor)
+    assert (row["evaluated"], row["skipped"], row["failed"], row["correct"]) == (5, 0, 0, 5)
+    rank0 = [r["id"] for r in read_jsonl(os.path.join(out, "none", "samples.rank0.jsonl"))]
+    assert sorted(rank0) == ["q0", "q1", "q2", "q3", "q3", "q4", "q4"]  # answered ones not asked again
+
+    # a run where nothing can be evaluated exits non-zero and says why
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with open(empty / "qa.jsonl", "w") as f:
+        f.write(json.dumps({"id": "z", "video": "nope.mp4", "question": "what ?", "options": ["a", "b"], "answer": "A"}) + "\n")
+    code = main(["--model", ckpt, "--data", str(empty), "--dataset", "jsonl", "--frames", "2", "--skip-missing",
+                 "--max-new-tokens", "1", "--out", str(tmp_path / "out_empty")])
+    captured = capsys.readouterr()
+    assert code == 1 and "no question was evaluated in none" in captured.err
+    assert "evaluated 0 of 1 (skipped 1: missing media 1)" in captured.out
+
+
+def test_misspelled_method_is_rejected_before_anything_runs(tmp_path):
+    out = tmp_path / "never"
+    with pytest.raises(ValueError, match=r"--method 'pakt': unknown method 'pakt'. Did you mean 'pact'\?"):
+        run_eval(EvalConfig(model=tmp_path / "no_model", data=tmp_path / "no_data", dataset="jsonl", out=out,
+                            methods=["none", "pakt"], keeps=[0.5]))
+    assert not out.exists()  # neither data nor model were touched (both paths do not exist)
+
+
+def test_limit_spreads_over_tasks():
+    from vlm_prune.eval.datasets import Sample
+    from vlm_prune.eval.runner import spread
+
+    samples = [Sample(f"{t}/{i}", [], "video", "q", [], "x", {"task": t}) for t in "abcd" for i in range(10)]
+    picked = spread(samples, 8)
+    assert [s.id for s in picked] == ["a/0", "a/6", "b/1", "b/7", "c/2", "c/8", "d/3", "d/9"]
+    assert spread(samples, None) == samples and spread(samples, 100) == samples

@@ -3,23 +3,31 @@
     frames, timestamps = read_frames("clip.mp4", num_frames=32)        # uniform by count
     frames, timestamps = read_frames("clip.mp4", fps=1.0)              # uniform in time
     frames, timestamps = read_frames("clip.mp4", num_frames="quota")   # QuoTA's duration rule
+    frames, timestamps = read_frames("clip.mp4", num_frames=16, bound=(12.0, 16.0))  # a segment
 
 Frames come back as uint8 RGB ``[T, H, W, 3]`` and timestamps in seconds (frame index / the
-container's average frame rate). Decoding runs in a forked worker process with a time limit,
-so a decoder that hangs on a broken file raises :class:`VideoTimeoutError` instead of hanging
-the caller.
+container's average frame rate). Decoding runs in this process; with a time limit it runs on a
+watchdog thread, so a decoder that hangs on a broken file raises :class:`VideoTimeoutError`
+instead of hanging the caller. No process is forked: a fork of a process that holds live FFmpeg
+decoder threads can deadlock. A file that decodes fewer frames than it lists (truncated) is a
+:class:`VideoWarning`, and :func:`decode` returns it in ``Decoded.warnings``.
 """
 from __future__ import annotations
 
 import functools
-import multiprocessing as mp
+import math
 import os
+import threading
+import warnings
 from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple, TypeVar
 
 import numpy as np
 
 BACKENDS = ("auto", "decord", "opencv")
 DEFAULT_TIMEOUT_S = 300.0
+T = TypeVar("T")
 
 
 class VideoError(RuntimeError):
@@ -38,35 +46,53 @@ class VideoTimeoutError(VideoError, TimeoutError):
     """The decoder did not finish within the time limit."""
 
 
+class VideoWarning(UserWarning):
+    """The video was read, but not as expected: truncated, or only by the fallback backend."""
+
+
 def quota_num_frames(duration_s: float, base: int = 96, extra_per_hour: int = 64) -> int:
     """QuoTA's (arXiv 2503.08689) frame count: T = base + int(extra_per_hour * duration_s / 3600)."""
     return base + int(extra_per_hour * duration_s / 3600)
 
 
 def sample_indices(
-    n_frames: int, native_fps: float, num_frames: int | str | None = None, fps: float | None = None
+    n_frames: int, native_fps: float, num_frames: int | str | None = None, fps: float | None = None,
+    bound: tuple[float, float] | None = None,
 ) -> np.ndarray:
     """Indices of the frames to keep out of ``n_frames`` decoded at ``native_fps``.
 
     num_frames=K: K indices spread uniformly over [0, n_frames - 1] (rounded; K is capped at
-    n_frames). num_frames="quota": K from :func:`quota_num_frames` of the duration. fps=f: one
-    frame every 1/f seconds starting at t=0. Neither: every frame.
+    the number of frames). num_frames="quota": K from :func:`quota_num_frames` of the duration.
+    fps=f: one frame every 1/f seconds starting at t=0. Neither: every frame.
+    bound=(start_s, end_s): the same rules applied to frames round(start * fps) ..
+    round(end * fps) only (clamped to the video); a bound wholly outside the video is an error.
     """
     _check_sampling(num_frames, fps)
+    _check_bound(bound)
+    lo, hi = 0, n_frames - 1
+    if bound is not None:
+        if native_fps <= 0:
+            raise VideoDecodeError("the video reports no frame rate, so a start/end bound cannot apply")
+        lo, hi = max(0, round(bound[0] * native_fps)), min(n_frames - 1, round(bound[1] * native_fps))
+        if hi < lo:
+            raise VideoDecodeError(
+                f"the bound {bound[0]:g}-{bound[1]:g} s lies outside the video ({n_frames / native_fps:.2f} s long)"
+            )
+    n = hi - lo + 1
     if num_frames == "quota":
         if native_fps <= 0:
             raise VideoDecodeError("the video reports no frame rate, so QuoTA's duration rule cannot apply")
-        num_frames = quota_num_frames(n_frames / native_fps)
+        num_frames = quota_num_frames(n / native_fps)
     if num_frames is not None:
-        k = min(num_frames, n_frames)
-        return np.round(np.linspace(0, n_frames - 1, k)).astype(np.int64)
+        k = min(num_frames, n)
+        return lo + np.round(np.linspace(0, n - 1, k)).astype(np.int64)
     if fps is not None:
         if native_fps <= 0:
             raise VideoDecodeError("the video reports no frame rate, so fps= sampling cannot apply")
-        times = np.arange(0.0, n_frames / native_fps, 1.0 / fps)
-        idx = np.round(times * native_fps).astype(np.int64)
-        return np.unique(np.clip(idx, 0, n_frames - 1))
-    return np.arange(n_frames, dtype=np.int64)
+        times = np.arange(0.0, n / native_fps, 1.0 / fps)
+        idx = lo + np.round(times * native_fps).astype(np.int64)
+        return np.unique(np.clip(idx, lo, hi))
+    return np.arange(lo, hi + 1, dtype=np.int64)
 
 
 def _check_sampling(num_frames: int | str | None, fps: float | None) -> None:
@@ -80,10 +106,25 @@ def _check_sampling(num_frames: int | str | None, fps: float | None) -> None:
         raise ValueError(f"fps must be a number > 0, got {fps!r}")
 
 
+def _check_bound(bound: tuple[float, float] | None) -> None:
+    if bound is None:
+        return
+    if len(bound) != 2 or not all(math.isfinite(float(b)) for b in bound) or not 0 <= bound[0] <= bound[1]:
+        raise ValueError(f"bound must be (start_s, end_s) with 0 <= start <= end, got {bound!r}")
+
+
 Picker = Callable[[int, float], np.ndarray]
 
 
-def _decode_decord(path: str, pick: Picker) -> tuple[np.ndarray, np.ndarray]:
+class _Raw(NamedTuple):
+    frames: np.ndarray
+    times: np.ndarray
+    native_fps: float
+    listed: int  # frames the container lists
+    decoded: int  # frames that decode (listed unless the file is truncated)
+
+
+def _decode_decord(path: str, pick: Picker) -> _Raw:
     import decord
 
     vr = decord.VideoReader(path, ctx=decord.cpu(0), num_threads=1)
@@ -92,10 +133,10 @@ def _decode_decord(path: str, pick: Picker) -> tuple[np.ndarray, np.ndarray]:
         raise VideoDecodeError(f"{path} has no frames")
     idx = pick(n, native_fps)
     frames = vr.get_batch(idx.tolist()).asnumpy()
-    return frames, _timestamps(idx, native_fps)
+    return _Raw(frames, _timestamps(idx, native_fps), native_fps, n, n)
 
 
-def _decode_opencv(path: str, pick: Picker) -> tuple[np.ndarray, np.ndarray]:
+def _decode_opencv(path: str, pick: Picker) -> _Raw:
     import cv2
 
     cap = cv2.VideoCapture(path)
@@ -110,12 +151,18 @@ def _decode_opencv(path: str, pick: Picker) -> tuple[np.ndarray, np.ndarray]:
         raise VideoDecodeError(f"{path} has no frames")
     idx = pick(n, native_fps)
     frames, decoded = _opencv_read(path, idx)
-    if len(frames) < len(idx):  # the container's frame count was too high: sample again
+    listed = n
+    if len(frames) < len(idx):  # fewer frames decode than the container lists: sample again
+        decoded = decoded if decoded < n else _opencv_count(path)
+        if decoded == 0:
+            raise VideoDecodeError(f"{path} has no decodable frames")
         idx = pick(decoded, native_fps)
         frames, _ = _opencv_read(path, idx)
+    else:
+        decoded = n
     if not frames:
         raise VideoDecodeError(f"{path} has no decodable frames")
-    return np.stack(frames), _timestamps(idx[: len(frames)], native_fps)
+    return _Raw(np.stack(frames), _timestamps(idx[: len(frames)], native_fps), native_fps, listed, decoded)
 
 
 def _opencv_count(path: str) -> int:
@@ -152,7 +199,7 @@ def _timestamps(idx: np.ndarray, native_fps: float) -> np.ndarray:
     return idx.astype(np.float64) / native_fps
 
 
-_DECODERS: dict[str, Callable[[str, Picker], tuple[np.ndarray, np.ndarray]]] = {
+_DECODERS: dict[str, Callable[[str, Picker], _Raw]] = {
     "decord": _decode_decord,
     "opencv": _decode_opencv,
 }
@@ -166,70 +213,73 @@ def _has_decord() -> bool:
     return True
 
 
-def _worker(conn, backend: str, path: str, pick: Picker) -> None:
-    try:
-        conn.send(("ok", _DECODERS[backend](path, pick)))
-    except BaseException as err:  # noqa: BLE001 - every failure goes back to the parent
-        conn.send(("error", f"{type(err).__name__}: {err}"))
-    finally:
-        conn.close()
+def _with_watchdog(fn: Callable[[], T], timeout: float | None, what: str) -> T:
+    """Run ``fn`` in this process; with a timeout, on a daemon thread the caller stops waiting for.
 
-
-def _run_with_timeout(backend: str, path: str, pick: Picker, timeout: float | None):
-    """Run one decoder, in a worker process when a timeout is set."""
+    Decoding in-process avoids forking a process that holds live FFmpeg threads (a fork can
+    deadlock on their locks) and costs no copy of the frames. A decoder that never returns is
+    left behind on its daemon thread (it cannot be killed); the caller gets VideoTimeoutError
+    and goes on, and Ctrl-C / SIGTERM stop the process as usual.
+    """
     if timeout is None:
+        return fn()
+    box: dict[str, Any] = {}
+    done = threading.Event()
+
+    def run() -> None:
         try:
-            return _DECODERS[backend](path, pick)
-        except VideoError:
-            raise
-        except Exception as err:
-            raise VideoDecodeError(f"{backend} failed on {path}: {type(err).__name__}: {err}") from err
-    ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
-    recv, send = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=_worker, args=(send, backend, path, pick), daemon=True)
-    proc.start()
-    send.close()
+            box["value"] = fn()
+        except BaseException as err:  # noqa: BLE001 - handed to the waiting caller
+            box["error"] = err
+        finally:
+            done.set()
+
+    threading.Thread(target=run, name="vlm_prune-decode", daemon=True).start()
+    if not done.wait(timeout):
+        raise VideoTimeoutError(
+            f"{what} did not finish within {timeout:g} s; the file may be corrupt (raise timeout= for very long videos)"
+        )
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
+def _run_backend(backend: str, path: str, pick: Picker, timeout: float | None) -> _Raw:
     try:
-        if not recv.poll(timeout):
-            raise VideoTimeoutError(
-                f"{backend} did not decode {path} within {timeout:g} s; the file may be corrupt "
-                "(raise timeout= for very long videos)"
-            )
-        try:
-            status, payload = recv.recv()
-        except EOFError:
-            raise VideoDecodeError(f"the {backend} worker died while decoding {path}") from None
-    finally:
-        if proc.is_alive():
-            proc.kill()
-        proc.join()
-        recv.close()
-    if status == "error":
-        raise VideoDecodeError(f"{backend} failed on {path}: {payload}")
-    return payload
+        return _with_watchdog(lambda: _DECODERS[backend](path, pick), timeout, f"{backend} decoding {path}")
+    except VideoError:
+        raise
+    except Exception as err:
+        raise VideoDecodeError(f"{backend} failed on {path}: {type(err).__name__}: {err}") from err
 
 
-def read_frames(
+@dataclass
+class Decoded:
+    """What :func:`decode` read: frames uint8 [T,H,W,3] RGB, timestamps [T] in seconds, which
+    backend read them, the frame count and rate the container reports, and warnings (e.g. a
+    truncated file that decodes fewer frames than it lists)."""
+
+    frames: np.ndarray
+    times: np.ndarray
+    backend: str
+    n_frames: int
+    native_fps: float
+    warnings: list[str] = field(default_factory=list)
+
+
+def decode(
     path: str | os.PathLike,
     num_frames: int | str | None = None,
     fps: float | None = None,
     backend: str = "auto",
     timeout: float | None = DEFAULT_TIMEOUT_S,
-) -> tuple[np.ndarray, np.ndarray]:
-    """Decode ``path`` and sample frames uniformly.
-
-    num_frames: K frames uniformly over the video, or "quota" for QuoTA's
-        T = 96 + int(64 * duration_s / 3600). fps: frames per second of video instead.
-        Give at most one; neither returns every frame.
-    backend: "decord", "opencv", or "auto" (default): decord when installed, OpenCV when decord
-        is missing or fails (including a timeout).
-    timeout: seconds each backend may take (default 300); None decodes in this process.
-    Returns (frames uint8 [T, H, W, 3] RGB, timestamps float64 [T] in seconds).
-    Raises VideoNotFoundError, VideoDecodeError, VideoTimeoutError (all VideoError).
-    """
+    bound: tuple[float, float] | None = None,
+) -> Decoded:
+    """:func:`read_frames` with its details: backend, container counts and warnings (not raised)."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
     _check_sampling(num_frames, fps)
+    _check_bound(bound)
     path = os.fspath(path)
     if not os.path.isfile(path):
         raise VideoNotFoundError(f"no video file at {path!r}")
@@ -239,17 +289,50 @@ def read_frames(
         order = ["decord", "opencv"] if _has_decord() else ["opencv"]
     else:
         order = [backend]
-
-    pick = functools.partial(sample_indices, num_frames=num_frames, fps=fps)  # picklable for spawn
+    pick = functools.partial(sample_indices, num_frames=num_frames, fps=fps, bound=bound)
     failures: list[VideoError] = []
     for name in order:
         try:
-            frames, times = _run_with_timeout(name, path, pick, timeout)
+            raw = _run_backend(name, path, pick, timeout)
         except (VideoDecodeError, VideoTimeoutError) as err:
             failures.append(err)
             continue
-        return np.ascontiguousarray(frames, dtype=np.uint8), np.asarray(times, dtype=np.float64)
+        notes = [f"{name} read the file after: " + "; ".join(map(str, failures))] if failures else []
+        if raw.decoded < raw.listed:
+            notes.append(
+                f"{path} lists {raw.listed} frames but only the first {raw.decoded} decode: the file is probably "
+                f"truncated (an incomplete download?); frames were sampled from those {raw.decoded}"
+            )
+        return Decoded(np.ascontiguousarray(raw.frames, dtype=np.uint8), np.asarray(raw.times, dtype=np.float64),
+                       name, raw.listed, raw.native_fps, notes)
     if len(failures) == 1:
         raise failures[0]
     kind = VideoTimeoutError if all(isinstance(f, VideoTimeoutError) for f in failures) else VideoDecodeError
     raise kind("; ".join(str(f) for f in failures))
+
+
+def read_frames(
+    path: str | os.PathLike,
+    num_frames: int | str | None = None,
+    fps: float | None = None,
+    backend: str = "auto",
+    timeout: float | None = DEFAULT_TIMEOUT_S,
+    bound: tuple[float, float] | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Decode ``path`` and sample frames uniformly.
+
+    num_frames: K frames uniformly over the video, or "quota" for QuoTA's
+        T = 96 + int(64 * duration_s / 3600). fps: frames per second of video instead.
+        Give at most one; neither returns every frame.
+    backend: "decord", "opencv", or "auto" (default): decord when installed, OpenCV when decord
+        is missing or fails (including a timeout).
+    timeout: seconds each backend may take (default 300); None waits for ever.
+    bound: (start_s, end_s): sample inside that segment only (MVBench's clipped questions).
+    Returns (frames uint8 [T, H, W, 3] RGB, timestamps float64 [T] in seconds). A truncated
+    file, or a fallback to another backend, is a :class:`VideoWarning`.
+    Raises VideoNotFoundError, VideoDecodeError, VideoTimeoutError (all VideoError).
+    """
+    out = decode(path, num_frames, fps, backend, timeout, bound)
+    for note in out.warnings:
+        warnings.warn(note, VideoWarning, stacklevel=2)
+    return out.frames, out.times
