@@ -1,8 +1,14 @@
 """lmms-eval model plugin: any supported HF VLM, pruned by vlm-prune, on lmms-eval's tasks.
 
     pip install 'vlm-prune[lmms]'
-    accelerate launch -m lmms_eval --model vlm_prune --tasks videomme --batch_size 1 \
+    torchrun --nproc_per_node 8 -m lmms_eval --model vlm_prune --tasks videomme --batch_size 1 \
         --model_args pretrained=llava-hf/llava-onevision-qwen2-7b-ov-hf,method=quota+pact,keep=0.25,max_frames=32
+
+One process per GPU (``torchrun`` or ``accelerate launch --num_processes N``; on a machine
+without GPUs only torchrun starts N processes, ``accelerate launch --cpu`` starts one). Each
+process holds the whole model on its GPU (``cuda:LOCAL_RANK``) and answers its share of the
+requests; the plugin creates the ``Accelerator`` lmms-eval's multi-process evaluator gathers
+with, and exposes ``device``, ``rank``, ``world_size`` and ``accelerator`` as it expects.
 
 lmms-eval finds the model through the ``lmms_eval.models`` entry point, which points at
 :func:`lmms_manifest`. ``--model_args``: ``pretrained`` (hub id or folder), ``method``
@@ -67,6 +73,11 @@ class VLMPruneLMM(_Base):
             raise ValueError(f"vlm_prune runs batch_size 1 (one question per forward), got {batch_size}")
         dist = sharding.current()
         self._rank, self._world_size = dist.rank, dist.world_size
+        if dist.world_size > 1:  # lmms-eval's evaluator gathers request counts through it
+            from accelerate import Accelerator
+
+            self.accelerator = Accelerator()
+            self._rank, self._world_size = self.accelerator.process_index, self.accelerator.num_processes
         if model is None:
             cfg = EvalConfig(model=pretrained, data="", dataset="", out="", dtype=dtype, device_map=device_map)
             model, processor = load_model(cfg, dist)
@@ -76,7 +87,18 @@ class VLMPruneLMM(_Base):
         self.model = model
         self.max_frames = int(max_frames)
         self.predictor = Predictor(model, processor, int(max_new_tokens))
+        self._device = self.predictor.device
+        self.batch_size_per_gpu = 1
         self.task_dict: dict[str, Any] = getattr(self, "task_dict", {})
+
+    @property
+    def device(self) -> Any:
+        """The device of the model's first parameters (cuda:LOCAL_RANK per process, or cpu)."""
+        return self._device
+
+    @property
+    def batch_size(self) -> int:
+        return self.batch_size_per_gpu
 
     def _visuals(self, visuals: list[Any]) -> tuple[list[Any], str | None]:
         from vlm_prune.video import read_frames

@@ -51,3 +51,84 @@ def test_wraps_with_the_method_and_budget():
     frames = np.random.default_rng(0).integers(0, 255, (4, 40, 56, 3), dtype=np.uint8)
     gen = lm.predictor.generate("what ?", [frames], "video", max_new_tokens=1)
     assert gen.visual_tokens_out < gen.visual_tokens_in
+
+
+TOY_TASK = """task: vlmprune_toy
+dataset_path: {root}/ds
+dataset_kwargs:
+  load_from_disk: True
+test_split: test
+output_type: generate_until
+doc_to_visual: !function toy_utils.doc_to_visual
+doc_to_text: !function toy_utils.doc_to_text
+doc_to_target: "answer"
+generation_kwargs:
+  max_new_tokens: 2
+  do_sample: false
+process_results: !function toy_utils.process_results
+metric_list:
+  - metric: acc
+    aggregation: mean
+    higher_is_better: true
+"""
+TOY_UTILS = '''
+def doc_to_visual(doc):
+    return [doc["video"]]
+
+
+def doc_to_text(doc, lmms_eval_specific_kwargs=None):
+    return doc["question"]
+
+
+def process_results(doc, results):
+    return {"acc": float(results[0].strip().startswith(doc["answer"]))}
+'''
+
+
+@pytest.mark.slow
+def test_two_ranks_under_torchrun(tmp_path):
+    """`torchrun --nproc_per_node 2 -m lmms_eval --model vlm_prune`: both ranks answer, every doc once,
+    each answer as a single process gives it."""
+    import importlib.util
+    import json
+    import os
+    import subprocess
+    import sys
+
+    if importlib.util.find_spec("filelock._api") is None:
+        pytest.skip("lmms-eval 0.7 imports filelock._api, which filelock 4 removed: pip install 'vlm-prune[lmms]'")
+    datasets = pytest.importorskip("datasets")
+    model, processor = build_model(), build_processor()
+    with torch.no_grad():  # special tokens never win, so every answer is a visible word
+        model.lm_head.weight[: len(processor.tokenizer.all_special_ids) + 2] = 0.0
+    model.save_pretrained(tmp_path / "ckpt")
+    processor.save_pretrained(tmp_path / "ckpt")
+    rows = [{"video": write_video(str(tmp_path / f"v{i}.mp4"), n_frames=6, seed=i), "question": "what is the colour ?",
+             "answer": "A"} for i in range(5)]
+    datasets.DatasetDict({"test": datasets.Dataset.from_list(rows)}).save_to_disk(str(tmp_path / "ds"))
+    (tmp_path / "toy.yaml").write_text(TOY_TASK.format(root=tmp_path))
+    (tmp_path / "toy_utils.py").write_text(TOY_UTILS)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m", "lmms_eval",
+           "--model", "vlm_prune", "--model_args", f"pretrained={tmp_path / 'ckpt'},max_frames=2",
+           "--tasks", "vlmprune_toy", "--include_path", str(tmp_path), "--batch_size", "1",
+           "--output_path", str(tmp_path / "out"), "--log_samples"]
+    done = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "Running on rank 1" in done.stdout + done.stderr  # two processes really ran
+    [samples] = [os.path.join(d, f) for d, _, fs in os.walk(tmp_path / "out") for f in fs if "_samples_" in f]
+    got = {r["doc_id"]: r["filtered_resps"] for r in map(json.loads, open(samples))}
+    assert sorted(got) == [0, 1, 2, 3, 4]  # every doc once, from both ranks
+    lm = VLMPruneLMM(pretrained="unused", model=model, processor=processor, max_frames="2")
+    lm.task_dict = {"toy": {"test": rows}}
+    reqs = [Instance(request_type="generate_until", idx=0, metadata={"task": "toy", "doc_id": i, "repeats": 1},
+                     arguments=("what is the colour ?", {"max_new_tokens": 2}, lambda d: [d["video"]], i, "toy", "test"))
+            for i in range(5)]
+    want = lm.generate_until(reqs)
+    assert [got[i] for i in range(5)] == want and all(w.strip() for w in want)
+
+
+def test_multi_process_contract_attributes():
+    model, processor = build_model(), build_processor()
+    lm = VLMPruneLMM(pretrained="unused", model=model, processor=processor)
+    assert (lm.rank, lm.world_size, lm.device, lm.batch_size) == (0, 1, torch.device("cpu"), 1)
