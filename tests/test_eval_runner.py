@@ -150,23 +150,18 @@ def test_resume_after_kill_gives_the_same_totals(ckpt, data, tmp_path):
     assert len(read_jsonl(rank_file)) == N  # torn line cut, nothing written twice
 
 
-def test_two_ranks_cover_every_sample_once(ckpt, data, tmp_path, monkeypatch):
+def test_two_ranks_under_torchrun_cover_every_sample_once(ckpt, data, tmp_path):
     out = str(tmp_path / "ranks")
-    env = {**os.environ, **ONE_THREAD_ENV, "RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1"}
-    other = subprocess.Popen(_cli(ckpt, data, out), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    monkeypatch.setenv("RANK", "0")
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    monkeypatch.setenv("LOCAL_RANK", "0")
-    try:
-        rows = run_eval(cfg_for(ckpt, data, out))  # rank 0 waits for rank 1, then merges
-    finally:
-        _, err = other.communicate(timeout=300)
-    assert other.returncode == 0, err.decode()[-2000:]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", *_cli(ckpt, data, out)[1:]]
+    done = subprocess.run(cmd, env={**os.environ, **ONE_THREAD_ENV}, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
     ids = lambda p: [r["id"] for r in read_jsonl(os.path.join(out, "none", p))]
     assert ids("samples.rank0.jsonl") == ["q0", "q2"]
     assert ids("samples.rank1.jsonl") == ["q1", "q3"]
     assert ids("results.jsonl") == [f"q{i}" for i in range(N)]
-    assert rows[0]["n"] == N
+    summary = json.load(open(os.path.join(out, "none", "summary.json")))
+    assert (summary["n"], summary["evaluated"], summary["failed"]) == (N, N, 0)
+    assert done.stdout.count("evaluated 4 of 4") == 1  # rank 0 reports, once
 
 
 def test_sharding_resume_reads_all_rank_files(tmp_path):
@@ -178,6 +173,15 @@ def test_sharding_resume_reads_all_rank_files(tmp_path):
         w.write({"id": "b", "correct": False})
         w.write({"id": "a", "correct": False})  # a duplicate id: the first record wins
     assert {k: v["correct"] for k, v in sharding.read_records(str(tmp_path)).items()} == {"a": True, "b": False}
+    with sharding.RankWriter(str(tmp_path), d0) as w:  # a failed record is replaced by a later answer
+        w.write({"id": "c", "status": "failed", "error": "E: x"})
+        w.write({"id": "c", "status": "ok", "correct": True})
+        w.write({"id": "c", "status": "failed", "error": "E: y"})
+    assert sharding.read_records(str(tmp_path))["c"]["status"] == "ok"
+    # questions about one video go to one rank, so each video is decoded once
+    items = [("v1", 0), ("v2", 1), ("v1", 2), ("v3", 3), ("v2", 4)]
+    assert sharding.shard(items, d0, key=lambda x: x[0]) == [("v1", 0), ("v1", 2), ("v3", 3)]
+    assert sharding.shard(items, d1, key=lambda x: x[0]) == [("v2", 1), ("v2", 4)]
 
 
 def test_configuration_errors(ckpt, data, tmp_path):
