@@ -66,6 +66,8 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode-timeout", type=float, default=300.0, help="seconds allowed to decode one video")
     p.add_argument("--decode-workers", type=int, default=2,
                    help="threads decoding the next videos while the model runs (0: decode in turn; default 2)")
+    p.add_argument("--subtitles", default="without", choices=["without", "with", "both"],
+                   help="Video-MME: prompt with the subtitles at the sampled frames ('w/ subs'), or both scores")
     p.add_argument("--out", required=True, help="output folder; rerunning into it resumes")
 
 
@@ -85,6 +87,7 @@ def run(args: argparse.Namespace) -> int:
         skip_missing=args.skip_missing, max_new_tokens=args.max_new_tokens, dtype=args.dtype,
         device_map=args.device_map, attn_implementation=args.attn_implementation, seed=args.seed,
         decode_timeout=args.decode_timeout, decode_workers=args.decode_workers,
+        subtitles=args.subtitles,
     )
     rows = run_eval(cfg)
     if rows is None:  # not rank 0: rank 0 reports

@@ -12,11 +12,14 @@ never sees a dataset's own format. Supported layouts (``root`` is the ``--data``
   holds ``MLVU/`` works too. Open-ended tasks (``8_sub_scene``, ``9_summary``) are skipped.
 - ``mvbench``   MVBench: ``json/<task>.json`` (``video, question, candidates, answer`` text,
   ``start``/``end`` for clipped tasks), videos under ``video/<source folder>/`` (see
-  ``MVBENCH_TASKS``); ``tvqa`` frame folders are read as images at 3 fps.
+  ``MVBENCH_TASKS``) or their relocated copies under ``video/data0613/<source folder>/``;
+  ``tvqa`` frame folders are read as images at 3 fps (file number m at m / 3 s).
 - ``nextqa``    NExT-QA multiple choice: ``val.csv`` / ``test.csv`` (``video, question, answer``
-  index, ``qid, type, a0..a4``), ``map_vid_vidorID.json``, videos ``NExTVideo/<dir>/<id>.mp4``.
+  index, ``qid, type, a0..a4``), ``map_vid_vidorID.json``, videos ``NExTVideo/<dir>/<id>.mp4``;
+  or lmms-eval's copy ``MC/test-*.parquet`` with ``NExTVideo/<video>.mp4``.
 - ``egoschema`` EgoSchema subset: ``questions.json`` (``q_uid, question, option 0..4``),
-  ``subset_answers.json`` ({q_uid: index}), videos ``videos/<q_uid>.mp4``.
+  ``subset_answers.json`` ({q_uid: index}), videos ``videos/<q_uid>.mp4``; or lmms-eval's copy
+  ``Subset/test-*.parquet`` with ``videos/<video_idx>.mp4``.
 - ``jsonl``     generic: one ``*.jsonl`` or ``*.csv`` file (or ``--data`` pointing at it) with
   ``video, question, options, answer`` and optional ``id``, ``category``.
 - ``image``     image VQA: ``*.jsonl`` with ``image, question, answer`` and optional ``options``.
@@ -206,7 +209,8 @@ def _existing(path: str) -> str | None:
 
 # ---------------------------------------------------------------------------------- Video-MME
 def load_videomme(root: str) -> list[Sample]:
-    """Video-MME (Fu et al., 2024) in the lmms-lab/Video-MME layout."""
+    """Video-MME (Fu et al., 2024) in the lmms-lab/Video-MME layout; subtitles (for the "w/ subs"
+    score) are read from subtitle/<videoID>.srt when present."""
     tables = sorted(glob.glob(os.path.join(root, "videomme", "*.parquet"))) or sorted(
         p for ext in ("parquet", "json", "jsonl") for p in glob.glob(os.path.join(root, f"*.{ext}"))
     )
@@ -235,6 +239,41 @@ def load_videomme(root: str) -> list[Sample]:
                 categories={k: str(row[k]) for k in ("duration", "domain", "sub_category", "task_type") if k in row},
             ))
     return samples
+
+
+_SRT_TIME = re.compile(r"(\d+):(\d+):(\d+)[,.](\d+)")
+_VIDEOMME_FONT = re.compile(r'<font color="white" size=".72c">(.*?)</font>')
+_TAG = re.compile(r"<[^>]+>")
+
+
+def read_srt(path: str) -> list[tuple[float, float, str]]:
+    """(start_s, end_s, text) of each cue of an .srt file, in file order. The text is what
+    Video-MME's subtitles hold inside their ``<font ...>`` tag (as lmms-eval extracts it), else
+    the cue's lines without markup."""
+    with open(path, encoding="utf-8", errors="replace") as f:
+        blocks = f.read().replace("\r\n", "\n").split("\n\n")
+    cues = []
+    for block in blocks:
+        lines = block.strip("\n").split("\n")
+        if len(lines) < 3 or "-->" not in lines[1]:
+            continue
+        times = [_SRT_TIME.search(t) for t in lines[1].split("-->")]
+        if not all(times):
+            continue
+        start, end = (int(h) * 3600 + int(m) * 60 + int(sec) + int(ms) / 1000 for h, m, sec, ms in (t.groups() for t in times))
+        raw = " ".join(lines[2:])
+        found = _VIDEOMME_FONT.findall(raw)
+        text = found[0] if found else _TAG.sub("", raw).strip()
+        if text:
+            cues.append((start, end, text))
+    return cues
+
+
+def subtitles_at(cues: list[tuple[float, float, str]], times: Iterable[float]) -> str:
+    """The cues shown at any of the frame ``times`` (start <= t < end), one a line, in order:
+    Video-MME's frame-aligned subtitles (lmms-eval's selection, on the frames the model sees)."""
+    times = list(times)
+    return "\n".join(text for start, end, text in cues if any(start <= t < end for t in times))
 
 
 # --------------------------------------------------------------------------------------- MLVU
@@ -303,14 +342,29 @@ MVBENCH_TASKS: dict[str, tuple[str, bool, bool]] = {
 TVQA_FPS = 3.0
 
 
+MVBENCH_RELOCATED = "data0613"  # the downloadable MVBench keeps some clevrer / star clips under video/data0613/
+
+
+def _mvbench_media(base: str, folder: str, name: str) -> str:
+    """base/folder/name, or its relocated copy base/data0613/folder/name when only that exists."""
+    path = os.path.join(base, folder, name)
+    moved = os.path.join(base, MVBENCH_RELOCATED, folder, name)
+    return moved if not os.path.exists(path) and os.path.exists(moved) else path
+
+
 def load_mvbench(root: str) -> list[Sample]:
-    """MVBench (Li et al., 2024): json/<task>.json + video/<source>/...; tasks present are loaded."""
+    """MVBench (Li et al., 2024): json/<task>.json + video/<source>/...; tasks present are loaded.
+
+    Clips moved to video/data0613/<source>/ are found there. lmms-eval's copy (the unzipped
+    videos with the sources at the top, no video/ folder, plus the json/ folder) works too.
+    """
     present = [t for t in MVBENCH_TASKS if os.path.exists(os.path.join(root, "json", f"{t}.json"))]
     if not present:
         raise _fail(
             f"mvbench: no task file in {os.path.join(root, 'json')}; expected one or more of "
             f"{', '.join(t + '.json' for t in MVBENCH_TASKS)} and videos under video/"
         )
+    base = os.path.join(root, "video") if os.path.isdir(os.path.join(root, "video")) else root
     samples = []
     for task in present:
         folder, bounded, is_frames = MVBENCH_TASKS[task]
@@ -321,7 +375,7 @@ def load_mvbench(root: str) -> list[Sample]:
             options = [str(c) for c in row["candidates"]]
             samples.append(Sample(
                 id=f"{task}/{n}",
-                media=[os.path.join(root, "video", folder, row["video"])],
+                media=[_mvbench_media(base, folder, row["video"])],
                 media_type="video",
                 benchmark="mvbench",
                 question=str(row["question"]),
@@ -338,25 +392,40 @@ def load_mvbench(root: str) -> list[Sample]:
 NEXTQA_GROUPS = {"C": "causal", "T": "temporal", "D": "descriptive"}
 
 
-def load_nextqa(root: str, split: str = "val") -> list[Sample]:
-    """NExT-QA multiple choice (Xiao et al., 2021): <split>.csv, map_vid_vidorID.json, NExTVideo/."""
+def _nextqa_table(root: str, split: str) -> str:
+    """<split>.csv of the official release, else lmms-eval's MC/<split>-*.parquet."""
     table = os.path.join(root, f"{split}.csv")
+    found = sorted(glob.glob(os.path.join(root, "MC", f"{split}-*.parquet")))
+    if os.path.exists(table) or not found:
+        return table
+    return found[0]
+
+
+def load_nextqa(root: str, split: str = "val") -> list[Sample]:
+    """NExT-QA multiple choice (Xiao et al., 2021): <split>.csv, map_vid_vidorID.json, NExTVideo/.
+
+    lmms-eval's copy works too: MC/<split>-*.parquet (``--split test``) and NExTVideo/<video>.mp4
+    without a map. Question type TP counts as TN, as the official evaluation merges them.
+    """
+    table = _nextqa_table(root, split)
     if not os.path.exists(table):
-        raise _fail(f"nextqa: missing {table}; expected the multiple-choice {split}.csv (--split val|test)")
-    mapping = _read_json(os.path.join(root, "map_vid_vidorID.json"))
+        raise _fail(f"nextqa: missing {table}; expected the multiple-choice {split}.csv (--split val|test), "
+                    f"or lmms-eval's MC/{split}-*.parquet")
+    map_path = os.path.join(root, "map_vid_vidorID.json")
+    mapping = _read_json(map_path) if os.path.exists(map_path) or table.endswith(".csv") else None
     keys = ("video", "question", "answer", "qid", "type", "a0", "a1", "a2", "a3", "a4")
     samples = []
-    for n, row in enumerate(_read_csv(table)):
+    for n, row in enumerate(_read_table(table)):
         where = f"{table} row {n + 2}"
         _need(row, keys, where)
         vid = str(row["video"])
-        if vid not in mapping:
+        if mapping is not None and vid not in mapping:
             raise _fail(f"{where}: video {vid} is not in map_vid_vidorID.json")
-        options = [row[f"a{i}"] for i in range(5)]
-        qtype = str(row["type"])
+        options = [str(row[f"a{i}"]) for i in range(5)]
+        qtype = "TN" if str(row["type"]) == "TP" else str(row["type"])
         samples.append(Sample(
             id=f"{vid}_{row['qid']}",
-            media=[_find_video(os.path.join(root, "NExTVideo"), mapping[vid])],
+            media=[_find_video(os.path.join(root, "NExTVideo"), mapping[vid] if mapping is not None else vid)],
             media_type="video",
             benchmark="nextqa",
             question=str(row["question"]),
@@ -369,7 +438,14 @@ def load_nextqa(root: str, split: str = "val") -> list[Sample]:
 
 # ---------------------------------------------------------------------------------- EgoSchema
 def load_egoschema(root: str) -> list[Sample]:
-    """EgoSchema subset (Mangalam et al., 2023): questions.json + subset_answers.json + videos/."""
+    """EgoSchema subset (Mangalam et al., 2023): questions.json + subset_answers.json + videos/;
+    or lmms-eval's copy: Subset/test-*.parquet (``question``, ``option`` ["A. ...", ...],
+    ``answer`` index, ``video_idx``, ``q_uid``) + videos/<video_idx>.mp4."""
+    video_dir = os.path.join(root, "videos") if os.path.isdir(os.path.join(root, "videos")) else root
+    lmms_tables = sorted(glob.glob(os.path.join(root, "Subset", "test-*.parquet")))
+    if not os.path.exists(os.path.join(root, "questions.json")) and lmms_tables:
+        return [_egoschema_lmms_row(row, video_dir, f"{path} row {n}")
+                for path in lmms_tables for n, row in enumerate(_read_table(path))]
     questions = _read_json(os.path.join(root, "questions.json"))
     answers_path = os.path.join(root, "subset_answers.json")
     if not os.path.exists(answers_path):
@@ -378,7 +454,6 @@ def load_egoschema(root: str) -> list[Sample]:
             "({q_uid: answer index})"
         )
     answers = _read_json(answers_path)
-    video_dir = os.path.join(root, "videos") if os.path.isdir(os.path.join(root, "videos")) else root
     by_uid = {}
     for n, row in enumerate(questions):
         _need(row, ("q_uid", "question") + tuple(f"option {i}" for i in range(5)), f"questions.json record {n}")
@@ -389,16 +464,21 @@ def load_egoschema(root: str) -> list[Sample]:
             raise _fail(f"egoschema: subset_answers.json names {uid}, which questions.json lacks")
         row = by_uid[uid]
         options = [str(row[f"option {i}"]) for i in range(5)]
-        samples.append(Sample(
-            id=uid,
-            media=[_find_video(video_dir, uid)],
-            media_type="video",
-            benchmark="egoschema",
-            question=str(row["question"]),
-            options=options,
-            answer=_letter_of(int(idx), options, f"subset_answers.json[{uid}]"),
-        ))
+        samples.append(_egoschema_sample(uid, video_dir, uid, row["question"], options,
+                                         _letter_of(int(idx), options, f"subset_answers.json[{uid}]")))
     return samples
+
+
+def _egoschema_sample(uid: str, video_dir: str, video: str, question: str, options: list[str], answer: str) -> Sample:
+    return Sample(id=uid, media=[_find_video(video_dir, video)], media_type="video", benchmark="egoschema",
+                  question=str(question), options=options, answer=answer)
+
+
+def _egoschema_lmms_row(row: dict[str, Any], video_dir: str, where: str) -> Sample:
+    _need(row, ("q_uid", "video_idx", "question", "option", "answer"), where)
+    options = [_strip_letter(str(o), i) for i, o in enumerate(row["option"])]
+    return _egoschema_sample(str(row["q_uid"]), video_dir, str(row["video_idx"]), row["question"], options,
+                             _letter_of(int(row["answer"]), options, where))
 
 
 # ------------------------------------------------------------------------- generic and images

@@ -14,7 +14,7 @@ import queue
 import threading
 import time
 from concurrent.futures import Future
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Sequence
 
 import numpy as np
@@ -26,7 +26,8 @@ from transformers import LogitsProcessor, LogitsProcessorList
 import vlm_prune
 from vlm_prune.eval import metrics, sharding
 from vlm_prune.eval.answers import format_prompt, prompt_style, score
-from vlm_prune.eval.datasets import Sample, missing_media_error, read_samples, split_missing
+from vlm_prune.eval.datasets import (Sample, missing_media_error, read_samples, read_srt, split_missing,
+                                    subtitles_at)
 
 IMAGE_EXTS = (".jpg", ".jpeg", ".png", ".bmp", ".webp")
 
@@ -140,10 +141,12 @@ def _frame_number(name: str, position: int) -> int:
     return int(digits) if digits else position + 1
 
 
-def _read_frame_folder(folder: str, frames: int, fps: float, clip: tuple[float, float] | None) -> np.ndarray:
+def _read_frame_folder(
+    folder: str, frames: int, fps: float, clip: tuple[float, float] | None,
+) -> tuple[np.ndarray, np.ndarray]:
     """Frames of a folder of images taken at ``fps`` (MVBench's TVQA: 3 fps), file number m at
     m / fps seconds (the official MVBench reader's 1-based numbering); a clip keeps the frames
-    inside it."""
+    inside it. Returns (frames uint8 [T,H,W,3], their times in seconds)."""
     files = sorted(f for f in os.listdir(folder) if f.lower().endswith(IMAGE_EXTS))
     if not files:
         raise FileNotFoundError(f"no image frames ({', '.join(IMAGE_EXTS)}) in {folder}")
@@ -159,7 +162,8 @@ def _read_frame_folder(folder: str, frames: int, fps: float, clip: tuple[float, 
                 f"({len(files)} frames at {fps:g} fps: {numbers.min() / fps:.2f}-{numbers.max() / fps:.2f} s)"
             )
     idx = idx[_pick(len(idx), frames)]
-    return np.stack([np.asarray(Image.open(os.path.join(folder, files[i])).convert("RGB")) for i in idx])
+    video = np.stack([np.asarray(Image.open(os.path.join(folder, files[i])).convert("RGB")) for i in idx])
+    return video, numbers[idx] / fps
 
 
 @dataclass
@@ -170,6 +174,7 @@ class Visuals:
     items: list[Any]
     decode_s: float = 0.0
     warnings: list[str] = field(default_factory=list)
+    times: np.ndarray | None = None  # seconds of each video frame (None for images)
 
 
 def load_visuals(sample: Sample, frames: int | str, decode_timeout: float | None = None) -> Visuals:
@@ -183,13 +188,15 @@ def load_visuals(sample: Sample, frames: int | str, decode_timeout: float | None
     start = time.perf_counter()
     if sample.media_type == "image":
         items, notes = [Image.open(p).convert("RGB") for p in sample.media], []
+        times = None
     elif os.path.isdir(sample.media[0]):
         n = frames if isinstance(frames, int) else 32
-        items, notes = [_read_frame_folder(sample.media[0], n, sample.frames_fps or 1.0, sample.clip)], []
+        video, times = _read_frame_folder(sample.media[0], n, sample.frames_fps or 1.0, sample.clip)
+        items, notes = [video], []
     else:
         out = decode(sample.media[0], num_frames=frames, timeout=decode_timeout, bound=sample.clip)
-        items, notes = [out.frames], out.warnings
-    return Visuals(items, time.perf_counter() - start, notes)
+        items, notes, times = [out.frames], out.warnings, out.times
+    return Visuals(items, time.perf_counter() - start, notes, times)
 
 
 def frame_plan(sample: Sample, frames: int | str) -> tuple[Any, ...]:
@@ -261,12 +268,17 @@ class Prefetcher:
 
 
 # ------------------------------------------------------------------------------------- config
+SUBTITLES = ("without", "with", "both")
+
+
 @dataclass
 class EvalConfig:
     """Everything one ``vlm-prune eval`` invocation needs; see ``vlm_prune.eval.cli``.
 
     decode_workers: background threads decoding the next questions' videos while the model
     answers (0: decode on the model's thread, when it is needed).
+    subtitles: Video-MME only: "without" (default), "with" (the "w/ subs" score) or "both"
+    (each setting twice, on the same decoded frames).
     """
 
     model: str
@@ -287,6 +299,7 @@ class EvalConfig:
     seed: int = 0
     decode_timeout: float | None = 300.0
     decode_workers: int = 2
+    subtitles: str = "without"
 
     def __post_init__(self) -> None:  # paths may come as pathlib.Path
         self.model, self.data, self.out = os.fspath(self.model), os.fspath(self.data), os.fspath(self.out)
@@ -299,13 +312,15 @@ class Setting:
     method: str
     keep: float | None = None
     budget: int | None = None
+    subtitles: bool = False  # Video-MME "w/ subs": the frame-aligned subtitles in the prompt
 
     @property
     def name(self) -> str:
+        suffix = "_subs" if self.subtitles else ""
         if self.method == "none":
-            return "none"
+            return "none" + suffix
         amount = f"keep{self.keep:g}" if self.keep is not None else f"budget{self.budget}"
-        return f"{self.method}_{amount}"
+        return f"{self.method}_{amount}{suffix}"
 
 
 def settings(cfg: EvalConfig) -> list[Setting]:
@@ -326,7 +341,12 @@ def settings(cfg: EvalConfig) -> list[Setting]:
         except (ValueError, TypeError) as err:
             raise ValueError(f"--method {method!r}: {err}") from None
         out += plan
-    return out
+    if cfg.subtitles not in SUBTITLES:
+        raise ValueError(f"subtitles must be one of {', '.join(SUBTITLES)}, got {cfg.subtitles!r}")
+    if cfg.subtitles != "without" and cfg.dataset != "videomme":
+        raise ValueError(f"--subtitles {cfg.subtitles} applies to --dataset videomme only, not {cfg.dataset}")
+    with_subs = [replace(st, subtitles=True) for st in out]
+    return {"without": out, "with": with_subs, "both": [x for pair in zip(out, with_subs) for x in pair]}[cfg.subtitles]
 
 
 def spread(samples: list[Sample], limit: int | None) -> list[Sample]:
@@ -492,7 +512,8 @@ def _answer(predictor: Predictor, sample: Sample, setting: Setting, visuals: Vis
             vlm_prune.wrap(model, setting.method.split("+"), keep=setting.keep, budget=setting.budget,
                            processor=processor, seed=cfg.seed)
         try:
-            gen = predictor.generate(format_prompt(sample), visuals.items, sample.media_type)
+            gen = predictor.generate(format_prompt(sample, _subtitles(sample, visuals) if setting.subtitles else None),
+                                     visuals.items, sample.media_type)
         finally:
             if setting.method != "none":
                 vlm_prune.unwrap(model)
@@ -500,6 +521,13 @@ def _answer(predictor: Predictor, sample: Sample, setting: Setting, visuals: Vis
         _free_memory(predictor.device)
         return _failed(sample, err, "model")
     return _answered(sample, gen, visuals, first_use, wait_s, predictor.device)
+
+
+def _subtitles(sample: Sample, visuals: Visuals) -> str:
+    """The subtitle cues on screen at the frames the model sees ("" without a subtitle file)."""
+    if sample.subtitles is None or visuals.times is None:
+        return ""
+    return subtitles_at(read_srt(sample.subtitles), visuals.times)
 
 
 def merge_setting(run_dir: str, questions: list[Sample], skipped: dict[str, str], dataset: str) -> dict[str, Any]:
