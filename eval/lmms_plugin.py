@@ -47,6 +47,7 @@ class VLMPruneLMM(_Base):
     """An lmms-eval "simple" model: a HF VLM, optionally wrapped with vlm-prune methods."""
 
     is_simple = True
+    RECENT_VIDEOS = 4  # decoded videos kept for the next questions about them
 
     def __init__(
         self,
@@ -89,6 +90,7 @@ class VLMPruneLMM(_Base):
         self.predictor = Predictor(model, processor, int(max_new_tokens))
         self._device = self.predictor.device
         self.batch_size_per_gpu = 1
+        self._recent: dict[str, Any] = {}  # path -> frames of the last few videos, oldest first
         self.task_dict: dict[str, Any] = getattr(self, "task_dict", {})
 
     @property
@@ -108,8 +110,11 @@ class VLMPruneLMM(_Base):
         if isinstance(visuals[0], str):
             if len(visuals) != 1:
                 raise ValueError(f"vlm_prune answers about one video per question, got {len(visuals)} paths")
-            frames, _ = read_frames(visuals[0], num_frames=self.max_frames)
-            return [frames], "video"
+            if visuals[0] not in self._recent:  # Video-MME asks 3 questions about each video
+                self._recent[visuals[0]] = read_frames(visuals[0], num_frames=self.max_frames)[0]
+                while len(self._recent) > self.RECENT_VIDEOS:
+                    self._recent.pop(next(iter(self._recent)))
+            return [self._recent[visuals[0]]], "video"
         return [v.convert("RGB") for v in visuals], "image"
 
     def generate_until(self, requests: list[Any]) -> list[str]:

@@ -132,3 +132,18 @@ def test_multi_process_contract_attributes():
     model, processor = build_model(), build_processor()
     lm = VLMPruneLMM(pretrained="unused", model=model, processor=processor)
     assert (lm.rank, lm.world_size, lm.device, lm.batch_size) == (0, 1, torch.device("cpu"), 1)
+
+
+def test_questions_about_one_video_decode_it_once(tmp_path, monkeypatch):
+    import vlm_prune.video as video
+
+    path = write_video(str(tmp_path / "v.mp4"), n_frames=6)
+    calls = []
+    real = video.read_frames
+    monkeypatch.setattr(video, "read_frames", lambda *a, **k: calls.append(a[0]) or real(*a, **k))
+    lm = VLMPruneLMM(pretrained="unused", model=build_model(), processor=build_processor(), max_frames="2",
+                     max_new_tokens="1")
+    lm.task_dict = {"toy": {"test": [{"path": path}] * 3}}
+    reqs = [Instance(request_type="generate_until", arguments=("what ?", {}, lambda d: [d["path"]], i, "toy", "test"),
+                     idx=0, metadata={"task": "toy", "doc_id": i, "repeats": 1}) for i in range(3)]
+    assert len(lm.generate_until(reqs)) == 3 and calls == [path]
