@@ -3,8 +3,6 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-import torch
-
 from vlm_prune.adapters.clip_tower import CLIPTowerAdapter
 from vlm_prune.adapters.hf_vlm import scatter_reduction
 from vlm_prune.adapters.vision_towers import FeatureLayerTap

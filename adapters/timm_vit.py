@@ -133,7 +133,10 @@ class TimmViTAdapter(Adapter):
                 self.run = ViTRun(n_prefix=self.n_prefix, n_tokens=x.shape[1])
             out = method.block_forward(ops, x, self.run)
             if ops.index == self.depth - 1:
-                self.state.last_stats = {"vit": self.run.summary(out.shape[1])}
+                stats: dict[str, Any] = {"vit": self.run.summary(out.shape[1])}
+                if self.state.budget_notes:  # a target this model cannot reach (wrap() warned)
+                    stats["budget_notes"] = list(self.state.budget_notes)
+                self.state.last_stats = stats
             return out
 
         return forward

@@ -9,11 +9,10 @@ flow in plain loops; none of their code is copied.
 """
 from __future__ import annotations
 
-import math
+import warnings
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import vlm_prune
 from vlm_prune.methods.base import VisionContext
@@ -162,7 +161,10 @@ def test_tome_budget_reaches_its_target_or_warns_the_reachable_count():
     assert reachable_tokens(16, 1, 2) == 4 and merge_schedule(16, 1, 2, 5) == (6, 5)
     m = tiny_vit(depth=2)
     for budget, floor in ((5, None), (4, None), (3, 4), (1, 4)):
-        vlm_prune.wrap(m, ToMe(budget=budget))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            vlm_prune.wrap(m, ToMe(budget=budget))
+        assert len(caught) == (floor is not None)
         with torch.no_grad():
             m(images(2))
         method, adapter = m.vlm_prune.methods["vit"], m.vlm_prune.adapter
@@ -170,6 +172,18 @@ def test_tome_budget_reaches_its_target_or_warns_the_reachable_count():
         note = method.budget_warning(adapter)
         assert (note is None) == (floor is None) and (floor is None or f"cannot go below {floor}" in note)
         vlm_prune.unwrap(m)
+
+
+def test_tome_unreachable_budget_warns_once_at_wrap_and_last_stats_says_it():
+    from vlm_prune.methods.base import BudgetWarning
+
+    m = tiny_vit(depth=2)
+    with pytest.warns(BudgetWarning, match="cannot go below 4 per image; asked for 2"):
+        vlm_prune.wrap(m, ToMe(budget=2))
+    with torch.no_grad():
+        m(images(2))
+    stats = m.vlm_prune.last_stats
+    assert stats["vit"]["patches_out"] == 4 and "cannot go below 4" in stats["budget_notes"][0]
 
 
 # ---- CDPruner ---------------------------------------------------------------------------------
