@@ -259,7 +259,8 @@ def test_calibrate_moves_flops_ratio_toward_target():
     before = m.vlm_prune.last_stats["vit"]["flops_ratio"]
     weights = [p.clone() for p in m.parameters()]
     thresholds = calibrate(m, loader, target=0.5, steps=25, progress=False)
-    assert method.thresholds == tuple(thresholds) and thresholds[0] > theta
+    assert m.vlm_prune.methods["vit"].thresholds == tuple(thresholds) and thresholds[0] > theta
+    assert method.thresholds == (theta, theta, theta)  # the configured object is never changed
     assert all(torch.equal(p, w) for p, w in zip(m.parameters(), weights))  # only thresholds train
     m(x_eval)
     after = m.vlm_prune.last_stats["vit"]["flops_ratio"]

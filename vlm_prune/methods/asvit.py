@@ -264,7 +264,8 @@ def calibrate(
     Only the thresholds train (Adam, ``lr``, default 0.02 / N patches per step), unless
     ``train_model`` (then the whole model too, at ``model_lr``, distilled from a frozen copy).
     ``loader`` yields (images, labels); it is cycled for ``steps`` steps. Returns the learned
-    thresholds, which are also set on the method. Defaults: the paper's tau 1e-4, weights 2
+    thresholds, which are also set on the wrapped model's method (``model.vlm_prune.methods["vit"]``;
+    the object given to wrap() is a configuration and stays as it was). Defaults: the paper's tau 1e-4, weights 2
     and 0.5, target (rho) 0.7. With tau 1e-4 only tokens scoring within about 1e-3 of a
     threshold pass gradient, so a threshold far outside the scores of its stage does not move.
 
@@ -295,6 +296,7 @@ def calibrate(
         vlm_prune.unwrap(model)
         teacher = copy.deepcopy(model).eval().requires_grad_(False)
         vlm_prune.wrap(model, method)
+        method = model.vlm_prune.methods["vit"]  # wrap() attaches its own copy
     was_training = model.training
     grads = [p.requires_grad for p in model.parameters()]
     model.train(train_model)
