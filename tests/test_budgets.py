@@ -100,6 +100,17 @@ def _run(model, inp, name, kind, value):
     return out, stats, notes
 
 
+def prefill(model, inp, method, **kw):
+    """(output, last_stats, last_rows) of one prefill of ``model`` wrapped with ``method``."""
+    vlm_prune.wrap(model, method, **kw)
+    try:
+        with torch.no_grad():
+            out = model(**inp)
+        return out, model.vlm_prune.last_stats, model.vlm_prune.last_rows
+    finally:
+        vlm_prune.unwrap(model)
+
+
 def _counts(case, stats):
     """(visual tokens in, visual tokens reaching the last layer) per sample."""
     if case == "timm_vit":
@@ -166,13 +177,7 @@ def test_wrapping_one_object_twice_applies_each_budget():
     for method in (FastV(), PACT(layer=2)):
         seen = []
         for keep in (0.5, 0.25, 1.0):
-            vlm_prune.wrap(model, method, keep=keep)
-            try:
-                with torch.no_grad():
-                    model(**inp)
-                seen.append(model.vlm_prune.last_stats["visual_tokens_out"])
-            finally:
-                vlm_prune.unwrap(model)
+            seen.append(prefill(model, inp, method, keep=keep)[1]["visual_tokens_out"])
         assert seen == [[8, 8], [4, 4], [16, 16]], (method, seen)
         assert method.keep is None and method.budget is None
 
@@ -182,30 +187,18 @@ def test_pipeline_target_is_the_final_count_and_keep_one_is_identity():
     with torch.no_grad():
         ref = model(**inp).logits
     for keep, final in ((1.0, 16), (0.25, 4), (0.11, 1)):
-        vlm_prune.wrap(model, ["random", "fastv"], keep=keep)
-        try:
-            with torch.no_grad():
-                out = model(**inp).logits
-            stats = model.vlm_prune.last_stats
-        finally:
-            vlm_prune.unwrap(model)
+        out, stats, _ = prefill(model, inp, ["random", "fastv"], keep=keep)
         assert stats["visual_tokens_out"] == [final, final]
         first = stats["stages"][0]["tokens_out"]
         assert all(final <= n <= 16 for n in first)  # the first stage takes its share only
         if keep == 1.0:
-            assert torch.equal(out, ref)
+            assert torch.equal(out.logits, ref)
 
 
 def test_layer_averaged_visual_tokens():
     """FastV before layer 2 of 6 at keep 0.25: layers 0-1 see 16 tokens, layers 2-5 see 4."""
     model, inp = _model("llava")
-    vlm_prune.wrap(model, "fastv", keep=0.25)
-    try:
-        with torch.no_grad():
-            model(**inp)
-        stats = model.vlm_prune.last_stats
-    finally:
-        vlm_prune.unwrap(model)
+    stats = prefill(model, inp, "fastv", keep=0.25)[1]
     assert stats["visual_tokens_layer_avg"] == [pytest.approx((2 * 16 + 4 * 4) / 6)] * 2
 
 
@@ -214,13 +207,7 @@ def test_onevision_newline_tokens_are_never_pruned_in_the_llm():
     model, inp = _model("onevision_video")
     newline_row = (inp["input_ids"] == T.VIDEO_TOKEN).int().cumsum(1).argmax(1)  # last video placeholder
     for name in ("fastv", "pact", "adaptinfer"):
-        vlm_prune.wrap(model, name, keep=0.05)
-        try:
-            with torch.no_grad():
-                model(**inp)
-            stats, rows = model.vlm_prune.last_stats, model.vlm_prune.last_rows
-        finally:
-            vlm_prune.unwrap(model)
+        _, stats, rows = prefill(model, inp, name, keep=0.05)
         assert stats["visual_tokens_in"] == [16, 16] and stats["visual_tokens_out"] == [1, 1], name
         for b in range(2):
             assert int(newline_row[b]) in rows[b].tolist(), name
