@@ -329,13 +329,17 @@ def run_model(name: str, model: torch.nn.Module, processor: Any, samples: list[S
 
 
 def _visual_count(model: torch.nn.Module, inputs: dict[str, torch.Tensor]) -> float:
-    """Visual tokens per sample of the unpruned model (placeholder tokens in the prompt)."""
-    cfg = model.config
-    placeholders = [getattr(cfg, a) for a in ("image_token_id", "video_token_id") if getattr(cfg, a, None) is not None]
-    mask = torch.zeros_like(inputs["input_ids"], dtype=torch.bool)
-    for t in placeholders:
-        mask |= inputs["input_ids"] == t
-    return mask.sum(1).float().mean().item()
+    """Visual tokens per sample of the unpruned model, counted as the library counts them (a
+    keep=1.0 wrap changes nothing; LLaVA-OneVision's newline tokens are not visual tokens)."""
+    import vlm_prune
+
+    vlm_prune.wrap(model, "random", keep=1.0)
+    try:
+        with torch.no_grad():
+            model(**inputs)
+        return float(sum(model.vlm_prune.last_stats["visual_tokens_in"]) / inputs["input_ids"].shape[0])
+    finally:
+        vlm_prune.unwrap(model)
 
 
 # ---- data -----------------------------------------------------------------------------------------

@@ -211,3 +211,13 @@ def test_onevision_newline_tokens_are_never_pruned_in_the_llm():
         assert stats["visual_tokens_in"] == [16, 16] and stats["visual_tokens_out"] == [1, 1], name
         for b in range(2):
             assert int(newline_row[b]) in rows[b].tolist(), name
+
+
+def test_describe_methods_lists_each_methods_knobs_with_defaults():
+    described = {d["name"]: d for d in vlm_prune.describe_methods()}
+    assert set(described) == set(available_methods())
+    assert described["fastv"]["knobs"] == {"layer": 2, "query": "last"}
+    assert described["pact"]["knobs"]["rho"] is None and described["pact"]["knobs"]["layer"] == 4
+    assert described["adaptinfer"]["knobs"]["average"] is None and described["adaptinfer"]["own_defaults"]
+    assert not described["random"]["own_defaults"]  # needs keep / budget
+    assert all("keep" not in d["knobs"] and "budget" not in d["knobs"] for d in described.values())
