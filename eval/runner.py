@@ -3,8 +3,10 @@
 ``Predictor`` turns (text, frames or images) into a greedy answer in the model's own chat
 template and measures it (time to first token, generation time, visual tokens before and
 after pruning, analytic prefill FLOPs). ``run_eval`` runs one or more (method, keep) settings
-over a dataset, writes one JSON line per sample as it goes and a summary per setting; a sweep
-also gets a Markdown + JSON table and a plot (see :mod:`vlm_prune.eval.plots`).
+over a dataset question by question: each video is decoded once (ahead, on background threads)
+and answered under every setting; one JSON line per question and setting is written as it goes
+(answered, failed with its error, or skipped), then a summary per setting and, for the sweep, a
+Markdown + JSON table and a plot (see :mod:`vlm_prune.eval.plots`).
 """
 from __future__ import annotations
 
