@@ -264,3 +264,24 @@ def test_saturation_baselines_pick_the_colourful_patches_and_frames() -> None:
     frames = (frames - torch.tensor(mean)[:, None, None]) / torch.tensor(std)[:, None, None]
     plan = SaturationFrames(mean, std).allocate(FramesContext(features=torch.zeros(6, 4, 2), grid=(2, 2), n_total=8, pixels=frames))
     assert 4 in plan.kept_frames and len(plan.kept_frames) == 2 and plan.tokens_per_frame[4] == 4
+
+
+def test_training_writes_float16_weights_and_the_model_card(tmp_path) -> None:
+    import json
+
+    from transformers import AutoModelForImageTextToText
+
+    from vlm_prune.eval.synthetic.train import train
+
+    threads = torch.get_num_threads()
+    try:
+        train("image", steps=2, batch_size=2, lr=1e-3, seed=3, out=tmp_path, threads=1, val_samples=2, test_samples=4)
+    finally:
+        torch.set_num_threads(threads)
+    card = json.loads((tmp_path / "synthetic.json").read_text())
+    assert card["eval_qtypes"] == ["count", "binding", "relation", "global", "digit"] and card["steps"] == 2
+    assert card["seed"] == 3 and card["test_samples"] == 4 and set(card["test_accuracy"]) >= {"all", "count"}
+    model = AutoModelForImageTextToText.from_pretrained(tmp_path, dtype=torch.float32)
+    weights = next(model.parameters())
+    assert weights.dtype == torch.float32 and torch.equal(weights, weights.half().float())  # stored as float16
+    assert one_cycle(0.0) == pytest.approx(0.04) and one_cycle(0.1) == pytest.approx(1.0) and one_cycle(1.0) == pytest.approx(0.0)

@@ -25,7 +25,7 @@ def predict(model: PreTrainedModel, processor: ProcessorMixin, samples: list[Sam
     """First word of each greedy answer (lower case; "" when the model answers nothing)."""
     words = []
     for i in range(0, len(samples), batch_size):
-        inputs = encode(processor, samples[i : i + batch_size])
+        inputs = encode(processor, samples[i : i + batch_size]).to(model.device)
         out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
         texts = processor.tokenizer.batch_decode(out[:, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
         words += [(t.split() or [""])[0].lower() for t in texts]

@@ -85,7 +85,7 @@ class AuxHeads(nn.Module):
         self.register_buffer("colour_weight", torch.tensor([1.0] + [5.0] * len(COLOURS)))
 
     def loss(self, patches: torch.Tensor, cls: torch.Tensor | None, samples: list[Sample]) -> torch.Tensor:
-        targets = patch_labels(samples)
+        targets = {k: v.to(patches.device) for k, v in patch_labels(samples).items()}
         ce = nn.functional.cross_entropy
         loss = ce(self.colour(patches).flatten(0, 1), targets["colour"].flatten(), weight=self.colour_weight)
         for name in ("kind", "column"):
@@ -93,14 +93,14 @@ class AuxHeads(nn.Module):
             if head is not None and (targets[name] != IGNORE).any():
                 loss = loss + ce(head(patches).flatten(0, 1), targets[name].flatten(), ignore_index=IGNORE)
         if self.cls is not None and cls is not None:
-            loss = loss + nn.functional.binary_cross_entropy_with_logits(self.cls(cls), colours_present(samples))
+            loss = loss + nn.functional.binary_cross_entropy_with_logits(self.cls(cls), colours_present(samples).to(cls.device))
         return loss
 
 
 def save_half(model: nn.Module, out: Path) -> None:
     """Save the weights as float16 safetensors (half the size; ``load`` reads them back as float32)."""
     model.to(torch.float16).save_pretrained(out)
-    model.to(torch.float32)
+    model.to(torch.float32)  # stays on its device
 
 
 def one_cycle(progress: float, warmup: float = 0.1) -> float:
@@ -116,14 +116,14 @@ def write_card(out: Path, **record: Any) -> None:
 
 
 def train(kind: str, steps: int, batch_size: int, lr: float, seed: int, out: Path, threads: int,
-          minutes: float | None = None) -> None:
+          minutes: float | None = None, device: str = "cpu", val_samples: int = 96, test_samples: int = 256) -> None:
     """Train ``steps`` steps, or with ``minutes`` for that much wall-clock time: the schedule then
     follows elapsed time instead of the step count (for a shared machine; not step-reproducible)."""
     torch.set_num_threads(threads)
     torch.manual_seed(seed)
     processor = build_processor(kind)
-    model = build_model(kind).train()
-    heads = AuxHeads(model.config.vision_config.hidden_size, kind)
+    model = build_model(kind).to(device).train()
+    heads = AuxHeads(model.config.vision_config.hidden_size, kind).to(device)
     captured: dict[str, torch.Tensor] = {}
     hooks = [model.model.multi_modal_projector.register_forward_hook(lambda m, args, o: captured.__setitem__("x", args[0]))]
     if kind == "image":  # CLIP's CLS token: row 0 of the tower's last hidden state
@@ -131,7 +131,7 @@ def train(kind: str, steps: int, batch_size: int, lr: float, seed: int, out: Pat
             lambda m, args, o: captured.__setitem__("cls", o.last_hidden_state[:, 0])))
     params = list(model.parameters()) + list(heads.parameters())
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.01)
-    val = make_dataset(kind, "val", 96, qtypes=TRAIN_QTYPES[kind])
+    val = make_dataset(kind, "val", val_samples, qtypes=TRAIN_QTYPES[kind])
     data_seed = DEFAULT_SEED + 1000 * seed  # each model seed also sees its own training stream
     out.mkdir(parents=True, exist_ok=True)
     processor.save_pretrained(out)
@@ -143,7 +143,7 @@ def train(kind: str, steps: int, batch_size: int, lr: float, seed: int, out: Pat
         for group in opt.param_groups:
             group["lr"] = lr * one_cycle(min(progress, 1.0))
         samples = [make_sample(kind, "train", step * batch_size + i, data_seed, TRAIN_QTYPES[kind]) for i in range(batch_size)]
-        batch = encode(processor, samples, with_answers=True)
+        batch = encode(processor, samples, with_answers=True).to(device)
         labels = torch.full_like(batch["input_ids"], -100)
         labels[:, -2:] = batch["input_ids"][:, -2:]  # left padded: the last two tokens are "answer </s>"
         lm_loss = model(**batch, labels=labels).loss
@@ -164,13 +164,13 @@ def train(kind: str, steps: int, batch_size: int, lr: float, seed: int, out: Pat
             break
     for hook in hooks:
         hook.remove()
-    model, processor = AutoModelForImageTextToText.from_pretrained(out, dtype=torch.float32).eval(), processor
-    test = make_dataset(kind, "test", 256)
+    model, processor = AutoModelForImageTextToText.from_pretrained(out, dtype=torch.float32).to(device).eval(), processor
+    test = make_dataset(kind, "test", test_samples)
     accs = accuracy_by_qtype(model, processor, test, 32)
     seconds = time.time() - start
     write_card(out, kind=kind, seed=seed, eval_qtypes=list(DEFAULT_QTYPES[kind]), train_qtypes=list(TRAIN_QTYPES[kind]),
-               steps=step + 1, batch_size=batch_size, lr=lr, minutes=minutes, threads=threads, seconds=round(seconds),
-               test_accuracy_256=accs)
+               steps=step + 1, batch_size=batch_size, lr=lr, minutes=minutes, threads=threads, device=device, seconds=round(seconds),
+               test_samples=test_samples, test_accuracy=accs)
     print(f"trained {kind} in {seconds:.0f}s, {step + 1} steps; test accuracy (float16 weights) {accs}", flush=True)
 
 
@@ -184,10 +184,11 @@ def main() -> None:
     parser.add_argument("--minutes", type=float, default=None,
                         help="train for this much wall-clock time instead of --steps (the schedule follows time)")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--device", default="cpu", help="torch device to train on, e.g. cuda (default cpu)")
     parser.add_argument("--out", type=Path, default=None, help="output directory (default: the shipped model path)")
     args = parser.parse_args()
     train(args.kind, args.steps, args.batch_size, args.lr, args.seed, args.out or model_path(args.kind, args.seed), args.threads,
-          args.minutes)
+          args.minutes, args.device)
 
 
 if __name__ == "__main__":
