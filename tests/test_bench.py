@@ -73,6 +73,7 @@ def test_quick_bench_numbers_are_consistent(quick):
             assert r["visual_tokens_layer_avg"] == pytest.approx((2 * 64 + 4 * 16) / 6)
         if r["method"] in ("uniform", "saturation") and r["model"] == "synthetic-video":
             assert r["visual_tokens_out"] - b["visual_tokens_in"] + 64 == 4 * 4  # 4 of 16 frames x 2x2 tokens
+        assert r["visual_tokens_in"] == b["visual_tokens_in"]
     pooled = {(p["model"], p["method"], p["keep"]): p for p in result["pooled"]}
     for r in rows:
         assert pooled[(r["model"], r["method"], r["keep"])]["accuracy"] == pytest.approx(r["accuracy"])
