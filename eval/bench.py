@@ -290,7 +290,7 @@ def run_model(name: str, model: torch.nn.Module, processor: Any, samples: list[S
     from tqdm.auto import tqdm
 
     only = set(args.methods.split(",")) if args.methods else None
-    tap = PixelTap(model)
+    tap = PixelTap(getattr(getattr(model, "model", model), "vision_tower", model))
     try:
         cases, skipped = plan(model, processor, keeps, only, tap, args.seed)
         batches = [(samples[i:i + args.batch_size], to_device(encode(processor, samples[i:i + args.batch_size]), model))

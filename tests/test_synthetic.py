@@ -253,10 +253,13 @@ def test_saturation_baselines_pick_the_colourful_patches_and_frames() -> None:
 
     model = Stub()
     tap = PixelTap(model)
-    model(pixel_values=pixels[None])  # the tap keeps the latest call's pixels
+    model(torch.zeros(1, 3, 16, 16))
+    model(pixels[None])  # the tap keeps the latest call's pixels, positional or keyword
     method = SaturationTokens(tap, mean, std, patch=8, keep=0.25)
     ctx = VisionContext(features=torch.zeros(4, 2), n_keep=1, generator=torch.Generator().manual_seed(0))
     assert method.reduce_image(ctx).indices.tolist() == [2]  # row-major patch (1, 0)
+    model(pixel_values=torch.zeros(1, 3, 16, 16))
+    assert tap.pixels.abs().sum() == 0
     tap.close()
     frames = rgb[None].repeat(6, 1, 1, 1)
     frames[:, :, 8:, :8] = 0.5

@@ -35,16 +35,18 @@ def half_top_half_random(scores: torch.Tensor, k: int, generator: torch.Generato
 
 
 class PixelTap:
-    """Keeps the ``pixel_values`` of the model's latest forward call (a forward pre-hook) for the
-    image baseline, which sees only features. ``close()`` removes the hook."""
+    """Keeps the pixels of the latest call of ``module`` (a forward pre-hook; give it the vision
+    tower, which generate() calls with the batch's pixels before the prefill) for the image
+    baseline, which sees only features. ``close()`` removes the hook."""
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, module: torch.nn.Module) -> None:
         self.pixels: torch.Tensor | None = None
-        self._hook = model.register_forward_pre_hook(self._grab, with_kwargs=True)
+        self._hook = module.register_forward_pre_hook(self._grab, with_kwargs=True)
 
     def _grab(self, module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
-        if kwargs.get("pixel_values") is not None:
-            self.pixels = kwargs["pixel_values"]
+        pixels = kwargs.get("pixel_values", args[0] if args else None)
+        if isinstance(pixels, torch.Tensor):
+            self.pixels = pixels
 
     def close(self) -> None:
         self._hook.remove()
