@@ -2,9 +2,11 @@
 
 Both work from what every wrapped model reports: ``model.vlm_prune.last_rows`` (the input
 position of each row the last prefill returned) and the positions of the visual placeholder
-tokens in ``input_ids``. Cluster membership of merging methods is not recorded by the engine,
-so a kept cell of a merging method (PACT, ToMe, VisionZip, pool) is drawn as kept and the
-tokens merged into it as dropped.
+tokens in ``input_ids``. Pictures are drawn on the upload at its own resolution, the part the
+model's processor crops away greyed out. Cluster membership of merging methods is not recorded
+by the engine, so a kept cell of a merging method (PACT, ToMe, VisionZip, pool) is drawn as
+kept and the tokens merged into it as dropped. Methods that rank tokens by a score get a
+heatmap of those scores.
 """
 from __future__ import annotations
 
@@ -20,7 +22,12 @@ DROPPED_TINT = (40, 40, 48)
 DROPPED_ALPHA = 0.65  # how far a dropped cell is pulled towards the tint
 CAPTION_BG = (24, 24, 32)
 CAPTION_FG = (240, 240, 240)
-IMAGE_SIDE = 448  # overlay width in pixels
+MAX_SIDE = 1600  # an upload is drawn at its own resolution, shrunk to this long side at most
+MIN_WIDTH = 448  # ... and tiny pictures are enlarged to this width
+OUTSIDE_TINT = (128, 128, 128)  # what the model's processor crops away
+OUTSIDE_ALPHA = 0.75
+HEAT_STOPS = ((48, 18, 59), (33, 145, 140), (253, 231, 37))  # dark blue -> teal -> yellow
+HEAT_ALPHA = 0.6
 FRAME_SIDE = 112  # width of one frame in the strip
 STRIP_COLUMNS = 8
 
@@ -31,14 +38,6 @@ def kept_placeholders(input_ids: torch.Tensor, rows: torch.Tensor, token_id: int
     positions = torch.nonzero(input_ids == token_id).squeeze(1)
     returned = rows[rows >= 0].to(positions.device)
     return torch.isin(positions, returned)
-
-
-def model_view(pixels: torch.Tensor, mean: tuple[float, ...] | None, std: tuple[float, ...] | None) -> np.ndarray:
-    """uint8 [H, W, 3] picture of normalised ``pixels`` [3, H, W] (what the vision tower saw)."""
-    x = pixels.detach().float().cpu()
-    if mean is not None and std is not None:
-        x = x * torch.tensor(std).view(3, 1, 1) + torch.tensor(mean).view(3, 1, 1)
-    return (x.clamp(0, 1) * 255).round().byte().permute(1, 2, 0).numpy()
 
 
 def _font(size: int) -> ImageFont.ImageFont:
@@ -69,25 +68,54 @@ def with_caption(picture: Image.Image, lines: list[str], size: int = 15) -> Imag
     return out
 
 
-def plain_view(picture: np.ndarray, caption: list[str], side: int = IMAGE_SIDE) -> Image.Image:
-    """The picture scaled to ``side`` wide, with a caption; for layouts without one token grid."""
+def display_size(width: int, height: int) -> tuple[int, int]:
+    """Size an upload is drawn at: its own, shrunk to at most MAX_SIDE on the long side, or
+    enlarged to MIN_WIDTH wide when it is tiny (the 64 x 64 synthetic pictures)."""
+    scale = min(MAX_SIDE / max(width, height), 1.0)
+    if width * scale < MIN_WIDTH:
+        scale = MIN_WIDTH / width
+    return max(1, round(width * scale)), max(1, round(height * scale))
+
+
+def _base(picture: np.ndarray, box: tuple[int, int, int, int] | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The picture at display size (float RGB) with what lies outside ``box`` (the region the
+    model sees, in picture pixels) greyed out, and the box's x and y edges at display size."""
     h, w = picture.shape[:2]
-    return with_caption(Image.fromarray(picture).resize((side, round(side * h / w)), Image.BICUBIC), caption)
+    dw, dh = display_size(w, h)
+    resample = Image.NEAREST if dw >= 2 * w else Image.BICUBIC
+    base = np.asarray(Image.fromarray(picture).resize((dw, dh), resample)).astype(np.float32)
+    x0, y0, x1, y1 = box or (0, 0, w, h)
+    sx, sy = dw / w, dh / h
+    edges_x = np.array([round(x0 * sx), round(x1 * sx)])
+    edges_y = np.array([round(y0 * sy), round(y1 * sy)])
+    outside = np.ones((dh, dw), dtype=bool)
+    outside[edges_y[0] : edges_y[1], edges_x[0] : edges_x[1]] = False
+    base[outside] = (1 - OUTSIDE_ALPHA) * base[outside] + OUTSIDE_ALPHA * np.array(OUTSIDE_TINT, dtype=np.float32)
+    return base, edges_x, edges_y
+
+
+def _cell_edges(edges_x: np.ndarray, edges_y: np.ndarray, grid: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:
+    xs = np.linspace(edges_x[0], edges_x[1], grid[1] + 1).round().astype(int)
+    ys = np.linspace(edges_y[0], edges_y[1], grid[0] + 1).round().astype(int)
+    return xs, ys
+
+
+def plain_view(picture: np.ndarray, caption: list[str]) -> Image.Image:
+    """The picture at display size with a caption; for layouts without one token grid."""
+    base, _, _ = _base(picture, None)
+    return with_caption(Image.fromarray(base.round().astype(np.uint8)), caption)
 
 
 def grid_overlay(picture: np.ndarray, kept: np.ndarray, grid: tuple[int, int], caption: list[str],
-                 side: int = IMAGE_SIDE) -> Image.Image:
-    """The picture with its rows x cols token grid drawn over it: dropped cells darkened, kept
-    cells outlined. ``kept`` is bool [rows * cols] in row-major grid order."""
+                 box: tuple[int, int, int, int] | None = None) -> Image.Image:
+    """The upload (at display size) with its rows x cols token grid drawn over ``box`` (the part
+    the model sees, default all of it): dropped cells darkened, kept cells outlined, the rest
+    greyed. ``kept`` is bool [rows * cols] in row-major grid order."""
     n_rows, n_cols = grid
     if n_rows * n_cols != kept.size:
         raise ValueError(f"a {n_rows} x {n_cols} token grid needs {n_rows * n_cols} tokens, got {kept.size}")
-    h, w = picture.shape[:2]
-    height = round(side * h / w)
-    resample = Image.NEAREST if max(h, w) < side / 2 else Image.BICUBIC
-    base = np.asarray(Image.fromarray(picture).resize((side, height), resample)).astype(np.float32)
-    xs = np.linspace(0, side, n_cols + 1).round().astype(int)
-    ys = np.linspace(0, height, n_rows + 1).round().astype(int)
+    base, ex, ey = _base(picture, box)
+    xs, ys = _cell_edges(ex, ey, grid)
     cells = kept.reshape(n_rows, n_cols)
     tint = np.array(DROPPED_TINT, dtype=np.float32)
     for r in range(n_rows):
@@ -97,12 +125,41 @@ def grid_overlay(picture: np.ndarray, kept: np.ndarray, grid: tuple[int, int], c
                 block[:] = (1 - DROPPED_ALPHA) * block + DROPPED_ALPHA * tint
     out = Image.fromarray(base.round().astype(np.uint8))
     draw = ImageDraw.Draw(out)
-    width = max(1, side // (max(grid) * 12))
+    width = max(1, int(ex[1] - ex[0]) // (max(grid) * 12))
     for r in range(n_rows):
         for c in range(n_cols):
             if cells[r, c]:
                 draw.rectangle([xs[c], ys[r], xs[c + 1] - 1, ys[r + 1] - 1], outline=KEPT_OUTLINE, width=width)
     return with_caption(out, caption)
+
+
+def colour_map(values: np.ndarray) -> np.ndarray:
+    """float [..., 3] RGB in 0..255 of ``values`` in [0, 1] on the dark-blue -> yellow ramp."""
+    v = np.clip(values, 0, 1)[..., None]
+    stops = np.array(HEAT_STOPS, dtype=np.float32)
+    pos = v * (len(stops) - 1)
+    lo = np.floor(pos).astype(int).clip(0, len(stops) - 2)
+    frac = pos - lo
+    return stops[lo[..., 0]] * (1 - frac) + stops[lo[..., 0] + 1] * frac
+
+
+def score_heatmap(picture: np.ndarray, scores: np.ndarray, grid: tuple[int, int], caption: list[str],
+                  box: tuple[int, int, int, int] | None = None) -> Image.Image:
+    """The upload with each token cell of ``box`` tinted by its score (min-max scaled over the
+    image; ranks are what methods use), dark blue = low, yellow = high."""
+    n_rows, n_cols = grid
+    if n_rows * n_cols != scores.size:
+        raise ValueError(f"a {n_rows} x {n_cols} token grid needs {n_rows * n_cols} scores, got {scores.size}")
+    base, ex, ey = _base(picture, box)
+    xs, ys = _cell_edges(ex, ey, grid)
+    span = float(scores.max() - scores.min())
+    norm = (scores - scores.min()) / span if span > 0 else np.full(scores.shape, 0.5)
+    colours = colour_map(norm.reshape(n_rows, n_cols))
+    for r in range(n_rows):
+        for c in range(n_cols):
+            block = base[ys[r] : ys[r + 1], xs[c] : xs[c + 1]]
+            block[:] = (1 - HEAT_ALPHA) * block + HEAT_ALPHA * colours[r, c]
+    return with_caption(Image.fromarray(base.round().astype(np.uint8)), caption)
 
 
 @dataclass

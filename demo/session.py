@@ -1,9 +1,13 @@
-"""One demo request: the unpruned and the pruned model on the same input, side by side.
+"""One demo request: the unpruned model and one or more pruned variants on the same input.
 
-``Session.run`` answers a question about an image or a video twice - unwrapped, then wrapped
-with the chosen methods (``vlm_prune.wrap`` ... ``vlm_prune.unwrap``, under a lock so that
-concurrent requests never interleave) - times one prefill forward pass of each
-(time-to-first-token) and draws what the pruned model kept.
+``Session.stream`` answers a question about an image or a video unwrapped, then wrapped with
+each chosen pipeline in turn (``vlm_prune.wrap`` ... ``vlm_prune.unwrap``, under a lock so that
+concurrent requests never interleave), and yields the growing :class:`Comparison` as answers
+stream in. Each pipeline gets one :class:`Column`: its answer, its ideal prefill FLOPs and
+visual tokens (final and averaged over the LLM layers), the median of repeated prefill timings
+with their range, the KV cache it leaves, CUDA peak memory, what it kept drawn over the
+upload, and a heatmap of its token scores when the method scores tokens. A failing pipeline
+fills its column with a message; the others still run.
 """
 from __future__ import annotations
 
@@ -11,9 +15,10 @@ import inspect
 import logging
 import math
 import re
+import statistics
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -23,13 +28,15 @@ import torch
 from PIL import Image, UnidentifiedImageError
 
 import vlm_prune
+from vlm_prune.cli_methods import summary
 from vlm_prune.demo import overlay
-from vlm_prune.registry import method_class
+from vlm_prune.eval import metrics
+from vlm_prune.registry import available_methods, method_class
 from vlm_prune.video import VideoError, read_frames
 
 MediaKind = Literal["image", "video"]
 log = logging.getLogger(__name__)
-TIMING_REPEATS = 3  # timed prefill passes per model (after one warm-up); the fastest is reported
+TIMING_REPEATS = 5  # timed prefill passes per model (after one warm-up); the median is reported
 VIDEO_TIMEOUT_S = 60.0
 Progress = Callable[[float, str], None]
 
@@ -78,8 +85,9 @@ class LoadedModel:
     processor: Any
     name: str
     notes: list[str] = field(default_factory=list)
-    #: lower-case the question and split off "?" (the synthetic models' word-level vocabulary)
-    word_level: bool = False
+    #: the shipped toy model: word-level vocabulary (lower-case the question, split off "?"),
+    #: trained only on pictures of coloured shapes
+    toy: bool = False
 
     @property
     def depth(self) -> int:
@@ -89,6 +97,14 @@ class LoadedModel:
         if kind == "image":
             return getattr(self.processor, "image_processor", None) is not None
         return getattr(self.processor, "video_processor", None) is not None and hasattr(self.model.config, "video_token_id")
+
+
+TOY_NOTE = (
+    "the synthetic {kind} model is a TOY ({layers} decoder layers) trained only on pictures of coloured shapes: "
+    "it answers questions such as 'what colour is the shape ?' and talks nonsense about real photos. "
+    "Its timings are mostly fixed overhead; the FLOPs figures are what pruning saves on a model of real size. "
+    "For a real model: `vlm-prune demo --model llava-hf/llava-onevision-qwen2-0.5b-ov-hf` (a hub id or a local folder)."
+)
 
 
 def load_synthetic(kind: MediaKind) -> LoadedModel:
@@ -106,9 +122,8 @@ def load_synthetic(kind: MediaKind) -> LoadedModel:
             f"no trained weights at {model_path(kind)}: the {name} is UNTRAINED, its answers are noise "
             f"(train it with `python -m vlm_prune.eval.synthetic.train --kind {kind}`)"
         )]
-    notes.append(f"the {name} is a toy of {model.config.get_text_config().num_hidden_layers} decoder layers: its "
-                 "timings are mostly fixed overhead; pruning speeds up models of real size")
-    return LoadedModel(model, processor, name, notes, word_level=True)
+    notes.append(TOY_NOTE.format(layers=model.config.get_text_config().num_hidden_layers, kind=kind))
+    return LoadedModel(model, processor, name, notes, toy=True)
 
 
 def load_checkpoint(model_id: str) -> LoadedModel:
@@ -123,7 +138,9 @@ def load_checkpoint(model_id: str) -> LoadedModel:
             model_id, dtype=torch.bfloat16 if cuda else torch.float32
         )
     except (OSError, ValueError) as err:
-        raise DemoError(f"could not load {model_id!r} as an image-text-to-text model: {err}") from err
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise DemoError(f"could not load {model_id!r} as an image-text-to-text model ({first}); give a local "
+                        "checkpoint folder or a Hugging Face hub id of a supported VLM") from None
     model = model.to("cuda" if cuda else "cpu").eval()
     return LoadedModel(model, processor, model_id, [f"{model_id} ({model.dtype}, {model.device})"])
 
@@ -147,6 +164,19 @@ def build_pipeline(methods: list[str] | str, layer: int | None) -> list[Any]:
         except ImportError as err:  # an optional dependency of the method (e.g. KeyScore's STACFP)
             raise DemoError(str(err)) from None
     return pipeline
+
+
+def parse_entries(methods: list[str] | str | None) -> list[str]:
+    """The comparison's columns: one pipeline per entry ("pact", "keyscore+pact"), in order, without repeats."""
+    names = [methods] if isinstance(methods, str) else list(methods or [])
+    out = []
+    for entry in names:
+        entry = "+".join(n.strip() for n in str(entry).split("+") if n.strip())
+        if entry and entry not in out:
+            out.append(entry)
+    if not out:
+        raise DemoError("pick at least one method (e.g. 'random', 'pact' or 'keyscore+pact')")
+    return out
 
 
 def normalise_question(question: str) -> str:
@@ -175,10 +205,29 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@dataclass
+class Timing:
+    """Seconds of repeated prefill passes: the median is the figure, the range its noise."""
+
+    seconds: list[float]
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.seconds)
+
+    def text(self) -> str:
+        lo, hi = min(self.seconds), max(self.seconds)
+        return f"{self.median * 1e3:.1f} ms ({lo * 1e3:.1f}-{hi * 1e3:.1f})"
+
+
 @torch.no_grad()
-def time_prefill(model: torch.nn.Module, inputs: dict[str, Any], repeats: int = TIMING_REPEATS) -> float:
-    """Seconds of one prefill forward pass (time to first token): the best of ``repeats``
-    after a warm-up, the least disturbed by other work on the machine."""
+def time_prefill(model: torch.nn.Module, inputs: dict[str, Any], repeats: int = TIMING_REPEATS) -> Timing:
+    """Seconds of ``repeats`` prefill forward passes (time to first token) after a warm-up."""
     model(**inputs)
     times = []
     for _ in range(repeats):
@@ -187,65 +236,233 @@ def time_prefill(model: torch.nn.Module, inputs: dict[str, Any], repeats: int = 
         model(**inputs)
         _sync(model.device)
         times.append(time.perf_counter() - t0)
-    return min(times)
+    return Timing(times)
 
 
-@torch.no_grad()
+def answer_stream(loaded: LoadedModel, inputs: dict[str, Any], max_new_tokens: int) -> Iterator[str]:
+    """The greedy answer as it grows (generate() runs in a thread, text comes through a streamer)."""
+    from transformers import TextIteratorStreamer
+
+    streamer = TextIteratorStreamer(loaded.processor.tokenizer, skip_prompt=True, skip_special_tokens=True)
+    failure: list[BaseException] = []
+
+    def work() -> None:
+        try:
+            with torch.no_grad():
+                loaded.model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False, streamer=streamer)
+        except BaseException as err:  # handed to the caller below
+            failure.append(err)
+            streamer.end()
+
+    thread = threading.Thread(target=work, daemon=True)
+    thread.start()
+    text = ""
+    for piece in streamer:
+        text += piece
+        yield text.strip()
+    thread.join()
+    if failure:
+        raise failure[0]
+
+
 def answer(loaded: LoadedModel, inputs: dict[str, Any], max_new_tokens: int) -> str:
-    out = loaded.model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
-    new = out[0, inputs["input_ids"].shape[1] :]
-    return loaded.processor.tokenizer.decode(new, skip_special_tokens=True).strip()
+    """The whole greedy answer."""
+    text = ""
+    for text in answer_stream(loaded, inputs, max_new_tokens):
+        pass
+    return text
 
 
 @dataclass
-class Outcome:
-    """Everything one request shows."""
+class Cost:
+    """What one prefill costs, from the model's config and last_stats (None: unpruned)."""
 
-    answer_unpruned: str
-    answer_pruned: str
-    ttft_unpruned: float
-    ttft_pruned: float
-    stats: dict[str, Any]
-    picture: Image.Image
-    notes: list[str]
-    pipeline: str
+    visual_in: int
+    visual_out: int
+    visual_layer_avg: float  # visual tokens each LLM layer processes, averaged over the layers
+    flops: float  # ideal LLM prefill FLOPs
+    flops_full: float
+    kv_bytes: float  # KV cache the prefill leaves (every layer's keys and values)
+    vit_flops_ratio: float | None = None  # vision-tower FLOPs ratio of ViT-stage methods
 
     @property
-    def speedup(self) -> float:
-        return self.ttft_unpruned / self.ttft_pruned if self.ttft_pruned > 0 else float("nan")
+    def flops_ratio(self) -> float:
+        return self.flops / self.flops_full
+
+
+def prefill_cost(config: Any, seq_len: int, visual_in: int, stats: dict[str, Any] | None,
+                 dtype: torch.dtype) -> Cost:
+    """Ideal figures of one request: ``rows_per_layer`` of the prompt and of its visual tokens."""
+    cfg = metrics.text_config(config)
+    n_layers = cfg.num_hidden_layers
+    rows = metrics.rows_per_layer(n_layers, seq_len, stats)
+    visual = metrics.rows_per_layer(n_layers, visual_in, stats)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    kv_dim = (getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads) * head_dim
+    elem = torch.finfo(dtype).bits // 8 if dtype.is_floating_point else 4
+    vit = [r["flops_ratio"] for r in (stats or {}).get("stages", []) if r["stage"] == "vit" and "flops_ratio" in r]
+    return Cost(
+        visual_in=visual_in, visual_out=visual[-1], visual_layer_avg=sum(visual) / n_layers,
+        flops=metrics.prefill_flops(config, rows), flops_full=metrics.prefill_flops(config, [seq_len] * n_layers),
+        kv_bytes=float(sum(rows) * 2 * kv_dim * elem), vit_flops_ratio=math.prod(vit) if vit else None,
+    )
+
+
+def _peak_cuda(device: torch.device) -> int | None:
+    return int(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else None
+
+
+class ScoreSpy:
+    """Records the first token scores a method computes (``scores(ctx)`` of FastV / PACT /
+    AdaptInfer over the rows entering their layer, ``relevance(ctx)`` of CDPruner over one
+    image's tokens) by shadowing that bound method on the instance; ``close`` removes it."""
+
+    ATTRS = ("scores", "relevance")
+
+    def __init__(self, methods: list[Any]) -> None:
+        self.found: dict[str, torch.Tensor] = {}
+        self.patched: list[tuple[Any, str]] = []
+        for m in methods:
+            for attr in self.ATTRS:
+                fn = getattr(m, attr, None)
+                if inspect.ismethod(fn):
+                    setattr(m, attr, self._spy(m.name, fn))
+                    self.patched.append((m, attr))
+
+    def _spy(self, name: str, fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+        def spy(ctx: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+            out = fn(ctx, *args, **kwargs)
+            if name not in self.found:
+                visual = getattr(ctx, "visual", None)  # llm stage: [B, S] rows -> the first sample's visual rows
+                mask = None if visual is None else visual[0] & ctx.valid[0]
+                self.found[name] = (out[0][mask] if mask is not None else out).detach().float().cpu()
+            return out
+        return spy
+
+    def close(self) -> None:
+        for m, attr in self.patched:
+            vars(m).pop(attr, None)
+
+
+@dataclass
+class Column:
+    """One pruned variant of the request: a pipeline name and what it gave (or why it failed)."""
+
+    name: str
+    description: str = ""
+    answer: str = ""
+    stats: dict[str, Any] = field(default_factory=dict)
+    cost: Cost | None = None
+    timing: Timing | None = None
+    peak_bytes: int | None = None
+    picture: Image.Image | None = None
+    heatmap: Image.Image | None = None
+    heatmap_note: str = ""
+    error: str | None = None
+    done: bool = False
+
+    def card(self) -> str:
+        """Markdown of the column's head: name, what it does, its answer or its error."""
+        lines = [f"### `{self.name}`", f"*{escape(self.description)}*" if self.description else ""]
+        if self.error:
+            lines.append(f"**could not run:** {escape(self.error)}")
+        elif self.cost is not None:
+            lines += [f"**answer:** {escape(self.answer) or '(empty)'}",
+                      f"{self.cost.visual_out} of {self.cost.visual_in} visual tokens, "
+                      f"FLOPs x{self.cost.flops_ratio:.2f} (ideal)"]
+            if self.heatmap_note:
+                lines.append(f"<small>{escape(self.heatmap_note)}</small>")
+        elif not self.done:
+            lines.append(f"running ... {escape(self.answer)}")
+        return "\n\n".join(line for line in lines if line)
+
+
+@dataclass
+class Comparison:
+    """Everything one request shows: the unpruned run and one column per pipeline."""
+
+    kind: MediaKind
+    question: str
+    columns: list[Column]
+    model: str = ""
+    answer_unpruned: str = ""
+    cost_unpruned: Cost | None = None
+    timing_unpruned: Timing | None = None
+    peak_unpruned: int | None = None
+    notes: list[str] = field(default_factory=list)
+    warning: str = ""
 
     def summary(self) -> dict[str, Any]:
-        """JSON-ready stats: the wrapped model's last_stats plus the timings."""
+        """JSON-ready figures of the unpruned run and of every column."""
+        def figures(cost: Cost | None, timing: Timing | None, peak: int | None) -> dict[str, Any]:
+            out: dict[str, Any] = {}
+            if cost is not None:
+                out.update(visual_tokens_in=cost.visual_in, visual_tokens_out=cost.visual_out,
+                           visual_tokens_layer_avg=cost.visual_layer_avg, flops_ratio=cost.flops_ratio,
+                           prefill_flops=cost.flops, kv_cache_bytes=cost.kv_bytes, vit_flops_ratio=cost.vit_flops_ratio)
+            if timing is not None:
+                out.update(prefill_s_median=timing.median, prefill_s=timing.seconds)
+            return {**out, "peak_cuda_bytes": peak}
+
         return {
-            "pipeline": self.pipeline,
-            "answer_unpruned": self.answer_unpruned,
-            "answer_pruned": self.answer_pruned,
-            "ttft_unpruned_s": self.ttft_unpruned,
-            "ttft_pruned_s": self.ttft_pruned,
-            "speedup": self.speedup,
-            **self.stats,
+            "model": self.model, "media": self.kind, "question": self.question,
+            "unpruned": {"answer": self.answer_unpruned,
+                         **figures(self.cost_unpruned, self.timing_unpruned, self.peak_unpruned)},
+            "pruned": [{"pipeline": c.name, "answer": c.answer, "error": c.error,
+                        **figures(c.cost, c.timing, c.peak_bytes), "last_stats": c.stats} for c in self.columns],
         }
 
     def markdown(self) -> str:
-        tin = sum(self.stats["visual_tokens_in"])
-        tout = sum(self.stats["visual_tokens_out"])
-        lines = [
-            f"| | unpruned | pruned: `{self.pipeline}` |",
-            "|---|---|---|",
-            f"| answer | {self.answer_unpruned or '(empty)'} | {self.answer_pruned or '(empty)'} |",
-            f"| visual tokens | {tin} | {tout} ({tout / max(tin, 1):.0%}) |",
-            f"| time to first token | {self.ttft_unpruned * 1e3:.1f} ms | {self.ttft_pruned * 1e3:.1f} ms |",
-            "",
-            f"**speed-up of the first token: x{self.speedup:.2f}**",
-            "",
-            "| stage | method | tokens in -> out | seconds |",
-            "|---|---|---|---|",
-        ]
-        for r in self.stats["stages"]:
-            where = f"llm (layer {r['layer']})" if "layer" in r else r["stage"]
-            lines.append(f"| {where} | {r['method']} | {sum(r['tokens_in'])} -> {sum(r['tokens_out'])} | {r['seconds']:.4f} |")
-        lines += [""] + [f"- {n}" for n in self.notes]
-        return "\n".join(lines)
+        """The headline table: one column for the unpruned model, one per pipeline."""
+        cols = [c for c in self.columns if c.error is None and c.cost is not None]
+        if self.cost_unpruned is None:
+            return ""
+        base = self.cost_unpruned
+        head = "| | unpruned | " + " | ".join(f"`{c.name}`" for c in cols) + " |"
+        rows = [head, "|---" * (2 + len(cols)) + "|"]
+
+        def row(label: str, first: str, cell: Callable[[Column], str]) -> None:
+            rows.append(f"| {label} | {first} | " + " | ".join(cell(c) for c in cols) + " |")
+
+        row("answer", escape(self.answer_unpruned) or "(empty)", lambda c: escape(c.answer) or "(empty)")
+        row("**LLM prefill FLOPs (ideal)**", "1.00", lambda c: f"**x{c.cost.flops_ratio:.2f}**")
+        row("**visual tokens, final**", str(base.visual_in),
+            lambda c: f"**{c.cost.visual_out}** ({c.cost.visual_out / max(base.visual_in, 1):.0%})")
+        row("visual tokens, mean over LLM layers", f"{base.visual_layer_avg:.0f}",
+            lambda c: f"{c.cost.visual_layer_avg:.1f} ({c.cost.visual_layer_avg / max(base.visual_in, 1):.0%})")
+        if any(c.cost.vit_flops_ratio is not None for c in cols):
+            row("vision tower FLOPs (ideal)", "1.00",
+                lambda c: "1.00" if c.cost.vit_flops_ratio is None else f"x{c.cost.vit_flops_ratio:.2f}")
+        row("KV cache after prefill", _mib(base.kv_bytes), lambda c: _mib(c.cost.kv_bytes))
+        if self.timing_unpruned is not None:
+            n = len(self.timing_unpruned.seconds)
+            row(f"prefill time, median of {n} (range)", self.timing_unpruned.text(),
+                lambda c: c.timing.text() if c.timing else "")
+        if self.peak_unpruned is not None:
+            row("peak CUDA memory", _mib(self.peak_unpruned), lambda c: _mib(c.peak_bytes or 0))
+        rows += ["", "FLOPs and tokens are exact counts for this request; measured times vary from run to run "
+                 "(the range shows by how much), and on a small model they are mostly fixed overhead."]
+        if self.peak_unpruned is None:
+            rows[-1] += " Peak memory is measured on CUDA only."
+        return "\n".join(rows)
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:.2f} MiB"
+
+
+def escape(text: str) -> str:
+    """Text shown inside Markdown: no HTML tags, no table breaks."""
+    return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;").replace("|", "\\|").replace("\n", " ")
+
+
+def unknown_words(loaded: LoadedModel, question: str) -> list[str]:
+    """Words of ``question`` that the tokenizer reads as its unknown token."""
+    tok = loaded.processor.tokenizer
+    unk = getattr(tok, "unk_token_id", None)
+    if unk is None:
+        return []
+    return [w for w in dict.fromkeys(question.split()) if unk in tok(w, add_special_tokens=False)["input_ids"]]
 
 
 class Session:
@@ -260,6 +477,22 @@ class Session:
         self.max_new_tokens = max_new_tokens
         self.timing_repeats = timing_repeats
         self.lock = threading.Lock()
+        self._offered: dict[MediaKind, list[str]] = {}
+
+    @property
+    def name(self) -> str:
+        names = dict.fromkeys(m.name for m in self.models.values() if m is not None)
+        return " / ".join(names)
+
+    def notes(self) -> list[str]:
+        seen, lines = set(), []
+        for kind, loaded in self.models.items():
+            if loaded is None:
+                lines.append(f"{kind}s: not supported by this model")
+            elif id(loaded) not in seen:
+                seen.add(id(loaded))
+                lines += loaded.notes
+        return lines
 
     def default_layer(self) -> int:
         """The prune layer the UI proposes: 0 = each method's own default, or 1 on a model too
@@ -267,9 +500,47 @@ class Session:
         depths = [m.depth for m in self.models.values() if m is not None]
         return 1 if min(depths) < 5 else 0
 
+    def offered(self, kind: MediaKind, pipelines: tuple[str, ...] = ()) -> list[str]:
+        """Methods (and the given "a+b" pipelines) the model of ``kind`` accepts at wrap time;
+        frames-stage methods only for videos. Checked once per kind."""
+        if kind not in self._offered:
+            loaded = self.models[kind]
+            ok = []
+            if loaded is not None:
+                for entry in [*available_methods(), *pipelines]:
+                    try:
+                        pipeline = build_pipeline(entry, None)
+                    except DemoError:
+                        continue
+                    if kind == "image" and any(m.stage == "frames" for m in pipeline):
+                        continue
+                    with self.lock:
+                        try:
+                            vlm_prune.wrap(loaded.model, pipeline, keep=0.5, processor=loaded.processor)
+                        except Exception as err:  # noqa: BLE001 - any refusal means "not offered"
+                            log.info("not offering %s for %ss: %s", entry, kind, err)
+                            continue
+                        finally:
+                            if vlm_prune.api.is_wrapped(loaded.model):
+                                vlm_prune.unwrap(loaded.model)
+                    ok.append(entry)
+            self._offered[kind] = ok
+        return list(self._offered[kind])
+
     def run(self, path: str | Path | None, question: str, methods: list[str] | str, keep: float,
-            layer: int | None = None, progress: Progress | None = None) -> Outcome:
-        """Answer ``question`` about the file at ``path`` unpruned and pruned; see the module doc."""
+            layer: int | None = None, progress: Progress | None = None) -> Comparison:
+        """The finished comparison of :meth:`stream`."""
+        result = None
+        for result in self.stream(path, question, methods, keep, layer, progress):
+            pass
+        assert result is not None
+        return result
+
+    def stream(self, path: str | Path | None, question: str, methods: list[str] | str, keep: float,
+               layer: int | None = None, progress: Progress | None = None) -> Iterator[Comparison]:
+        """Answer ``question`` about the file at ``path`` unpruned, then with each pipeline of
+        ``methods`` (one column each); yields the comparison as it fills. Raises DemoError for
+        a request that cannot run at all; a pipeline that fails gets its message in its column."""
         step = progress or (lambda frac, desc: None)
         if not path:
             raise DemoError("upload an image or a video first (or click one of the examples)")
@@ -277,48 +548,73 @@ class Session:
             raise DemoError("type a question about the image or video")
         if not 0 < float(keep) <= 1:
             raise DemoError(f"keep must be in (0, 1], got {keep}")
-        pipeline = build_pipeline(methods, layer)
-        step(0.05, "reading the upload")
+        entries = parse_entries(methods)
+        step(0.02, "reading the upload")
         media = read_media(path, self.num_frames)
         loaded = self.models[media.kind]
         if loaded is None or not loaded.takes(media.kind):
-            raise DemoError(f"this demo's model does not take {media.kind}s; upload an "
-                            f"{'image' if media.kind == 'video' else 'video'} instead")
-        notes = list(loaded.notes)
-        if loaded.word_level:
+            raise DemoError(f"this model does not take {media.kind}s; upload an "
+                            f"{'image' if media.kind == 'video' else 'video'} instead, or pick another model")
+        if loaded.toy:
             question = normalise_question(question)
+        comp = Comparison(media.kind, question, [Column(e, describe(e)) for e in entries], model=loaded.name)
+        unknown = unknown_words(loaded, question)
+        if unknown:
+            words = ", ".join(f"'{w}'" for w in unknown)
+            comp.warning = f"{loaded.name} does not know the words {words} (read as `<unk>`)."
+            if loaded.toy:
+                comp.warning += (" It is a toy trained only on pictures of coloured shapes, so expect nonsense about "
+                                 "anything else; ask e.g. 'what colour is the shape ?', or start the demo with "
+                                 "`--model` and a real checkpoint.")
         inputs = encode(loaded, media, question)
-        unk = getattr(loaded.processor.tokenizer, "unk_token_id", None)
-        if unk is not None and bool((inputs["input_ids"] == unk).any()):
-            notes.append("some words of the question are not in this model's vocabulary (read as <unk>)")
+        n_visual = int(torch.isin(inputs["input_ids"][0].cpu(), torch.tensor(_visual_ids(loaded.model.config))).sum())
         with self.lock:
-            return self._compare(loaded, media, inputs, pipeline, float(keep), notes, step)
+            model = loaded.model
+            step(0.05, "unpruned model: answer")
+            for comp.answer_unpruned in answer_stream(loaded, inputs, self.max_new_tokens):
+                yield comp
+            step(0.1, "unpruned model: time to first token")
+            _reset_peak(model.device)
+            comp.timing_unpruned = time_prefill(model, inputs, self.timing_repeats)
+            comp.peak_unpruned = _peak_cuda(model.device)
+            comp.cost_unpruned = prefill_cost(model.config, inputs["input_ids"].shape[1], n_visual, None, model.dtype)
+            yield comp
+            for i, col in enumerate(comp.columns):
+                base = 0.15 + 0.85 * i / len(comp.columns)
+                step(base, f"{col.name}: wrapping")
+                try:
+                    yield from self._fill(col, loaded, media, inputs, n_visual, keep, layer, comp)
+                except DemoError as err:
+                    col.error = str(err)
+                except Exception as err:  # noqa: BLE001 - the page shows a message, the console the traceback
+                    log.exception("demo pipeline %s failed", col.name)
+                    col.error = f"{type(err).__name__}: {err}"
+                finally:
+                    if vlm_prune.api.is_wrapped(model):
+                        vlm_prune.unwrap(model)
+                col.done = True
+                yield comp
 
-    def _compare(self, loaded: LoadedModel, media: Media, inputs: dict[str, Any], pipeline: list[Any],
-                 keep: float, notes: list[str], step: Progress) -> Outcome:
+    def _fill(self, col: Column, loaded: LoadedModel, media: Media, inputs: dict[str, Any], n_visual: int,
+              keep: float, layer: int | None, comp: Comparison) -> Iterator[Comparison]:
         model = loaded.model
-        self._wrap(loaded, pipeline, keep)  # fail fast on a pipeline the model does not take
-        vlm_prune.unwrap(model)
-        step(0.15, "unpruned model: answer")
-        answer_full = answer(loaded, inputs, self.max_new_tokens)
-        step(0.3, "unpruned model: time to first token")
-        ttft_full = time_prefill(model, inputs, self.timing_repeats)
-        step(0.45, "wrapping")
-        self._wrap(loaded, pipeline, keep)
+        pipeline = build_pipeline(col.name, layer)
+        spy = ScoreSpy(pipeline)
         try:
-            step(0.55, "pruned model: time to first token")
-            ttft_pruned = time_prefill(model, inputs, self.timing_repeats)
-            stats = dict(model.vlm_prune.last_stats)
-            rows = model.vlm_prune.last_rows[0].cpu()
-            step(0.75, "pruned model: answer")
-            answer_pruned = answer(loaded, inputs, self.max_new_tokens)
+            self._wrap(loaded, pipeline, keep)
+            _reset_peak(model.device)
+            col.timing = time_prefill(model, inputs, self.timing_repeats)
+            col.peak_bytes = _peak_cuda(model.device)
         finally:
-            vlm_prune.unwrap(model)
-        step(0.9, "drawing what was kept")
-        name = "+".join(m.name for m in pipeline)
+            spy.close()
+        col.stats = dict(model.vlm_prune.last_stats)
+        rows = model.vlm_prune.last_rows[0].cpu()
+        col.cost = prefill_cost(model.config, inputs["input_ids"].shape[1], n_visual, col.stats, model.dtype)
+        for col.answer in answer_stream(loaded, inputs, self.max_new_tokens):
+            yield comp
+        vlm_prune.unwrap(model)
         draw = self._draw_image if media.kind == "image" else self._draw_video
-        picture, extra = draw(loaded, media, inputs, rows, stats, name)
-        return Outcome(answer_full, answer_pruned, ttft_full, ttft_pruned, {**stats, **extra}, picture, notes, name)
+        draw(col, loaded, media, inputs, rows, spy.found)
 
     @staticmethod
     def _wrap(loaded: LoadedModel, pipeline: list[Any], keep: float) -> None:
@@ -327,45 +623,81 @@ class Session:
         except (ValueError, TypeError, RuntimeError) as err:
             raise DemoError(f"cannot prune this model with {'+'.join(m.name for m in pipeline)}: {err}") from None
 
-    def _draw_image(self, loaded: LoadedModel, media: Media, inputs: dict[str, Any], rows: torch.Tensor,
-                    stats: dict[str, Any], name: str) -> tuple[Image.Image, dict[str, Any]]:
+    def _draw_image(self, col: Column, loaded: LoadedModel, media: Media, inputs: dict[str, Any],
+                    rows: torch.Tensor, scores: dict[str, torch.Tensor]) -> None:
         ids = inputs["input_ids"][0].cpu()
         kept = overlay.kept_placeholders(ids, rows, loaded.model.config.image_token_id).numpy()
-        pixels = inputs["pixel_values"]
-        if pixels.dim() == 4:  # one [3, H, W] picture per image: show it as the tower saw it (crop included)
-            ip = loaded.processor.image_processor
-            picture = overlay.model_view(pixels[0], getattr(ip, "image_mean", None), getattr(ip, "image_std", None))
-        else:  # patch sequences (Qwen2-VL) or tiles (LLaVA-NeXT): the upload itself
-            picture = np.asarray(media.image)
-        caption = [f"{name}: kept {int(kept.sum())} of {kept.size} image tokens ({kept.mean():.0%})",
+        picture = np.asarray(media.image)
+        box = model_box(loaded.processor, inputs, picture.shape[1], picture.shape[0])
+        caption = [f"{col.name}: kept {int(kept.sum())} of {kept.size} image tokens ({kept.mean():.0%})",
                    "bright, outlined: kept   dark: dropped (or merged into a kept token)"]
-        extra = {"kept_grid": kept.astype(int).tolist()}
+        if box != (0, 0, picture.shape[1], picture.shape[0]):
+            caption.append("shaded grey outside the box: cropped away by the model's processor, never seen")
+        col.stats["kept_grid"] = kept.astype(int).tolist()
         grid = image_grid(loaded.model.config, inputs, kept.size)
         if grid is None:
             caption[1] = "this model's image tokens form no single grid (tiles, newlines): kept/dropped not drawn"
-            return overlay.plain_view(picture, caption), extra
-        return overlay.grid_overlay(picture, kept, grid, caption), extra
+            col.picture = overlay.plain_view(picture, caption)
+            return
+        col.picture = overlay.grid_overlay(picture, kept, grid, caption, box=box)
+        for name, values in scores.items():
+            if values.numel() == kept.size:
+                col.heatmap = overlay.score_heatmap(picture, values.numpy(), grid, [
+                    f"{name}: its token scores (yellow = high), before it chose what to keep"], box=box)
+                break
+        else:
+            col.heatmap_note = (f"no score heatmap for {col.name}: the demo draws the token scores of methods "
+                                "that rank by one score before choosing (FastV, PACT, AdaptInfer, CDPruner)")
 
-    def _draw_video(self, loaded: LoadedModel, media: Media, inputs: dict[str, Any], rows: torch.Tensor,
-                    stats: dict[str, Any], name: str) -> tuple[Image.Image, dict[str, Any]]:
+    def _draw_video(self, col: Column, loaded: LoadedModel, media: Media, inputs: dict[str, Any],
+                    rows: torch.Tensor, scores: dict[str, torch.Tensor]) -> None:
         ids = inputs["input_ids"][0].cpu()
         kept = overlay.kept_placeholders(ids, rows, loaded.model.config.video_token_id).numpy()
         thw = inputs.get("video_grid_thw")
         # token groups in time: one per frame, or one per temporal patch (Qwen2-VL merges 2 frames)
         n_groups = int(thw[0, 0]) if thw is not None else media.frames.shape[0]
         per_group_kept, per_group = overlay.frames_kept(kept, n_groups)
-        record = next((r for r in stats["stages"] if r["stage"] == "frames" and r.get("videos")), None)
+        record = next((r for r in col.stats["stages"] if r["stage"] == "frames" and r.get("videos")), None)
         plan = record["videos"][0] if record else {}
-        scores = plan.get("frame_scores") or [None] * n_groups
+        frame_scores = plan.get("frame_scores") or [None] * n_groups
         budgets = plan.get("tokens_per_frame") or [None] * n_groups
         stride = media.frames.shape[0] / n_groups
-        frames = [overlay.FrameInfo(media.frames[int(t * stride)], per_group_kept[t], per_group, scores[t], budgets[t])
+        frames = [overlay.FrameInfo(media.frames[int(t * stride)], per_group_kept[t], per_group, frame_scores[t], budgets[t])
                   for t in range(n_groups)]
         shown = sum(k > 0 for k in per_group_kept)
-        caption = [f"{name}: {shown} of {n_groups} frames keep tokens, {int(kept.sum())} of {kept.size} video tokens",
+        caption = [f"{col.name}: {shown} of {n_groups} frames keep tokens, {int(kept.sum())} of {kept.size} video tokens",
                    "s = frame score of the frames-stage method, b = its token budget; grey frames are dropped"]
-        extra = {"frames_kept_tokens": per_group_kept, "tokens_per_frame": per_group}
-        return overlay.frame_strip(frames, caption), extra
+        col.stats.update(frames_kept_tokens=per_group_kept, tokens_per_frame=per_group)
+        col.picture = overlay.frame_strip(frames, caption)
+
+
+def describe(entry: str) -> str:
+    try:
+        return " then ".join(summary(n) for n in entry.split("+"))
+    except ValueError:
+        return ""
+
+
+def _visual_ids(config: Any) -> list[int]:
+    return [int(getattr(config, a)) for a in ("image_token_id", "video_token_id") if getattr(config, a, None) is not None]
+
+
+def _reset_peak(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def model_box(processor: Any, inputs: dict[str, Any], width: int, height: int) -> tuple[int, int, int, int]:
+    """(x0, y0, x1, y1) of the part of a width x height upload the model sees: the centre crop
+    of processors that resize the short side then crop (CLIP / LLaVA), else the whole picture."""
+    ip = getattr(processor, "image_processor", None)
+    size, crop = getattr(ip, "size", None) or {}, getattr(ip, "crop_size", None) or {}
+    if not (getattr(ip, "do_center_crop", False) and "shortest_edge" in size and crop.get("height")):
+        return (0, 0, width, height)
+    scale = size["shortest_edge"] / min(width, height)
+    cw, ch = min(width, crop["width"] / scale), min(height, crop["height"] / scale)
+    x0, y0 = (width - cw) / 2, (height - ch) / 2
+    return (round(x0), round(y0), round(x0 + cw), round(y0 + ch))
 
 
 def image_grid(config: Any, inputs: dict[str, Any], n_tokens: int) -> tuple[int, int] | None:

@@ -1,11 +1,40 @@
-"""``vlm-prune methods``: list the registered methods with stage and paper."""
+"""``vlm-prune methods``: the registered methods, one line each: stage, what it does, paper.
+
+The one-line descriptions here are also what the demo shows beside each method.
+"""
 from __future__ import annotations
 
 import argparse
 
+#: what each built-in method does, in one line (a method class may set ``summary`` instead)
+ONE_LINE = {
+    "adaptinfer": "drops visual tokens at several LLM layers, scored by the text's attention to them",
+    "asvit": "drops image patches inside the ViT, by class-token attention weighted per head",
+    "cdpruner": "keeps a diverse, question-relevant subset of each image's tokens (conditional DPP)",
+    "divprune": "keeps the most mutually different tokens of each image (max-min diversity)",
+    "fastv": "drops the visual tokens that get the least attention at one early LLM layer",
+    "keyscore": "picks video frames by caption similarity, temporal spread and novelty (STACFP)",
+    "pact": "drops unimportant visual tokens and merges similar ones inside the LLM (clustering)",
+    "pool": "averages each image's token grid down to a coarser grid (baseline)",
+    "quota": "scores each frame's relevance to the question with the model and shares tokens by score",
+    "random": "keeps a seeded random subset of each image's tokens (baseline)",
+    "tome": "merges similar patches inside the ViT, a few per block (token merging)",
+    "uniform": "keeps evenly spaced frames at full resolution (baseline)",
+    "visionzip": "keeps the tokens the vision tower attends to most and merges the rest by similarity",
+}
+
+
+def summary(name: str) -> str:
+    """One line saying what the method ``name`` does."""
+    from vlm_prune.registry import method_class
+
+    cls = method_class(name)
+    return getattr(cls, "summary", None) or ONE_LINE.get(cls.name) or (cls.__doc__ or "").strip().split("\n")[0]
+
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("methods", help="list the available pruning methods")
+    text = "list the pruning methods: name, stage, what each does and its paper"
+    p = sub.add_parser("methods", help=text, description=text[0].upper() + text[1:] + ".")
     p.set_defaults(func=run)
 
 
@@ -14,5 +43,6 @@ def run(args: argparse.Namespace) -> int:
 
     for name in available_methods():
         cls = method_class(name)
-        print(f"{name:12s} {cls.stage:7s} {cls.paper}")
+        print(f"{name:11s} {cls.stage:7s} {summary(name)}")
+        print(f"{'':19s} {cls.paper}")
     return 0
