@@ -2,34 +2,54 @@
 from __future__ import annotations
 
 import argparse
+import socket
+
+from vlm_prune.cli import UsageError, checkpoint, positive_int
+
+DESCRIPTION = """\
+Launch the Gradio demo in the browser: upload an image or a video, ask a question, and compare
+pruning methods side by side - what each keeps, its ideal FLOPs, visual tokens and measured time.
+Without --model it serves the shipped toy models (trained on coloured shapes only)."""
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("demo", help="launch the Gradio demo: what a method prunes, and what it costs")
-    p.add_argument("--model", default=None, metavar="ID_OR_PATH",
-                   help="a supported Hugging Face VLM checkpoint (default: the shipped synthetic image and video models)")
+    p = sub.add_parser("demo", description=DESCRIPTION)
+    p.add_argument("--model", action="append", default=[], metavar="ID_OR_PATH", type=checkpoint,
+                   help="a supported Hugging Face VLM checkpoint (hub id or local folder); repeat it to offer "
+                        "several in the model picker (the shipped toy models are always listed)")
     p.add_argument("--host", default="127.0.0.1", help="address to serve on (default 127.0.0.1; 0.0.0.0 for the network)")
     p.add_argument("--port", type=int, default=7860, help="port (default 7860)")
     p.add_argument("--share", choices=("yes", "no"), default="no", help="ask Gradio for a public share link (default no)")
-    p.add_argument("--frames", type=int, default=16, help="frames sampled from an uploaded video (default 16)")
-    p.add_argument("--max-new-tokens", type=int, default=16, help="length of each answer (default 16)")
+    p.add_argument("--frames", type=positive_int, default=16, help="frames sampled from an uploaded video (default 16)")
+    p.add_argument("--max-new-tokens", type=positive_int, default=16, help="length of each answer (default 16)")
     p.set_defaults(func=run)
 
 
+def check_port(host: str, port: int) -> None:
+    """Fail now, before the models load, when ``port`` cannot be served on."""
+    if not 0 < port < 65536:
+        raise UsageError(f"--port {port}: give a port between 1 and 65535")
+    with socket.socket() as s:
+        try:
+            s.bind((host, port))
+        except OSError as err:
+            raise UsageError(f"cannot serve on {host}:{port} ({err.strerror}); pick another one with --port, "
+                             f"e.g. --port {port + 1}") from None
+
+
 def run(args: argparse.Namespace) -> int:
+    check_port(args.host, args.port)
     try:
-        from vlm_prune.demo.app import build_app, launch, make_session
+        from vlm_prune.demo.app import build_app, launch, make_sessions
     except ModuleNotFoundError as err:
         if err.name and err.name.split(".")[0] in ("gradio", "gradio_client"):
-            raise SystemExit(f"the demo needs {err.name}: pip install 'vlm-prune[demo]'") from None
+            raise UsageError(f"the demo needs {err.name}: pip install -e \".[demo]\" in the vlm-prune checkout") from None
         raise
     from vlm_prune.demo.session import DemoError
 
-    if args.frames < 1 or args.max_new_tokens < 1:
-        raise SystemExit("--frames and --max-new-tokens must be at least 1")
     try:
-        session = make_session(args.model, args.frames, args.max_new_tokens)
+        sessions = make_sessions(args.model, args.frames, args.max_new_tokens)
     except DemoError as err:
-        raise SystemExit(str(err)) from None
-    launch(build_app(session), host=args.host, port=args.port, share=args.share == "yes")
+        raise UsageError(str(err)) from None
+    launch(build_app(sessions), host=args.host, port=args.port, share=args.share == "yes")
     return 0

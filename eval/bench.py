@@ -40,6 +40,7 @@ from vlm_prune.eval.synthetic.scenes import COLOURS, Sample
 
 import vlm_prune
 from vlm_prune.api import is_wrapped
+from vlm_prune.cli import fit_terminal, fresh_output, method_list, plain_doc
 from vlm_prune.registry import method_class
 
 IMAGE_KEEPS = (0.5, 0.25, 0.11, 0.05)
@@ -537,6 +538,7 @@ def meta(mode: str, argv_args: argparse.Namespace) -> dict[str, Any]:
 
 # ---- command --------------------------------------------------------------------------------------
 def run(args: argparse.Namespace) -> int:
+    fresh_output(args.out, ["speed.json" if args.speed else "bench.json"], args.overwrite)
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.speed:
@@ -564,7 +566,7 @@ def run_and_write(mode: str, args: argparse.Namespace, parts: Iterable[tuple[lis
     payload = {"meta": {**meta(mode, args), "seconds": time.perf_counter() - start}, "rows": rows, "skipped": skipped,
                **(summarise(rows) if summarise else {})}
     paths = write_outputs(args.out, payload, table, rows if plot else None)
-    print(table)
+    print(fit_terminal(table, where=paths["markdown"]))
     print("wrote " + ", ".join(paths.values()))
     return 0
 
@@ -596,7 +598,7 @@ def _positive(text: str) -> int:
 def add_parser(subparsers: Any) -> None:
     p = subparsers.add_parser(
         "bench", help="every method on the shipped synthetic models: accuracy, kept tokens, prefill time",
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=plain_doc(__doc__), formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--quick", action="store_true",
                    help="fewer samples (96 image / 48 video) and keep ratios (0.25, 0.05 / 0.25); a row per method")
@@ -605,10 +607,12 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--kinds", type=_kinds, default=("image", "video"), help="shipped model kinds to bench (default image,video)")
     p.add_argument("--seeds", type=_positive, default=None, help="bench only the first N shipped training seeds (default all)")
     p.add_argument("--keep", type=_keeps, default=None, help="keep ratios for every model, e.g. 0.5,0.25")
-    p.add_argument("--methods", default=None, help="comma-separated method names to run (default: all registered)")
+    p.add_argument("--methods", type=method_list, default=None,
+                   help="comma-separated method names to run (default: all registered)")
     p.add_argument("--model", default=None, metavar="PATH_OR_HUB_ID",
                    help="bench a supported checkpoint with its own processor instead of the shipped models")
     p.add_argument("--out", default="runs/bench", help="output folder (default runs/bench)")
+    p.add_argument("--overwrite", action="store_true", help="replace the results of an earlier run in --out")
     p.add_argument("--batch-size", type=_positive, default=32)
     p.add_argument("--repeats", type=_positive, default=3, help="prefill timings per batch, the median counts (default 3)")
     p.add_argument("--time-batches", type=_positive, default=1, help="batches timed per setting (default 1)")

@@ -1,44 +1,208 @@
-"""The ``vlm-prune`` command. Each subcommand lives in its own module and registers itself
-through an ``add_parser(subparsers)`` function listed in ``SUBCOMMANDS``."""
+"""The ``vlm-prune`` command.
+
+Each subcommand lives in its own module, which provides ``add_parser(subparsers)`` (setting
+``func`` with ``set_defaults``) and is imported only when that subcommand runs, so that
+``vlm-prune --help`` answers at once instead of importing torch. A subcommand signals a usage
+mistake by raising :class:`UsageError`: one line on stderr, exit code 2, no traceback.
+"""
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib
+import os
+import re
+import shutil
 import sys
+from typing import NoReturn
 
-# module path -> provides add_parser(subparsers) that sets `func` via set_defaults
-SUBCOMMANDS = [
-    "vlm_prune.cli_methods",
-    "vlm_prune.eval.bench",
-    "vlm_prune.eval.cli",
-    "vlm_prune.frames.cli",
-    "vlm_prune.demo.cli",
-]
+# name -> (module providing add_parser(subparsers), one-line help)
+SUBCOMMANDS = {
+    "methods": ("vlm_prune.cli_methods", "list the pruning methods: name, stage, what each does, paper"),
+    "bench": ("vlm_prune.eval.bench", "every method on the shipped synthetic models: accuracy, tokens, FLOPs, time"),
+    "eval": ("vlm_prune.eval.cli", "evaluate a model and pruning methods on a video / image QA dataset"),
+    "keyframes": ("vlm_prune.frames.cli", "choose keyframes of videos with KeyScore + STACFP (or uniformly)"),
+    "demo": ("vlm_prune.demo.cli", "launch the Gradio demo: what a method prunes, and what it saves"),
+}
+EPILOG = "Run `vlm-prune COMMAND --help` for a command's options."
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="vlm-prune", description="Prune visual tokens, frames and patches of VLMs."
+class UsageError(Exception):
+    """A mistake in the command line or its inputs; the message says what is wrong and how to fix it."""
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse, with its errors on one line (no usage block): what is wrong, where to look."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def version() -> str:
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as dist_version
+
+    try:
+        return dist_version("vlm-prune")
+    except PackageNotFoundError:
+        return "unknown (not installed: pip install -e . in the checkout)"
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The parser; only ``command``'s module is imported (its options registered), the other
+    subcommands are listed by name and help alone."""
+    parser = Parser(
+        prog="vlm-prune", description="Prune visual tokens, frames and patches of Hugging Face VLMs.", epilog=EPILOG,
     )
+    parser.add_argument("--version", action="version", version=f"vlm-prune {version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name in SUBCOMMANDS:
+    for name, (module_name, help_text) in SUBCOMMANDS.items():
+        if name != command:
+            sub.add_parser(name, help=help_text)
+            continue
         try:
-            module = importlib.import_module(name)
+            module = importlib.import_module(module_name)
         except ModuleNotFoundError as err:
-            if err.name and name.startswith(err.name):
+            if err.name and module_name.startswith(err.name):
                 continue  # that subcommand is not part of this build
             raise
         module.add_parser(sub)
     return parser
 
 
+def _command(argv: list[str]) -> str | None:
+    """The subcommand named in ``argv`` (its first word that is not an option)."""
+    return next((a for a in argv if not a.startswith("-")), None)
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    command = _command(argv)
+    parser = build_parser(command if command in SUBCOMMANDS else None)
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
-    return int(args.func(args) or 0)
+    try:
+        return int(args.func(args) or 0)
+    except UsageError as err:
+        print(f"vlm-prune {args.command}: error: {err}", file=sys.stderr)
+        return 2
+    except BrokenPipeError:  # `vlm-prune methods | head`: the reader left, nothing is wrong
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+
+
+# ---- shared argument helpers ---------------------------------------------------------------
+def method_list(text: str) -> str:
+    """argparse type of a comma-separated list of registered method names ("a+b" pipelines
+    allowed): every name is checked, an unknown one rejected with the closest names."""
+    from vlm_prune.registry import available_methods
+
+    known = available_methods()
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    if not names:
+        raise argparse.ArgumentTypeError("expected comma-separated method names, e.g. pact,divprune")
+    for name in (part.strip() for n in names for part in n.split("+")):
+        if name.lower().replace("-", "_") not in known:
+            close = difflib.get_close_matches(name.lower(), known, n=2, cutoff=0.5)
+            hint = f"; did you mean {' or '.join(close)}?" if close else ""
+            raise argparse.ArgumentTypeError(f"unknown method {name!r}{hint} (see `vlm-prune methods`)")
+    return ",".join(names)
+
+
+def existing_file(text: str) -> str:
+    """argparse type of an input file that must exist."""
+    if not os.path.isfile(text):
+        what = "is a folder, not a file" if os.path.isdir(text) else "does not exist"
+        raise argparse.ArgumentTypeError(f"{text} {what}")
+    return text
+
+
+def positive_int(text: str) -> int:
+    """argparse type of a whole number >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """argparse type of a number > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}")
+    return value
+
+
+def checkpoint(text: str) -> str:
+    """argparse type of a checkpoint: a hub id ("org/name") or a local folder with config.json;
+    a path that is not such a folder is rejected before anything loads."""
+    path = os.path.expanduser(text)
+    looks_local = text.startswith((".", "/", "~")) or text.count("/") > 1 or os.path.exists(path)
+    if looks_local and not os.path.isfile(os.path.join(path, "config.json")):
+        what = "does not exist" if not os.path.exists(path) else "is not a checkpoint folder (no config.json)"
+        raise argparse.ArgumentTypeError(f"{text} {what}; give a local checkpoint folder or a Hugging Face hub "
+                                         "id such as org/name")
+    return text
+
+
+def fresh_output(folder: str, names: list[str], overwrite: bool) -> None:
+    """Refuse to replace an earlier run's ``names`` in ``folder`` unless ``overwrite``."""
+    found = [n for n in names if os.path.exists(os.path.join(folder, n))]
+    if found and not overwrite:
+        raise UsageError(f"{folder} already holds {', '.join(found)} from an earlier run; pass --overwrite to "
+                         "replace it or choose another --out")
+
+
+def plain_doc(doc: str | None) -> str:
+    """A module docstring for ``--help``: reStructuredText roles and literals as plain text."""
+    text = re.sub(r":[a-z]+:`~?([^`]+)`", r"\1", doc or "")
+    return text.replace("``", "")
+
+
+def fit_terminal(text: str, width: int | None = None, where: str = "the output files", cell: int = 40) -> str:
+    """Markdown ``text`` with every table cut to the terminal's width: cells shortened to
+    ``cell`` characters, rightmost columns dropped (they stay in ``where``), a note saying so."""
+    width = width or shutil.get_terminal_size((120, 24)).columns
+    out: list[str] = []
+    block: list[str] = []
+    for line in [*text.splitlines(), ""]:
+        if line.startswith("|"):
+            block.append(line)
+            continue
+        if block:
+            out += _fit_table(block, width, where, cell)
+            block = []
+        out.append(line)
+    return "\n".join(out[:-1])
+
+
+def _fit_table(lines: list[str], width: int, where: str, cell: int) -> list[str]:
+    if max(len(ln) for ln in lines) <= width:
+        return lines
+    rows = [[c.strip() for c in ln.strip().strip("|").split("|")] for ln in lines]
+    n_cols = max(len(r) for r in rows)
+    widths = [min(cell, max(len(r[i]) if i < len(r) else 0 for r in rows)) for i in range(n_cols)]
+    keep = n_cols
+    while keep > 1 and sum(widths[:keep]) + 3 * keep + 1 > width:
+        keep -= 1
+    fitted = []
+    for r in rows:
+        parts = [(r[i] if i < len(r) else "") for i in range(keep)]
+        if "".join(parts) and set("".join(parts)) <= set("-: "):
+            parts = ["-" * w for w in widths[:keep]]
+        fitted.append("| " + " | ".join(p[:w].ljust(w) for p, w in zip(parts, widths)) + " |")
+    dropped = n_cols - keep
+    if dropped:
+        fitted.append(f"({dropped} more column{'s' * (dropped > 1)} in {where})")
+    return fitted
 
 
 if __name__ == "__main__":

@@ -33,8 +33,9 @@ def summary(name: str) -> str:
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    text = "list the pruning methods: name, stage, what each does and its paper"
-    p = sub.add_parser("methods", help=text, description=text[0].upper() + text[1:] + ".")
+    p = sub.add_parser("methods", description=(
+        "List the registered pruning methods: name, stage (frames / vision / vit / llm), what each does in "
+        "one line, and its paper. Use the names with vlm_prune.wrap(model, NAME, keep=...) or --methods."))
     p.set_defaults(func=run)
 
 

@@ -3,9 +3,10 @@ from __future__ import annotations
 
 import difflib
 import inspect
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from vlm_prune.methods.base import Method
+if TYPE_CHECKING:  # the methods package imports this module to register itself
+    from vlm_prune.methods.base import Method
 
 _METHODS: dict[str, type[Method]] = {}
 
@@ -69,6 +70,8 @@ def method_class(name: str) -> type[Method]:
 
 def make_method(spec: str | Method, **kwargs: Any) -> Method:
     """A configured Method from a registered name (defaults) or a Method object as is."""
+    from vlm_prune.methods.base import Method
+
     if isinstance(spec, Method):
         return spec
     if isinstance(spec, str):

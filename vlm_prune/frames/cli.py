@@ -16,21 +16,22 @@ import json
 import os
 import sys
 
+from vlm_prune.cli import UsageError, checkpoint, existing_file, positive_float, positive_int
+
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "keyframes", help="choose keyframes of videos with KeyScore + STACFP (or uniformly)",
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    p.add_argument("videos", nargs="+", metavar="VIDEO", help="video files")
-    p.add_argument("--captions", metavar="FILE", help="captions: one line per video, or a .json mapping")
-    p.add_argument("--encoder", metavar="PATH_OR_ID", help="CLIP / SigLIP checkpoint for KeyScore")
+    p = sub.add_parser("keyframes", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("videos", nargs="+", metavar="VIDEO", type=existing_file, help="video files")
+    p.add_argument("--captions", metavar="FILE", type=existing_file,
+                   help="captions: one line per video, or a .json mapping")
+    p.add_argument("--encoder", metavar="PATH_OR_ID", type=checkpoint, help="CLIP / SigLIP checkpoint for KeyScore")
     p.add_argument("--method", choices=("keyscore", "uniform"), default="keyscore")
-    p.add_argument("--budget", type=int, default=8, help="frames to keep per video (default 8)")
+    p.add_argument("--budget", type=positive_int, default=8, help="frames to keep per video (default 8)")
     p.add_argument("--proposals", choices=("stacfp", "all"), default="stacfp",
                    help="candidate frames: STACFP cluster medoids (default) or every decoded frame")
-    p.add_argument("--fps", type=float, default=1.0, help="decode this many frames a second (default 1)")
-    p.add_argument("--num-frames", type=int, help="decode this many frames uniformly instead of --fps")
+    sampling = p.add_mutually_exclusive_group()
+    sampling.add_argument("--fps", type=positive_float, default=1.0, help="decode this many frames a second (default 1)")
+    sampling.add_argument("--num-frames", type=positive_int, help="decode this many frames uniformly instead of --fps")
     p.add_argument("--device", default="cpu", help="device of the encoder (default cpu)")
     p.add_argument("--out", metavar="FILE", default="-", help="JSON lines output (default: stdout)")
     p.set_defaults(func=run)
@@ -42,6 +43,8 @@ def read_captions(path: str, videos: list[str]) -> list[str]:
         text = fh.read()
     if path.endswith(".json"):
         table = json.loads(text)
+        if not isinstance(table, dict):
+            raise ValueError("a .json captions file maps video paths or file names to captions")
         out = []
         for v in videos:
             caption = table.get(v, table.get(os.path.basename(v)))
@@ -64,17 +67,20 @@ def run(args: argparse.Namespace) -> int:
     from vlm_prune.frames.select import select_frames
     from vlm_prune.video import VideoError
 
-    if args.budget < 1:
-        print("error: --budget must be >= 1", file=sys.stderr)
-        return 2
     encoder = None
+    if args.method == "keyscore" and (not args.encoder or not args.captions):
+        raise UsageError("--method keyscore needs --encoder PATH_OR_ID (a CLIP / SigLIP checkpoint) and "
+                         "--captions FILE; or use --method uniform")
+    try:
+        captions = read_captions(args.captions, args.videos) if args.captions else [""] * len(args.videos)
+    except (ValueError, UnicodeDecodeError) as err:  # json.JSONDecodeError is a ValueError
+        raise UsageError(f"--captions {args.captions}: {err}") from None
     if args.method == "keyscore":
-        if not args.encoder or not args.captions:
-            print("error: --method keyscore needs --encoder PATH_OR_ID (a CLIP / SigLIP checkpoint) "
-                  "and --captions FILE", file=sys.stderr)
-            return 2
-        encoder = load_encoder(args.encoder, device=args.device)
-    captions = read_captions(args.captions, args.videos) if args.captions else [""] * len(args.videos)
+        try:
+            encoder = load_encoder(args.encoder, device=args.device)
+        except ValueError as err:
+            raise UsageError(str(err).split(". Give")[0].splitlines()[0] + "; give a CLIP / SigLIP checkpoint "
+                             "folder or hub id") from None
     failed = 0
     sink = contextlib.nullcontext(sys.stdout) if args.out == "-" else open(args.out, "w", encoding="utf-8")  # noqa: SIM115
     with sink as out:
@@ -83,13 +89,17 @@ def run(args: argparse.Namespace) -> int:
             try:
                 sel = select_frames(
                     video, caption, method=args.method, budget=args.budget, encoder=encoder,
-                    proposals=args.proposals, num_frames=args.num_frames, fps=args.fps,
+                    proposals=args.proposals, num_frames=args.num_frames, fps=None if args.num_frames else args.fps,
                 )
             except VideoError as err:
                 failed += 1
                 record["error"] = str(err)
                 print(f"warning: {err}", file=sys.stderr)
             else:
+                if len(sel.indices) < args.budget:
+                    print(f"note: {video}: returned {len(sel.indices)} frames, fewer than --budget {args.budget}: "
+                          f"the clip gave only {len(sel.candidates)} candidate frames at these sampling settings "
+                          "(raise --fps or --num-frames for more)", file=sys.stderr)
                 record.update(
                     indices=sel.indices.tolist(),
                     scores=None if sel.scores is None else [round(float(s), 6) for s in sel.scores],

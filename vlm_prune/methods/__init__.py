@@ -17,7 +17,9 @@ from vlm_prune.methods.divprune import DivPrune
 from vlm_prune.methods.cdpruner import CDPruner
 from vlm_prune.methods.asvit import ASViT
 from vlm_prune.methods.tome import ToMe
-from vlm_prune.frames import KeyScore, QuoTA, Uniform
+from vlm_prune.frames.keyscore import KeyScore
+from vlm_prune.frames.quota import QuoTA
+from vlm_prune.frames.uniform import Uniform
 
 __all__ = [
     "Method", "VisionMethod", "LLMMethod", "FramesMethod", "Reduction", "VisionContext", "LayerContext",
