@@ -1,9 +1,11 @@
-"""The Gradio demo: rendering helpers on hand-made inputs, the unpruned/pruned comparison on the
-shipped synthetic models, and the launched app called through gradio_client."""
+"""The Gradio demo: rendering helpers on hand-made inputs, the unpruned / pruned comparison on the
+shipped synthetic models (its FLOPs and token figures against the eval metrics, one column per
+method, failures as messages), and the launched app called through gradio_client."""
 from __future__ import annotations
 
 import json
 import socket
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -14,11 +16,13 @@ import vlm_prune
 from vlm_prune.api import is_wrapped
 from vlm_prune.demo import overlay
 from vlm_prune.demo.session import (
-    DemoError, Media, Session, answer, build_pipeline, encode, load_synthetic, normalise_question, read_media,
+    DemoError, Media, Session, answer, build_pipeline, encode, load_synthetic, model_box, normalise_question,
+    parse_entries, read_media,
 )
+from vlm_prune.eval import metrics
 
 gradio_client = pytest.importorskip("gradio_client")
-from vlm_prune.demo.app import EXAMPLES_DIR, build_app, launch, load_examples
+from vlm_prune.demo.app import EXAMPLES_DIR, MAX_COLUMNS, build_app, launch, load_examples, media_kind, method_choices, thumbnail
 
 
 def free_port() -> int:
@@ -55,26 +59,41 @@ def test_frames_kept_counts_per_frame_and_ignores_the_trailing_newline():
         overlay.frames_kept(np.ones(3, dtype=bool), 4)
 
 
-def test_model_view_undoes_the_normalisation():
-    x = torch.rand(3, 4, 5)
-    mean, std = (0.5, 0.4, 0.3), (0.2, 0.25, 0.3)
-    pixels = (x - torch.tensor(mean).view(3, 1, 1)) / torch.tensor(std).view(3, 1, 1)
-    expected = (x * 255).round().byte().permute(1, 2, 0).numpy()
-    assert np.abs(overlay.model_view(pixels, mean, std).astype(int) - expected).max() <= 1
+def test_display_size_keeps_the_uploads_resolution_within_bounds():
+    assert overlay.display_size(1024, 768) == (1024, 768)
+    assert overlay.display_size(4500, 3000) == (overlay.MAX_SIDE, round(overlay.MAX_SIDE * 3000 / 4500))
+    assert overlay.display_size(64, 64) == (overlay.MIN_WIDTH, overlay.MIN_WIDTH)
 
 
-def test_grid_overlay_darkens_dropped_cells_and_keeps_kept_ones():
-    picture = np.full((4, 4, 3), 200, dtype=np.uint8)
-    out = np.asarray(overlay.grid_overlay(picture, np.array([True, False, False, True]), (2, 2), ["x"], side=40))
-    assert out.shape[1] == 40 and out.shape[0] > 40  # caption band below the 40 x 40 picture
+def test_grid_overlay_darkens_dropped_cells_and_greys_what_the_model_never_saw():
+    picture = np.full((600, 800, 3), 200, dtype=np.uint8)  # drawn at its own size
+    box = (100, 0, 700, 600)  # the centre crop: a 2 x 2 grid of 300 px cells
+    out = np.asarray(overlay.grid_overlay(picture, np.array([True, False, False, True]), (2, 2), ["x"], box=box))
+    assert out.shape[1] == 800 and out.shape[0] > 600  # caption band below
     dropped = (1 - overlay.DROPPED_ALPHA) * 200 + overlay.DROPPED_ALPHA * np.array(overlay.DROPPED_TINT)
-    assert np.abs(out[10, 30].astype(float) - dropped).max() <= 1  # row 0, col 1: dropped
-    assert out[10, 10].tolist() == [200, 200, 200]  # row 0, col 0: kept, untouched inside
-    assert out[0, 0].tolist() == list(overlay.KEPT_OUTLINE)  # ... and outlined
+    outside = (1 - overlay.OUTSIDE_ALPHA) * 200 + overlay.OUTSIDE_ALPHA * np.array(overlay.OUTSIDE_TINT)
+    assert np.abs(out[150, 550].astype(float) - dropped).max() <= 1  # row 0, col 1: dropped
+    assert out[150, 250].tolist() == [200, 200, 200]  # row 0, col 0: kept, untouched inside
+    assert out[0, 100].tolist() == list(overlay.KEPT_OUTLINE)  # ... and outlined
+    assert np.abs(out[300, 50].astype(float) - outside).max() <= 1  # cropped away by the processor
     with pytest.raises(ValueError, match="needs 4 tokens, got 6"):
         overlay.grid_overlay(picture, np.ones(6, dtype=bool), (2, 2), ["x"])
-    wide = np.asarray(overlay.grid_overlay(picture, np.array([False, True, False, False, False, False]), (2, 3), ["x"], side=60))
-    assert wide[10, 30].tolist() == [200, 200, 200] and wide[10, 10].tolist() != [200, 200, 200]
+
+
+def test_score_heatmap_colours_cells_by_rank():
+    picture = np.zeros((448, 448, 3), dtype=np.uint8)
+    out = np.asarray(overlay.score_heatmap(picture, np.array([0.0, 1.0, 2.0, 2.0]), (2, 2), ["x"]))
+    low, high = out[100, 100].astype(float), out[100, 300].astype(float)
+    assert np.abs(low - overlay.HEAT_ALPHA * np.array(overlay.HEAT_STOPS[0])).max() <= 1
+    assert np.abs(high - overlay.HEAT_ALPHA * np.array(overlay.HEAT_STOPS[1])).max() <= 1  # the middle score
+    assert np.abs(out[300, 300].astype(float) - overlay.HEAT_ALPHA * np.array(overlay.HEAT_STOPS[2])).max() <= 1
+
+
+def test_model_box_is_the_processors_centre_crop(session):
+    processor = session.models["image"].processor  # CLIP: short side to 64, then a 64 x 64 centre crop
+    assert model_box(processor, {}, 800, 600) == (100, 0, 700, 600)
+    assert model_box(processor, {}, 300, 500) == (0, 100, 300, 400)
+    assert model_box(object(), {}, 300, 500) == (0, 0, 300, 500)
 
 
 def test_image_grid_square_or_from_grid_thw():
@@ -99,6 +118,13 @@ def test_frame_strip_greys_frames_without_tokens():
 
 
 # ---- request parsing -----------------------------------------------------------------------------
+def test_parse_entries_makes_one_column_per_entry():
+    assert parse_entries(["pact", " keyscore + pact ", "pact"]) == ["pact", "keyscore+pact"]
+    assert parse_entries("fastv") == ["fastv"]
+    with pytest.raises(DemoError, match="pick at least one method"):
+        parse_entries([])
+
+
 def test_build_pipeline_splits_stages_and_sets_the_llm_layer():
     frames, llm = build_pipeline(["keyscore+pact"], layer=1)
     assert (frames.name, frames.stage, llm.name, llm.layer) == ("keyscore", "frames", "pact", 1)
@@ -139,28 +165,85 @@ def test_examples_are_small_and_listed():
     files = [EXAMPLES_DIR / p.name for p in EXAMPLES_DIR.iterdir()]
     assert sum(f.stat().st_size for f in files) < 2_000_000
     listed = {json_row["file"] for json_row in json.loads((EXAMPLES_DIR / "examples.json").read_text())}
-    assert {r[0].rsplit("/", 1)[1] for r in rows} == listed
+    assert {r["file"] for r in rows} == listed and all(Path(r["path"]).is_file() for r in rows)
+    for r in rows:  # the gallery's thumbnails: videos marked with a white play triangle
+        thumb = thumbnail(r["path"])
+        assert 80 <= thumb.width <= 160 and thumb.mode == "RGB"
+        assert (thumb.getpixel((12, 20)) == (255, 255, 255)) == r["file"].endswith(".mp4")
     assert {"astronaut.jpg", "coffee.jpg", "chelsea.jpg", "bikes.mp4"} <= listed
 
 
 # ---- the comparison ----------------------------------------------------------------------------
-def test_run_matches_the_model_and_unwraps(session):
+def test_run_matches_the_model_and_the_eval_metrics(session):
     path = EXAMPLES_DIR / "synthetic_colour_0.png"
-    out = session.run(path, "what colour is the shape ?", ["random"], keep=0.25)
+    question = "what colour is the shape ?"
+    out = session.run(path, question, ["random", "fastv"], keep=0.25)
     loaded = session.models["image"]
     assert not is_wrapped(loaded.model)
-    inputs = encode(loaded, Media("image", image=Image.open(path).convert("RGB")), "what colour is the shape ?")
+    inputs = encode(loaded, Media("image", image=Image.open(path).convert("RGB")), question)
     assert out.answer_unpruned == answer(loaded, inputs, session.max_new_tokens)
     vlm_prune.wrap(loaded.model, "random", keep=0.25)
     try:
-        assert out.answer_pruned == answer(loaded, inputs, session.max_new_tokens)
+        assert out.columns[0].answer == answer(loaded, inputs, session.max_new_tokens)
     finally:
         vlm_prune.unwrap(loaded.model)
-    assert out.stats["visual_tokens_in"] == [64] and out.stats["visual_tokens_out"] == [16]
-    assert sum(out.stats["kept_grid"]) == 16 and len(out.stats["kept_grid"]) == 64
-    assert out.ttft_unpruned > 0 and out.ttft_pruned > 0
-    assert out.speedup == pytest.approx(out.ttft_unpruned / out.ttft_pruned)
-    assert "| visual tokens | 64 | 16 (25%) |" in out.markdown()
+    random, fastv = out.columns
+    assert [c.name for c in out.columns] == ["random", "fastv"] and not random.error and not fastv.error
+    seq, layers = inputs["input_ids"].shape[1], loaded.depth
+    assert random.stats["visual_tokens_in"] == [64] and random.stats["visual_tokens_out"] == [16]
+    assert (random.cost.visual_in, random.cost.visual_out, random.cost.visual_layer_avg) == (64, 16, 16)
+    expected = metrics.prefill_flops(loaded.model.config, metrics.rows_per_layer(layers, seq, random.stats))
+    assert random.cost.flops_ratio == pytest.approx(expected / metrics.prefill_flops(loaded.model.config, [seq] * layers))
+    k = fastv.stats["stages"][0]["layer"]  # FastV keeps all 64 before its layer, 16 from it on
+    assert fastv.cost.visual_layer_avg == pytest.approx((64 * k + 16 * (layers - k)) / layers)
+    assert fastv.cost.flops_ratio > random.cost.flops_ratio
+    assert sum(random.stats["kept_grid"]) == 16 and len(random.stats["kept_grid"]) == 64
+    assert len(random.timing.seconds) == session.timing_repeats and random.timing.median > 0
+    assert fastv.heatmap is not None and random.heatmap is None and "no score heatmap" in random.heatmap_note
+    assert random.picture.width == overlay.MIN_WIDTH  # the 64 x 64 upload, enlarged
+    table = out.markdown()
+    assert "| **visual tokens, final** | 64 | **16** (25%) | **16** (25%) |" in table
+    assert f"**x{random.cost.flops_ratio:.2f}**" in table and "median of 1" in table
+    summary = out.summary()
+    json.dumps(summary)
+    assert [p["pipeline"] for p in summary["pruned"]] == ["random", "fastv"]
+
+
+def test_vit_methods_render(session):
+    out = session.run(EXAMPLES_DIR / "synthetic_colour_0.png", "what colour is the shape ?", ["tome", "asvit"], keep=0.25)
+    for col in out.columns:
+        assert col.error is None and col.answer and col.picture is not None
+        assert col.cost.vit_flops_ratio < 1
+    assert "vision tower FLOPs (ideal)" in out.markdown()
+
+
+def test_a_failing_column_is_a_message_and_the_others_still_run(session):
+    out = session.run(EXAMPLES_DIR / "coffee.jpg", "is there a coloured shape ?", ["quota", "random"], keep=0.5)
+    quota, random = out.columns
+    assert "cannot prune this model with quota" in quota.error and "frames" in quota.error
+    assert quota.picture is None and "could not run" in quota.card()
+    assert random.error is None and random.answer and "`quota`" not in out.markdown()
+    assert not is_wrapped(session.models["image"].model)
+
+
+def test_offered_methods_are_those_the_model_takes(session):
+    image = session.offered("image", ("keyscore+pact",))
+    video = session.offered("video", ("keyscore+pact",))
+    assert {"tome", "asvit", "pact", "random"} <= set(image) and not {"keyscore", "uniform", "quota", "keyscore+pact"} & set(image)
+    assert {"keyscore", "uniform", "pact", "keyscore+pact"} <= set(video) and not {"tome", "asvit"} & set(video)
+    labels = dict((v, label) for label, v in method_choices(session, "image"))
+    assert labels["divprune"].startswith("divprune - ") and "diversity" in labels["divprune"]
+    assert media_kind(str(EXAMPLES_DIR / "bikes.mp4")) == "video" and media_kind(str(EXAMPLES_DIR / "coffee.jpg")) == "image"
+
+
+def test_unknown_words_are_named_and_the_toy_says_what_it_is(session, tmp_path):
+    photo = tmp_path / "photo.jpg"
+    Image.open(EXAMPLES_DIR / "astronaut.jpg").resize((900, 600)).save(photo)
+    out = session.run(photo, "What is the astronaut holding?", ["random"], keep=0.5)
+    assert "'astronaut', 'holding' (read as `<unk>`)" in out.warning and "toy" in out.warning and "--model" in out.warning
+    assert any("TOY" in n and "--model" in n for n in session.notes())
+    col = out.columns[0]
+    assert col.picture.width == 900  # drawn on the photo at its own resolution
 
 
 def test_default_layer_follows_the_models_depth(session, monkeypatch):
@@ -172,26 +255,26 @@ def test_default_layer_follows_the_models_depth(session, monkeypatch):
 def test_keep_everything_answers_like_the_unpruned_model(session):
     out = session.run(EXAMPLES_DIR / "synthetic_position_2.png", "is the coloured shape left or right ?",
                       ["random"], keep=1.0)
-    assert out.answer_pruned == out.answer_unpruned
-    assert all(out.stats["kept_grid"])
+    assert out.columns[0].answer == out.answer_unpruned
+    assert all(out.columns[0].stats["kept_grid"]) and out.columns[0].cost.flops_ratio == 1.0
 
 
 def test_video_strip_reports_the_frames_plan(session):
     out = session.run(EXAMPLES_DIR / "synthetic_clip.mp4", "what colour is the shape ?", ["keyscore"], keep=0.25)
-    frames = next(r for r in out.stats["stages"] if r["stage"] == "frames")["videos"][0]
-    assert out.stats["frames_kept_tokens"] == frames["tokens_per_frame"]  # no later stage: budgets are kept
-    assert sum(out.stats["frames_kept_tokens"]) == out.stats["visual_tokens_out"][0]  # the newline is not a visual token
-    assert out.picture.width == overlay.STRIP_COLUMNS * overlay.FRAME_SIDE
+    col = out.columns[0]
+    frames = next(r for r in col.stats["stages"] if r["stage"] == "frames")["videos"][0]
+    assert col.stats["frames_kept_tokens"] == frames["tokens_per_frame"]  # no later stage: budgets are kept
+    assert sum(col.stats["frames_kept_tokens"]) == col.stats["visual_tokens_out"][0]  # the newline is not a visual token
+    assert col.cost.visual_in == out.cost_unpruned.visual_in == col.stats["visual_tokens_in"][0]
+    assert col.picture.width == overlay.STRIP_COLUMNS * overlay.FRAME_SIDE
 
 
-def test_errors_are_messages_and_leave_the_model_unwrapped(session):
-    with pytest.raises(DemoError, match="cannot prune this model with quota.*frames"):
-        session.run(EXAMPLES_DIR / "coffee.jpg", "is there a coloured shape ?", ["quota"], keep=0.5)
-    assert not is_wrapped(session.models["image"].model)
+def test_requests_that_cannot_run_raise_messages(session):
     with pytest.raises(DemoError, match="type a question"):
         session.run(EXAMPLES_DIR / "coffee.jpg", "   ", ["random"], keep=0.5)
     with pytest.raises(DemoError, match="upload an image or a video"):
         session.run(None, "what ?", ["random"], keep=0.5)
+    assert not is_wrapped(session.models["image"].model)
 
 
 def test_untrained_fallback_says_so(monkeypatch):
@@ -209,41 +292,54 @@ def test_cli_registers_the_demo_subcommand():
     from vlm_prune.cli import build_parser
     from vlm_prune.demo import cli
 
-    args = build_parser().parse_args(["demo", "--port", "1234", "--share", "no"])
-    assert args.func is cli.run and args.port == 1234 and args.model is None and args.share == "no"
+    args = build_parser("demo").parse_args(["demo", "--port", "1234", "--share", "no"])
+    assert args.func is cli.run and args.port == 1234 and args.model == [] and args.share == "no"
 
 
 # ---- the launched app, through gradio_client ---------------------------------------------------
-def test_app_image_request(client):
-    unpruned, pruned, summary, picture, stats = client.predict(
-        gradio_client.handle_file(str(EXAMPLES_DIR / "synthetic_colour_0.png")), "What colour is the shape?",
-        ["random"], 0.25, 1, api_name="/run")
-    assert unpruned and pruned and unpruned == stats["answer_unpruned"] and pruned == stats["answer_pruned"]
-    assert stats["visual_tokens_out"] == [16] and "speed-up" in summary
-    im = Image.open(picture)
-    assert im.format == "PNG" and im.width == overlay.IMAGE_SIDE
+def predict(client, session, path, question, methods, keep=0.25, layer=1):
+    out = client.predict(session.name, gradio_client.handle_file(str(path)), question, methods, keep, layer,
+                         api_name="/run")
+    status, unpruned, summary, stats = out[:4]
+    cards = [out[4 + 3 * i : 7 + 3 * i] for i in range(MAX_COLUMNS)]
+    return status, unpruned, summary, stats, cards
 
 
-def test_app_video_pipeline_request(client):
-    _, pruned, _, picture, stats = client.predict(
-        gradio_client.handle_file(str(EXAMPLES_DIR / "synthetic_clip.mp4")), "what colour is the shape ?",
-        ["keyscore", "pact"], 0.25, 1, api_name="/run")
-    assert [r["method"] for r in stats["stages"]] == ["keyscore", "pact"]
-    assert len(stats["frames_kept_tokens"]) == 16 and pruned
-    assert Image.open(picture).width == overlay.STRIP_COLUMNS * overlay.FRAME_SIDE
+def test_app_image_request_one_column_per_method(client, session):
+    status, unpruned, summary, stats, cards = predict(
+        client, session, EXAMPLES_DIR / "synthetic_colour_0.png", "What colour is the shape?", ["random", "tome"])
+    assert unpruned == stats["unpruned"]["answer"] and "Done: 2 of 2" in status
+    assert [p["pipeline"] for p in stats["pruned"]] == ["random", "tome"]
+    assert stats["pruned"][0]["visual_tokens_out"] == 16 and "LLM prefill FLOPs" in summary
+    for (card, kept, _), name in zip(cards[:2], ["random", "tome"]):
+        assert f"### `{name}`" in card and "**answer:**" in card
+        im = Image.open(kept)
+        assert im.format == "PNG" and im.width == overlay.MIN_WIDTH
+    assert cards[2] == ("", None, None)
 
 
-def test_app_bad_requests_show_messages(client, tmp_path):
+def test_app_video_pipeline_request(client, session):
+    _, _, _, stats, cards = predict(client, session, EXAMPLES_DIR / "synthetic_clip.mp4", "what colour is the shape ?",
+                                    ["keyscore+pact"])
+    column = stats["pruned"][0]
+    assert [r["method"] for r in column["last_stats"]["stages"]] == ["keyscore", "pact"]
+    assert len(column["last_stats"]["frames_kept_tokens"]) == 16 and column["answer"]
+    assert Image.open(cards[0][1]).width == overlay.STRIP_COLUMNS * overlay.FRAME_SIDE
+
+
+def test_app_bad_requests_show_messages_and_clear_the_result(client, session, tmp_path):
     fake = tmp_path / "fake.png"
     fake.write_text("not a picture")
+    cases = [
+        (fake, "what ?", ["random"], "neither an image"),
+        (EXAMPLES_DIR / "coffee.jpg", "", ["random"], "type a question"),
+        (EXAMPLES_DIR / "coffee.jpg", "what ?", ["a", "b", "c", "d", "e"], f"at most {MAX_COLUMNS} methods"),
+    ]
+    for path, question, methods, message in cases:
+        status, unpruned, summary, stats, cards = predict(client, session, path, question, methods)
+        assert "Cannot run this request" in status and message in status
+        assert (unpruned, summary, stats) == ("", "", {}) and all(c == ("", None, None) for c in cards)
     text = tmp_path / "notes.txt"
     text.write_text("hello")
-    cases = [
-        (fake, "what ?", "neither an image"),
-        (text, "what ?", "Invalid file type"),
-        (EXAMPLES_DIR / "coffee.jpg", "", "type a question"),
-    ]
-    for path, question, message in cases:
-        with pytest.raises(gradio_client.exceptions.AppError, match=message) as err:
-            client.predict(gradio_client.handle_file(str(path)), question, ["random"], 0.25, 1, api_name="/run")
-        assert "Traceback" not in str(err.value)
+    with pytest.raises(gradio_client.exceptions.AppError, match="Invalid file type"):
+        predict(client, session, text, "what ?", ["random"])

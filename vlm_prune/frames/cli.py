@@ -16,11 +16,11 @@ import json
 import os
 import sys
 
-from vlm_prune.cli import UsageError, checkpoint, existing_file, positive_float, positive_int
+from vlm_prune.cli import UsageError, checkpoint, existing_file, plain_doc, positive_float, positive_int
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("keyframes", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = sub.add_parser("keyframes", description=plain_doc(__doc__), formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("videos", nargs="+", metavar="VIDEO", type=existing_file, help="video files")
     p.add_argument("--captions", metavar="FILE", type=existing_file,
                    help="captions: one line per video, or a .json mapping")
