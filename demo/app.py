@@ -133,6 +133,7 @@ def build_app(sessions: dict[str, Session] | Session, examples_dir: Path = EXAMP
             chosen = [methods] if isinstance(methods, str) else list(methods or [])
             if len(chosen) > MAX_COLUMNS:
                 raise DemoError(f"pick at most {MAX_COLUMNS} methods to compare (got {len(chosen)})")
+            yield empty("Running ...")  # the previous result goes at once
             comp = None
             for comp in session.stream(path, question, chosen, keep, int(layer or 0),
                                        progress=lambda frac, desc: progress(frac, desc=desc)):
@@ -179,7 +180,9 @@ def build_app(sessions: dict[str, Session] | Session, examples_dir: Path = EXAMP
                                          height=240)
                 question = gr.Textbox(label="Question", placeholder="what colour is the shape ?", elem_id="question")
                 choices = method_choices(first, "image")
-                methods = gr.Dropdown(choices, value=[choices[0][1]] if choices else [], multiselect=True,
+                values = [v for _, v in choices]
+                default = next((m for m in ("divprune", "random") if m in values), values[0] if values else None)
+                methods = gr.Dropdown(choices, value=[default] if default else [], multiselect=True,
                                       max_choices=MAX_COLUMNS, allow_custom_value=True, label="Methods",
                                       info=f"up to {MAX_COLUMNS}, one column each; 'a+b' is one two-stage pipeline",
                                       elem_id="methods")
@@ -219,9 +222,9 @@ def build_app(sessions: dict[str, Session] | Session, examples_dir: Path = EXAMP
 def _status(comp: Comparison, done: bool) -> str:
     lines = [f"**Note:** {comp.warning}"] if comp.warning else []
     failed = [c.name for c in comp.columns if c.error]
+    ran = [c.name for c in comp.columns if not c.error]
     if done:
-        ok = len(comp.columns) - len(failed)
-        lines.append(f"Done: {ok} of {len(comp.columns)} methods ran on `{comp.model}`"
+        lines.append(f"Done on `{comp.model}`: " + (f"ran {', '.join(ran)}" if ran else "nothing ran")
                      + (f"; could not run: {', '.join(failed)} (see their columns)" if failed else "") + ".")
     else:
         lines.append("Running ...")

@@ -100,8 +100,8 @@ class LoadedModel:
 
 
 TOY_NOTE = (
-    "the synthetic {kind} model is a TOY ({layers} decoder layers) trained only on pictures of coloured shapes: "
-    "it answers questions such as 'what colour is the shape ?' and talks nonsense about real photos. "
+    "the synthetic models are TOYS ({layers} decoder layers) trained only on pictures of coloured shapes: "
+    "they answer questions such as 'what colour is the shape ?' and talk nonsense about real photos. "
     "Its timings are mostly fixed overhead; the FLOPs figures are what pruning saves on a model of real size. "
     "For a real model: `vlm-prune demo --model llava-hf/llava-onevision-qwen2-0.5b-ov-hf` (a hub id or a local folder)."
 )
@@ -122,7 +122,7 @@ def load_synthetic(kind: MediaKind) -> LoadedModel:
             f"no trained weights at {model_path(kind)}: the {name} is UNTRAINED, its answers are noise "
             f"(train it with `python -m vlm_prune.eval.synthetic.train --kind {kind}`)"
         )]
-    notes.append(TOY_NOTE.format(layers=model.config.get_text_config().num_hidden_layers, kind=kind))
+    notes.append(TOY_NOTE.format(layers=model.config.get_text_config().num_hidden_layers))
     return LoadedModel(model, processor, name, notes, toy=True)
 
 
@@ -485,14 +485,10 @@ class Session:
         return " / ".join(names)
 
     def notes(self) -> list[str]:
-        seen, lines = set(), []
+        lines = []
         for kind, loaded in self.models.items():
-            if loaded is None:
-                lines.append(f"{kind}s: not supported by this model")
-            elif id(loaded) not in seen:
-                seen.add(id(loaded))
-                lines += loaded.notes
-        return lines
+            lines += [f"{kind}s: not supported by this model"] if loaded is None else loaded.notes
+        return list(dict.fromkeys(lines))
 
     def default_layer(self) -> int:
         """The prune layer the UI proposes: 0 = each method's own default, or 1 on a model too

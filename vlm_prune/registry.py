@@ -22,7 +22,9 @@ def register(cls: type[Method]) -> type[Method]:
 
 
 def _load_builtin() -> None:
-    import vlm_prune.methods  # noqa: F401  (importing registers the built-in methods)
+    from vlm_prune.methods import load_builtin
+
+    load_builtin()
 
 
 def available_methods() -> list[str]:

@@ -3,7 +3,6 @@
 Importing registers the frames-stage methods "quota" (QuoTA), "keyscore" (KeyScore + STACFP)
 and "uniform"; :func:`select_frames` chooses keyframes outside any model.
 """
-import vlm_prune.methods  # noqa: F401 - first: the methods package imports this package's method modules
 from vlm_prune.frames.keyscore import HFImageTextEncoder, KeyScore, load_encoder
 from vlm_prune.frames.quota import QuoTA
 from vlm_prune.frames.scorers import vlm_scorer

@@ -1,4 +1,7 @@
-"""Built-in methods. Importing this package registers them all."""
+"""Built-in methods: the base classes, and every method class by name (see ``BUILTIN``)."""
+import importlib
+from typing import Any
+
 from vlm_prune.methods.base import (
     FramesMethod,
     LayerContext,
@@ -8,18 +11,42 @@ from vlm_prune.methods.base import (
     VisionContext,
     VisionMethod,
 )
-from vlm_prune.methods.simple import Pool, Random
-from vlm_prune.methods.fastv import FastV
-from vlm_prune.methods.pact import PACT
-from vlm_prune.methods.adaptinfer import AdaptInfer
-from vlm_prune.methods.visionzip import VisionZip
-from vlm_prune.methods.divprune import DivPrune
-from vlm_prune.methods.cdpruner import CDPruner
-from vlm_prune.methods.asvit import ASViT
-from vlm_prune.methods.tome import ToMe
-from vlm_prune.frames.keyscore import KeyScore
-from vlm_prune.frames.quota import QuoTA
-from vlm_prune.frames.uniform import Uniform
+
+# built-in method classes -> the module defining (and registering) each; imported on first use or
+# by the registry, so that importing one method module never has to import all the others first
+BUILTIN = {
+    "Random": "vlm_prune.methods.simple",
+    "Pool": "vlm_prune.methods.simple",
+    "FastV": "vlm_prune.methods.fastv",
+    "PACT": "vlm_prune.methods.pact",
+    "AdaptInfer": "vlm_prune.methods.adaptinfer",
+    "VisionZip": "vlm_prune.methods.visionzip",
+    "DivPrune": "vlm_prune.methods.divprune",
+    "CDPruner": "vlm_prune.methods.cdpruner",
+    "ASViT": "vlm_prune.methods.asvit",
+    "ToMe": "vlm_prune.methods.tome",
+    "KeyScore": "vlm_prune.frames.keyscore",
+    "QuoTA": "vlm_prune.frames.quota",
+    "Uniform": "vlm_prune.frames.uniform",
+}
+
+
+def load_builtin() -> None:
+    """Import (and so register) every built-in method."""
+    for module in dict.fromkeys(BUILTIN.values()):
+        importlib.import_module(module)
+
+
+def __getattr__(name: str) -> Any:
+    if name in BUILTIN:
+        return getattr(importlib.import_module(BUILTIN[name]), name)
+    try:
+        return importlib.import_module(f"{__name__}.{name}")
+    except ModuleNotFoundError as err:
+        if err.name != f"{__name__}.{name}":
+            raise
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
+
 
 __all__ = [
     "Method", "VisionMethod", "LLMMethod", "FramesMethod", "Reduction", "VisionContext", "LayerContext",
