@@ -119,7 +119,8 @@ def build_app(sessions: dict[str, Session] | Session, examples_dir: Path = EXAMP
         for i in range(MAX_COLUMNS):
             if i < len(comp.columns):
                 col = comp.columns[i]
-                out += [gr.update(visible=True), col.card(), col.picture, col.heatmap]
+                out += [gr.update(visible=True), col.card(), col.picture,
+                        gr.update(value=col.heatmap, visible=col.heatmap is not None)]
             else:
                 out += [gr.update(visible=False), "", None, None]
         return out
@@ -203,7 +204,7 @@ def build_app(sessions: dict[str, Session] | Session, examples_dir: Path = EXAMP
                 slots: list[Any] = []
                 with gr.Row(equal_height=False):
                     for i in range(MAX_COLUMNS):
-                        with gr.Column(visible=False, min_width=220, elem_id=f"column{i}", elem_classes="method-column") as col:
+                        with gr.Column(visible=False, min_width=120, elem_id=f"column{i}", elem_classes="method-column") as col:
                             card = gr.Markdown(elem_id=f"card{i}")
                             kept = gr.Image(label="What was kept", type="pil", format="png", interactive=False,
                                             elem_id=f"kept{i}")
