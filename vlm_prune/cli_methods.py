@@ -40,10 +40,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from vlm_prune.registry import available_methods, method_class
+    from vlm_prune.registry import describe_methods
 
-    for name in available_methods():
-        cls = method_class(name)
-        print(f"{name:11s} {cls.stage:7s} {summary(name)}")
-        print(f"{'':19s} {cls.paper}")
+    for m in describe_methods():
+        print(f"{m['name']:11s} {m['stage']:7s} {summary(m['name'])}")
+        print(f"{'':19s} {m['paper']}")
+        knobs = ", ".join(f"{k}={v!r}" for k, v in m["knobs"].items())
+        models = ", ".join(m["supported"]) if m["supported"] else "all supported models"
+        print(f"{'':19s} knobs: {knobs or '(none)'}; models: {models}")
     return 0
