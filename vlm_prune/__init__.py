@@ -23,17 +23,21 @@ __all__ = [*_EXPORTS, "__version__"]
 __version__ = "0.1.0"
 
 
-def __getattr__(name: str) -> Any:
-    if name in _EXPORTS:
-        value = getattr(importlib.import_module(_EXPORTS[name]), name)
-        globals()[name] = value
-        return value
+def lazy_attribute(package: str, exports: dict[str, str], name: str) -> Any:
+    """A package's ``__getattr__``: ``name`` from the module ``exports`` maps it to, else the
+    package's submodule ``name``, both imported on first use."""
+    if name in exports:
+        return getattr(importlib.import_module(exports[name]), name)
     try:
-        return importlib.import_module(f"{__name__}.{name}")
+        return importlib.import_module(f"{package}.{name}")
     except ModuleNotFoundError as err:
-        if err.name != f"{__name__}.{name}":
+        if err.name != f"{package}.{name}":
             raise
-        raise AttributeError(f"module 'vlm_prune' has no attribute {name!r}") from None
+        raise AttributeError(f"module {package!r} has no attribute {name!r}") from None
+
+
+def __getattr__(name: str) -> Any:
+    return lazy_attribute(__name__, _EXPORTS, name)
 
 
 def __dir__() -> list[str]:

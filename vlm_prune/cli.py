@@ -14,7 +14,7 @@ import os
 import re
 import shutil
 import sys
-from typing import NoReturn
+from typing import Any, NoReturn
 
 # name -> (module providing add_parser(subparsers), one-line help)
 SUBCOMMANDS = {
@@ -119,26 +119,24 @@ def existing_file(text: str) -> str:
     return text
 
 
+def _positive(text: str, convert: type, expected: str) -> Any:
+    try:
+        value = convert(text)
+    except ValueError:
+        value = None
+    if value is None or not value > 0:
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
+    return value
+
+
 def positive_int(text: str) -> int:
     """argparse type of a whole number >= 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}")
-    return value
+    return _positive(text, int, "a whole number >= 1")
 
 
 def positive_float(text: str) -> float:
     """argparse type of a number > 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = float("nan")
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}")
-    return value
+    return _positive(text, float, "a number > 0")
 
 
 def checkpoint(text: str) -> str:

@@ -2,6 +2,7 @@
 import importlib
 from typing import Any
 
+from vlm_prune import lazy_attribute
 from vlm_prune.methods.base import (
     FramesMethod,
     LayerContext,
@@ -38,14 +39,7 @@ def load_builtin() -> None:
 
 
 def __getattr__(name: str) -> Any:
-    if name in BUILTIN:
-        return getattr(importlib.import_module(BUILTIN[name]), name)
-    try:
-        return importlib.import_module(f"{__name__}.{name}")
-    except ModuleNotFoundError as err:
-        if err.name != f"{__name__}.{name}":
-            raise
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
+    return lazy_attribute(__name__, BUILTIN, name)
 
 
 __all__ = [
