@@ -106,9 +106,10 @@ def test_speed_tiny_scale_reports_savings(tmp_path):
     assert (tmp_path / "speed.md").read_text().count("| random | 0.05 |") == 2
 
 
-def test_speed_unknown_method_is_an_error(tmp_path):
-    with pytest.raises(ValueError, match="tomme"):
+def test_speed_unknown_method_is_an_error(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_:  # a usage error: one line, exit code 2
         main(["bench", "--speed", "--methods", "tomme", "--shapes", "image", "--out", str(tmp_path)])
+    assert exit_.value.code == 2 and "unknown method 'tomme'; did you mean tome?" in capsys.readouterr().err
 
 
 def test_proportional_shape_keeps_the_7b_proportions():
