@@ -579,7 +579,7 @@ class Session:
                 base = 0.15 + 0.85 * i / len(comp.columns)
                 step(base, f"{col.name}: wrapping")
                 try:
-                    yield from self._fill(col, loaded, media, inputs, n_visual, keep, layer, comp)
+                    yield from self._fill(col, loaded, media, inputs, keep, layer, comp)
                 except DemoError as err:
                     col.error = str(err)
                 except Exception as err:  # noqa: BLE001 - the page shows a message, the console the traceback
@@ -591,8 +591,7 @@ class Session:
                 col.done = True
                 yield comp
 
-    def _fill(self, col: Column, loaded: LoadedModel, media: Media, inputs: dict[str, Any], n_visual: int,
-              keep: float, layer: int | None, comp: Comparison) -> Iterator[Comparison]:
+    def _fill(self, col: Column, loaded: LoadedModel, media: Media, inputs: dict[str, Any], keep: float, layer: int | None, comp: Comparison) -> Iterator[Comparison]:
         model = loaded.model
         pipeline = build_pipeline(col.name, layer)
         spy = ScoreSpy(pipeline)
@@ -605,7 +604,11 @@ class Session:
             spy.close()
         col.stats = dict(model.vlm_prune.last_stats)
         rows = model.vlm_prune.last_rows[0].cpu()
+        # the library's count of visual tokens (a OneVision video's trailing newline is not one)
+        n_visual = sum(col.stats["visual_tokens_in"])
         col.cost = prefill_cost(model.config, inputs["input_ids"].shape[1], n_visual, col.stats, model.dtype)
+        if comp.cost_unpruned is not None and comp.cost_unpruned.visual_in != n_visual:
+            comp.cost_unpruned = prefill_cost(model.config, inputs["input_ids"].shape[1], n_visual, None, model.dtype)
         for col.answer in answer_stream(loaded, inputs, self.max_new_tokens):
             yield comp
         vlm_prune.unwrap(model)
