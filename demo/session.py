@@ -591,7 +591,8 @@ class Session:
                 col.done = True
                 yield comp
 
-    def _fill(self, col: Column, loaded: LoadedModel, media: Media, inputs: dict[str, Any], keep: float, layer: int | None, comp: Comparison) -> Iterator[Comparison]:
+    def _fill(self, col: Column, loaded: LoadedModel, media: Media, inputs: dict[str, Any], keep: float,
+              layer: int | None, comp: Comparison) -> Iterator[Comparison]:
         model = loaded.model
         pipeline = build_pipeline(col.name, layer)
         spy = ScoreSpy(pipeline)
