@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from vlm_prune.kernels import cosine_distance, density, density_rank, nearest_denser
-from vlm_prune.methods.cdpruner import KernelRows, conditional_kernel, dpp_greedy_map, relevance
+from vlm_prune.methods import VisionContext, cdpruner, divprune
+from vlm_prune.methods.cdpruner import CDPruner, KernelRows, conditional_kernel, dpp_greedy_map, relevance
 from vlm_prune.methods.dbdpc import find_centres
 from vlm_prune.methods.divprune import max_min_diverse
 
@@ -44,14 +45,16 @@ def dense_dpp(kernel: torch.Tensor, k: int, eps: float = 1e-10) -> list[int]:
     return chosen + torch.topk(rest, k - len(chosen)).indices.tolist()
 
 
+@pytest.mark.parametrize("dense_max", [4096, 1])  # the dense product, and rows on demand
 @pytest.mark.parametrize("n,d,k,chunk", [(2, 3, 2, 1024), (97, 16, 30, 1024), (300, 40, 299, 64), (513, 24, 128, 100)])
-def test_divprune_linear_memory_selects_as_the_dense_greedy(n: int, d: int, k: int, chunk: int) -> None:
+def test_divprune_linear_memory_selects_as_the_dense_greedy(n, d, k, chunk, dense_max, monkeypatch) -> None:
+    monkeypatch.setattr(divprune, "DENSE_MAX", dense_max)
     x = torch.randn(n, d, generator=torch.Generator().manual_seed(n))
     assert max_min_diverse(x, k, chunk=chunk).tolist() == dense_max_min(x, k)
 
 
 @pytest.mark.parametrize("n,d,k", [(80, 96, 40), (200, 256, 199), (300, 512, 75)])
-def test_cdpruner_kernel_rows_select_as_the_dense_kernel(n: int, d: int, k: int) -> None:
+def test_cdpruner_kernel_rows_select_as_the_dense_kernel(n: int, d: int, k: int, monkeypatch) -> None:
     """Full-rank kernels (d >= n): the factored rows and the dense kernel pick as the former code."""
     g = torch.Generator().manual_seed(n)
     x = torch.randn(n, d, generator=g)
@@ -59,6 +62,11 @@ def test_cdpruner_kernel_rows_select_as_the_dense_kernel(n: int, d: int, k: int)
     expected = dense_dpp(conditional_kernel(x, r), k)
     assert dpp_greedy_map(KernelRows(features=x, rel=r), k).tolist() == expected
     assert dpp_greedy_map(conditional_kernel(x, r), k).tolist() == expected
+    features_ctx = VisionContext(x, k, text_embeds=None)
+    for dense_max in (4096, 1):  # CDPruner itself: dense kernel for small images, rows on demand beyond
+        monkeypatch.setattr(cdpruner, "DENSE_MAX", dense_max)
+        ones = dense_dpp(conditional_kernel(x, torch.ones(n)), k)
+        assert CDPruner().reduce_image(features_ctx).indices.tolist() == sorted(ones)
 
 
 def test_cdpruner_beyond_the_kernel_rank_falls_back_to_relevance() -> None:

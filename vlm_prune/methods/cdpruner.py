@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from vlm_prune.methods.base import Reduction, VisionContext, VisionMethod
+from vlm_prune.methods.divprune import DENSE_MAX
 from vlm_prune.registry import register
 from vlm_prune.relevance import IN_MODEL_NEGATED, instruction_relevance
 
@@ -161,7 +162,9 @@ class CDPruner(VisionMethod):
         n = ctx.features.shape[0]
         if ctx.n_keep >= n:
             return Reduction.keep_all(n, ctx.features.device)
-        kernel = KernelRows(features=ctx.features, rel=self.relevance(ctx))
+        rel = self.relevance(ctx)
+        # small images: the dense kernel is one matrix product (faster); large: rows on demand
+        kernel = KernelRows(conditional_kernel(ctx.features, rel)) if n <= DENSE_MAX else KernelRows(features=ctx.features, rel=rel)
         return Reduction(torch.sort(dpp_greedy_map(kernel, ctx.n_keep)).values)
 
     def reduce_crops(self, ctx: VisionContext, crops: torch.Tensor) -> Reduction:

@@ -8,14 +8,20 @@ from vlm_prune.methods.base import Reduction, VisionContext, VisionMethod
 from vlm_prune.registry import register
 
 
+#: up to this many tokens the whole distance matrix (<= 64 MiB float32) is one matrix product,
+#: faster than rows on demand; beyond it memory stays O(chunk N)
+DENSE_MAX = 4096
+
+
 def max_min_diverse(features: torch.Tensor, k: int, chunk: int = 1024) -> torch.Tensor:
     """Greedy max-min diversity subset of the rows of ``features`` [N, D] by cosine distance.
 
     First the row whose nearest neighbour is farthest; then, repeatedly, the row whose distance
     to its nearest chosen row is largest. Returns [k] indices in the order chosen. (As the
     official code; chosen rows are also excluded explicitly, so duplicates cannot be re-picked.)
-    Memory O(chunk N): the first pick reduces ``chunk`` rows of distances at a time, each later
-    step computes only the distance row of the newest pick; no host sync inside the loop.
+    Up to :data:`DENSE_MAX` rows the distances are one N x N product; beyond, memory is O(chunk N):
+    the first pick reduces ``chunk`` rows of distances at a time and each later step computes
+    only the distance row of the newest pick. No host sync inside the loop.
     """
     n = features.shape[0]
     k = max(0, min(int(k), n))
@@ -23,18 +29,28 @@ def max_min_diverse(features: torch.Tensor, k: int, chunk: int = 1024) -> torch.
     if k == 0 or n == 1:
         return torch.zeros(k, dtype=torch.long, device=device)
     xn = F.normalize(features.float(), dim=1)
-    nn_dist = torch.empty(n, device=device)
-    for r0 in range(0, n, chunk):
-        d = (1.0 - xn[r0 : r0 + chunk] @ xn.T).clamp(min=0.0)
-        rows = torch.arange(d.shape[0], device=device)
-        d[rows, rows + r0] = float("inf")
-        nn_dist[r0 : r0 + chunk] = d.min(dim=1).values  # distances are symmetric: row min = column min
+    if n <= DENSE_MAX:
+        dist = (1.0 - xn @ xn.T).clamp(min=0.0)
+        nn_dist = dist.clone().fill_diagonal_(float("inf")).min(dim=1).values  # symmetric: row min = column min
+
+        def row(j: torch.Tensor) -> torch.Tensor:
+            return dist.index_select(0, j)[0]
+    else:
+        nn_dist = torch.empty(n, device=device)
+        for r0 in range(0, n, chunk):
+            d = (1.0 - xn[r0 : r0 + chunk] @ xn.T).clamp(min=0.0)
+            rows = torch.arange(d.shape[0], device=device)
+            d[rows, rows + r0] = float("inf")
+            nn_dist[r0 : r0 + chunk] = d.min(dim=1).values
+
+        def row(j: torch.Tensor) -> torch.Tensor:
+            return (1.0 - xn @ xn.index_select(0, j)[0]).clamp(min=0.0)
     chosen = torch.empty(k, dtype=torch.long, device=device)
     chosen[0] = nn_dist.argmax()
     min_dist = torch.full((n,), float("inf"), device=device)
     for i in range(1, k):
         j = chosen[i - 1 : i]
-        min_dist = torch.minimum(min_dist, (1.0 - xn @ xn.index_select(0, j)[0]).clamp(min=0.0))
+        min_dist = torch.minimum(min_dist, row(j))
         min_dist.index_fill_(0, j, float("-inf"))
         chosen[i] = min_dist.argmax()
     return chosen
