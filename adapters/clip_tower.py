@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from vlm_prune.adapters.base import PerThread
-from vlm_prune.adapters.hf_vlm import HFVLMAdapter
+from vlm_prune.adapters.hf_vlm import HFVLMAdapter, source_of
 from vlm_prune.adapters.patching import Patcher
 from vlm_prune.methods.base import Reduction
 from vlm_prune.vit_blocks import AttentionResult, ViTMethod, ViTRun, weighted_softmax
@@ -213,13 +213,9 @@ class CLIPTowerStage:
         run = self.run_of(out)
         feats = out.pooler_output
         images = out.last_hidden_state.shape[0]
-        if len(feats) != images:
-            raise ValueError(
-                f"the tower encoded {images} images but {len(feats)} feature sets reached the model; "
-                f"{self.method.name!r} does not support num_beams / num_return_sequences > 1 in generate()"
-            )
         slots, sizes = self.survivors(run, images, feats[0].device)
-        reds = [Reduction(slots[i], f, sizes[i] if sizes is not None else None) for i, f in enumerate(feats)]
+        src = [source_of(out, i) for i in range(len(feats))]  # the tower row of each (repeated) image
+        reds = [Reduction(slots[j], f, sizes[j] if sizes is not None else None) for j, f in zip(src, feats)]
         n = self.n_features(run)
         return reds, self.record(run, [n] * len(feats), [int(r.indices.numel()) for r in reds])
 
@@ -255,7 +251,6 @@ class CLIPTowerAdapter(HFVLMAdapter):
         if self.tower_stage is not None:
             self.tower_stage.attach()
             self.attach_tower_outputs()
-            self._patch_features("image", "get_image_features")
 
     def attach_tower_outputs(self) -> None:
         """Hook for patches between the tower and the feature function (LLaVA-NeXT's tile packing)."""

@@ -18,7 +18,9 @@ import importlib
 import inspect
 import math
 import time
+import warnings
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any, Callable, ClassVar
 
 import torch
@@ -48,13 +50,17 @@ class Request:
     calling the model has its own, and nothing of it survives the call (not even a failed one).
     """
 
-    input_ids: torch.Tensor
+    input_ids: torch.Tensor  # [B, S]; for a call with inputs_embeds: placeholder ids at visual rows, -1 elsewhere
     attention_mask: torch.Tensor
     masks: dict[str, torch.Tensor]  # modality -> [B, S] placeholder rows
     pending: Pending  # handed to the engine
+    #: modality -> images / videos per sample (placeholder runs, then the encoder's own items)
+    counts: dict[str, list[int]]
     #: the encoder output being reduced and its tower attention (set by reduce_features)
     out: Any = None
     tower_attention: Callable[[int, int], tuple[torch.Tensor, torch.Tensor]] | None = None
+    #: the call's inputs_embeds [B, S, D] when it gave no input_ids
+    embeds: torch.Tensor | None = None
 
 
 class HFVLMAdapter(Adapter):
@@ -100,6 +106,8 @@ class HFVLMAdapter(Adapter):
         super().__init__(model, state)
         self._request: ContextSlot[Request | None] = ContextSlot("request", None)
         self._bypass: ContextSlot[bool] = ContextSlot("bypass", False)
+        #: columns of the prompt of the calling thread's generate() call in progress
+        self._prompt: ContextSlot[int | None] = ContextSlot("prompt", None)
 
     @property
     def request(self) -> Request | None:
@@ -111,7 +119,20 @@ class HFVLMAdapter(Adapter):
         """True while the calling thread runs the model unpruned (see :meth:`unpruned`)."""
         return self._bypass.get()
 
+    def check_language_model(self) -> None:
+        """Refuse, at wrap time, language models whose attention the pruned decoder cannot honour."""
+        cfg = self.language_model.config
+        types = getattr(cfg, "layer_types", None) or []
+        if any(t != "full_attention" for t in types) or (getattr(cfg, "use_sliding_window", False) and getattr(cfg, "sliding_window", None)):
+            kinds = sorted(set(types)) or ["sliding window"]
+            raise ValueError(
+                f"vlm_prune's pruned decoder runs full causal attention in every layer; this language model has "
+                f"{', '.join(kinds)} layers (config.layer_types / use_sliding_window). Disable the sliding window "
+                "(config.use_sliding_window=False) if the prompts fit the full window, or use the model unwrapped"
+            )
+
     def attach(self) -> None:
+        self.check_language_model()
         lm = self.language_model
         self.decoder = PrunedDecoder(
             self.lm_spec(), self.state, lambda: lm.config._attn_implementation,
@@ -130,11 +151,100 @@ class HFVLMAdapter(Adapter):
                 return inner_forward(*args, **kwargs)
 
         self.patches.set(self.inner, "forward", forward)
+        self._patch_generate()
+        self._patch_expansion()
+        self._patch_loss()
         if "vision" in self.state.methods:
             self.tap = self.make_tap()
-        if "vision" in self.state.methods or "frames" in self.state.methods:
-            for modality, fname in self.feature_functions.items():
-                self._patch_features(modality, fname)
+        for modality, fname in self.feature_functions.items():
+            self._patch_features(modality, fname)
+
+    def _patch_generate(self) -> None:
+        """generate() refuses what the pruned decoder cannot do and remembers its prompt length, so
+        that use_cache=False (every step re-runs the whole sequence) prunes from the prompt only."""
+        original = self.patches.original(self.model, "generate")
+
+        @functools.wraps(original)
+        def generate(*args: Any, **kwargs: Any) -> Any:
+            config = kwargs.get("generation_config") or self.model.generation_config
+            impl = kwargs.get("cache_implementation", getattr(config, "cache_implementation", None))
+            if impl not in (None, "dynamic"):
+                raise ValueError(
+                    f"vlm_prune does not support generate(cache_implementation={impl!r}): pruned layers hold fewer "
+                    "rows than the prompt, which a fixed-size cache cannot express. Use the default dynamic cache "
+                    "(drop cache_implementation), or unwrap the model"
+                )
+            for flag in ("output_attentions", "output_hidden_states"):
+                if kwargs.get(flag, getattr(config, flag, False)):
+                    raise ValueError(
+                        f"vlm_prune does not return {flag} from generate(): after a removal each layer holds "
+                        "different rows. Read model.vlm_prune.last_rows / last_stats, or unwrap the model"
+                    )
+            prompt = kwargs.get("input_ids", args[0] if args else None)
+            if prompt is None:
+                prompt = kwargs.get("inputs_embeds")
+            with self._prompt.use(None if prompt is None else int(prompt.shape[1])):
+                return original(*args, **kwargs)
+
+        self.patches.set(self.model, "generate", generate)
+
+    def _patch_loss(self) -> None:
+        """Training-style calls with ``labels``: the loss over the rows the model returned.
+
+        Nothing removed: transformers' own loss, unchanged. After a removal each kept row still
+        predicts the input token that follows it in the original sequence (labels are mapped
+        through ``last_rows``); padding rows are ignored.
+        """
+        original = self.patches.original(self.model, "forward")
+
+        @functools.wraps(original)
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            labels = kwargs.get("labels")
+            if labels is None:
+                return original(*args, **kwargs)
+            out = original(*args, **{**kwargs, "labels": None})
+            rows = self.state.last_rows
+            logits = out.logits
+            if rows is None or logits.shape[1] != rows.shape[1]:
+                raise ValueError(
+                    "vlm_prune computes the loss over the rows the model returned; with labels, call the model "
+                    f"without logits_to_keep (got logits for {logits.shape[1]} of {rows.shape[1] if rows is not None else '?'} rows)"
+                )
+            s = labels.shape[1]
+            in_place = torch.where(rows >= 0, rows, torch.arange(rows.shape[1], device=rows.device))
+            if rows.shape[1] == s and bool((in_place == torch.arange(s, device=rows.device)).all()):
+                shift = torch.nn.functional.pad(labels, (0, 1), value=-100)[:, 1:].contiguous()  # nothing removed
+            else:
+                nxt = (rows + 1).clamp(max=s - 1).to(labels.device)
+                shift = torch.gather(labels, 1, nxt).masked_fill(((rows < 0) | (rows + 1 >= s)).to(labels.device), -100)
+            loss_kwargs = {k: v for k, v in kwargs.items() if k == "num_items_in_batch"}
+            out.loss = self.model.loss_function(logits=logits, labels=None, shift_labels=shift,
+                                                vocab_size=self.model.config.get_text_config().vocab_size, **loss_kwargs)
+            return out
+
+        self.patches.set(self.model, "forward", forward)
+
+    def _patch_expansion(self) -> None:
+        """generate() with num_beams / num_return_sequences > 1 encodes every image once, then repeats
+        the encoder output per sequence; record which encoded item each repeated one is
+        (``vlm_prune_source``), so side information of the encode (grids, tower rows) follows it."""
+        original = self.patches.original(self.model, "_expand_multimodal_outputs")
+
+        @functools.wraps(original)
+        def expand(input_ids: Any, mm_encoder_output: dict, *args: Any, **kwargs: Any) -> dict:
+            probes = {}
+            for m, out in mm_encoder_output.items():
+                pooled = getattr(out, "pooler_output", None)
+                if pooled is not None:
+                    probes[m] = SimpleNamespace(pooler_output=[
+                        torch.full((len(p),), source_of(out, i)) for i, p in enumerate(pooled)])
+            original(input_ids, probes, *args, **kwargs)
+            result = original(input_ids, mm_encoder_output, *args, **kwargs)
+            for m, probe in probes.items():
+                result[m].vlm_prune_source = [int(t[0]) for t in probe.pooler_output]
+            return result
+
+        self.patches.set(self.model, "_expand_multimodal_outputs", expand)
 
     def detach(self) -> None:
         if self.tap is not None:
@@ -165,7 +275,7 @@ class HFVLMAdapter(Adapter):
             out.vlm_prune_call = signature.bind_partial(*args, **kwargs).arguments
             self.annotate_output(modality, out)
             if self.request is not None:
-                out = self.reduce_features(modality, out)
+                out = self.encoded(modality, out)
             return out
 
         self.patches.set(self.inner, fname, features)
@@ -178,8 +288,14 @@ class HFVLMAdapter(Adapter):
     def new_request(self, args: tuple, kwargs: dict[str, Any]) -> Request | None:
         """The request of a prefill: its visual rows for the engine (None for decode steps)."""
         input_ids = kwargs.get("input_ids", args[0] if args else None)
+        embeds = kwargs.get("inputs_embeds") if input_ids is None else None
         cache = kwargs.get("cache", kwargs.get("past_key_values"))
-        if input_ids is None or (cache is not None and cache.get_seq_length() > 0):
+        if cache is not None and cache.get_seq_length() > 0:
+            self._warn_unpruned_after_prefix(input_ids, embeds)
+            return None
+        if embeds is not None:
+            input_ids = self._placeholders_in(embeds)
+        if input_ids is None:
             return None
         ids = self.placeholder_ids()
         masks = {m: input_ids == t for m, t in ids.items()}
@@ -187,7 +303,10 @@ class HFVLMAdapter(Adapter):
         for m in masks.values():
             visual |= m
         attn = kwargs.get("attention_mask")
-        pending = Pending(visual=visual, images_per_sample=self.images_per_sample(masks))
+        prompt = self._prompt.get()
+        counts = {m: placeholder_runs(mask) for m, mask in masks.items()}
+        pending = Pending(visual=visual, images_per_sample=[sum(c) for c in zip(*counts.values())],
+                          prompt=prompt if prompt is not None and prompt < input_ids.shape[1] else None)
         newline = getattr(self.inner, "image_newline", None) if self.newline_not_visual else None
         if newline is not None:
             pending.not_visual = lambda embeds: (embeds == newline.to(embeds.dtype)).all(-1)
@@ -196,27 +315,58 @@ class HFVLMAdapter(Adapter):
             attention_mask=attn if attn is not None else torch.ones_like(input_ids),
             masks=masks,
             pending=pending,
+            counts=counts,
+            embeds=embeds,
         )
+
+    def _placeholders_in(self, embeds: torch.Tensor) -> torch.Tensor | None:
+        """For a call with inputs_embeds: [B, S] placeholder ids where a row is a placeholder's
+        embedding (as transformers finds them), -1 elsewhere; None (with a warning) when none is."""
+        table = self.language_model.embed_tokens
+        ids = torch.full(embeds.shape[:2], -1, dtype=torch.long, device=embeds.device)
+        for tok in self.placeholder_ids().values():
+            row = table(torch.tensor(tok, device=embeds.device)).to(embeds.dtype)
+            ids[(embeds == row).all(-1)] = tok
+        if bool((ids >= 0).any()):
+            return ids
+        _warn_once("vlm_prune: these inputs_embeds hold no image / video placeholder embeddings, so the visual rows "
+                   "are unknown and nothing is pruned (last_stats reports 0 visual tokens). Pass input_ids (or "
+                   "inputs_embeds with the placeholders, and pixel_values) to prune")
+        return None
+
+    def _warn_unpruned_after_prefix(self, input_ids: torch.Tensor | None, embeds: torch.Tensor | None) -> None:
+        """Images after a prefix already in the KV cache reach the model unpruned: say so."""
+        new = input_ids if input_ids is not None else (self._placeholders_in(embeds) if embeds is not None else None)
+        if new is None or new.shape[1] <= 1:
+            return
+        n = sum(int((new == t).sum()) for t in self.placeholder_ids().values())
+        if n:
+            _warn_once("vlm_prune: image / video tokens that follow a prefix already in the KV cache are not "
+                       "pruned (the cache holds the rows the prefix kept); put the images in the first turn's "
+                       "prompt to prune them")
+            per_sample = [sum(int((row == t).sum()) for t in self.placeholder_ids().values()) for row in new]
+            self.state.last_stats = {"visual_tokens_in": per_sample, "visual_tokens_out": per_sample,
+                                     "stages": [], "seconds": 0.0}
+
+    def encoded(self, modality: str, out: Any) -> Any:
+        """An encoder output of the current request: count its images / videos per sample (adjacent
+        placeholders of two images form one run, the encoder knows them apart), then reduce it."""
+        request = self.request
+        pooled = getattr(out, "pooler_output", None)
+        if pooled is not None:
+            samples = self.sample_of_items(modality, [len(p) for p in pooled])
+            request.counts[modality] = [samples.count(b) for b in range(request.input_ids.shape[0])]
+            request.pending.images_per_sample = [sum(c) for c in zip(*request.counts.values())]
+        return self.reduce_features(modality, out)
 
     def reduce_encoded(self, kwargs: dict[str, Any]) -> None:
         """generate() encodes images before the prefill: reduce them here (in this call's kwargs)."""
         encoded = kwargs.get("mm_encoder_outputs")
         if encoded:
             kwargs["mm_encoder_outputs"] = {
-                m: (self.reduce_features(m, out) if out is not None and m in self.feature_functions else out)
+                m: (self.encoded(m, out) if out is not None and m in self.feature_functions else out)
                 for m, out in encoded.items()
             }
-
-    def images_per_sample(self, masks: dict[str, torch.Tensor]) -> list[int]:
-        """How many images / videos each sample holds (budget= is per image)."""
-        out = []
-        for b in range(next(iter(masks.values())).shape[0]):
-            runs = 0
-            for m in masks.values():
-                row = m[b].int()
-                runs += int((row[1:] > row[:-1]).sum() + row[0])
-            out.append(runs)
-        return out
 
     def sample_of_items(self, modality: str, counts: list[int]) -> list[int]:
         """Sample index of each image / video whose features have ``counts`` tokens, in order."""
@@ -230,6 +380,9 @@ class HFVLMAdapter(Adapter):
 
     def text_embeds(self, sample: int) -> torch.Tensor:
         """Input embeddings of the sample's question (see :meth:`question_ids`)."""
+        req = self.request
+        if req.embeds is not None:
+            return req.embeds[sample, : req.pending.prompt][self._question_rows(sample)]
         return self.language_model.embed_tokens(self.question_ids(sample))
 
     def items(self, modality: str, out: Any) -> list[Item]:
@@ -417,27 +570,31 @@ class HFVLMAdapter(Adapter):
     def query_text(self, sample: int) -> str | None:
         """The sample's question as text, when a processor (tokenizer) was given."""
         tok = self.tokenizer()
-        if tok is None or not hasattr(tok, "decode"):
+        if tok is None or not hasattr(tok, "decode") or self.request.embeds is not None:
             return None
         return tok.decode(self.question_ids(sample), skip_special_tokens=True).strip()
 
     def question_ids(self, sample: int) -> torch.Tensor:
         """Token ids of the sample's question: valid text after its last visual token, without the
         chat template's end-of-turn and assistant prefix when the processor's template is known."""
-        req = self.request
-        ids = req.input_ids[sample]
-        valid = req.attention_mask[sample].bool()
-        visual = torch.zeros_like(valid)
-        for m in req.masks.values():
-            visual |= m[sample]
-        idx = torch.nonzero(visual).squeeze(1)
-        after = torch.arange(ids.numel(), device=ids.device) > (idx.max() if idx.numel() else -1)
-        question = ids[valid & after & ~visual]
+        question = self.request.input_ids[sample, : self.request.pending.prompt][self._question_rows(sample)]
         suffix = self._template_suffix()
         n = suffix.numel()
         if n and question.numel() > n and torch.equal(question[-n:].cpu(), suffix):
             question = question[:-n]
         return question
+
+    def _question_rows(self, sample: int) -> torch.Tensor:
+        """[S'] bool: the sample's valid text rows after its last visual row, within the prompt."""
+        req = self.request
+        end = req.pending.prompt  # tokens generated after the prompt are no part of the question
+        valid = req.attention_mask[sample, :end].bool()
+        visual = torch.zeros_like(valid)
+        for m in req.masks.values():
+            visual |= m[sample, :end]
+        idx = torch.nonzero(visual).squeeze(1)
+        after = torch.arange(valid.numel(), device=valid.device) > (idx.max() if idx.numel() else -1)
+        return valid & after & ~visual
 
     def _template_suffix(self) -> torch.Tensor:
         """Ids the chat template puts after a user message when it adds the generation prompt."""
@@ -471,6 +628,24 @@ class HFVLMAdapter(Adapter):
     def tower_attention_fn(self, out: Any, modality: str) -> Callable[[int, int], tuple[torch.Tensor, torch.Tensor]] | None:
         """callable(item, frame) -> (attention [N], keys [N, d]) for that frame's N tokens, or None."""
         return None
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_once(message: str) -> None:
+    warnings.warn(message, stacklevel=4)
+
+
+def placeholder_runs(mask: torch.Tensor) -> list[int]:
+    """Runs of placeholder rows in each sample of a [B, S] mask (a first guess at images per sample)."""
+    m = mask.int()
+    return (m[:, 1:] > m[:, :-1]).sum(1).add(m[:, 0]).tolist()
+
+
+def source_of(out: Any, item: int) -> int:
+    """The index, among the images / videos the encoder saw, of item ``item`` of an encoder output
+    (they differ once generate() repeats the output per beam / returned sequence)."""
+    source = getattr(out, "vlm_prune_source", None)
+    return item if source is None else source[item]
 
 
 def scatter_reduction(features: torch.Tensor, red: Reduction) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from vlm_prune.adapters.clip_tower import CLIPTowerAdapter
-from vlm_prune.adapters.hf_vlm import scatter_reduction
+from vlm_prune.adapters.hf_vlm import scatter_reduction, source_of
 from vlm_prune.adapters.vision_towers import FeatureLayerTap
 from vlm_prune.methods.visionzip import TowerFeatures
 
@@ -35,8 +35,8 @@ class LlavaAdapter(CLIPTowerAdapter):
         drop_cls = self.model.config.vision_feature_select_strategy == "default"
 
         def view(item: int, frame: int) -> tuple:
-            attention, keys = self.tap.attention_of(rows[item])
-            feats = self.tap.output_of(rows[item])
+            attention, keys = self.tap.attention_of(rows[source_of(out, item)])
+            feats = self.tap.output_of(rows[source_of(out, item)])
             tower = TowerFeatures(feats[1:] if drop_cls else feats, feats[0] if drop_cls else None,
                                   self.inner.multi_modal_projector)
             return attention, keys, tower

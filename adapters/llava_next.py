@@ -29,7 +29,7 @@ import torch
 
 from vlm_prune.adapters.base import PerThread
 from vlm_prune.adapters.clip_tower import CLIPTowerAdapter
-from vlm_prune.adapters.hf_vlm import Item
+from vlm_prune.adapters.hf_vlm import Item, source_of
 from vlm_prune.methods.base import Reduction, VisionContext
 
 
@@ -85,7 +85,7 @@ class LlavaNextAdapter(CLIPTowerAdapter):
     def reduce_frames(self, method: Any, it: Item, sample: int, gen: torch.Generator, index: int) -> Reduction:
         """Vision methods see an image's visual tokens only; its newline tokens are always kept.
         Methods that select per crop (``per_crop``) get the crop of every token."""
-        crops = self._crops[index].to(it.features.device)
+        crops = self._crops[source_of(self.request.out, index)].to(it.features.device)
         visual = crops >= 0
         if getattr(method, "per_crop", False):
             ctx = VisionContext(
@@ -127,11 +127,8 @@ class LlavaNextAdapter(CLIPTowerAdapter):
         cfg = self.model.config
         tiles = self.tiles_per_image(image_sizes)
         rows = out.last_hidden_state.shape[0]
-        if len(feats) != len(tiles) or sum(tiles) != rows:
-            raise ValueError(
-                f"the tower encoded {rows} tiles but {len(feats)} images of {sum(tiles)} tiles reached the model; "
-                f"{stage.method.name!r} does not support num_beams / num_return_sequences > 1 in generate()"
-            )
+        if sum(tiles) != rows:
+            raise ValueError(f"the tower encoded {rows} tiles but the model's {len(tiles)} images have {sum(tiles)}")
         device = feats[0].device
         slots, sizes = stage.survivors(run, rows, device)
         # channel 0: kept, 1: merge size, 2: visual; dropped positions: (0, 1, 1), newline tokens: (1, 1, 0)
@@ -144,9 +141,10 @@ class LlavaNextAdapter(CLIPTowerAdapter):
             layout.split(tiles), image_sizes, cfg.vision_feature_select_strategy,
             image_newline=torch.tensor([1.0, 1.0, 0.0], device=device),
         )
-        keep_list = [p[:, 0] > 0.5 for p in packed]
-        size_list = [p[:, 1] for p in packed]
-        visual = [p[:, 2] > 0.5 for p in packed]
+        src = [source_of(out, i) for i in range(len(feats))]  # the encoded image of each (repeated) one
+        keep_list = [packed[j][:, 0] > 0.5 for j in src]
+        size_list = [packed[j][:, 1] for j in src]
+        visual = [packed[j][:, 2] > 0.5 for j in src]
         self._commit_vision(modality, keep_list, size_list)
         record = stage.record(run, [int(v.sum()) for v in visual], [int((k & v).sum()) for k, v in zip(keep_list, visual)])
         self.request.pending.records.append(record)

@@ -19,7 +19,7 @@ import torch
 from transformers.modeling_outputs import BaseModelOutputWithPooling
 
 from vlm_prune.adapters.base import PerThread
-from vlm_prune.adapters.hf_vlm import HFVLMAdapter, Item, fit_grid
+from vlm_prune.adapters.hf_vlm import HFVLMAdapter, Item, fit_grid, source_of
 from vlm_prune.adapters.vision_towers import FeatureLayerTap, pool_grid
 from vlm_prune.methods.base import FramesContext
 
@@ -65,7 +65,7 @@ class LlavaOnevisionAdapter(HFVLMAdapter):
         side = vc.image_size // vc.patch_size
 
         def attention(item: int, frame: int) -> tuple[torch.Tensor, torch.Tensor]:
-            received, keys = self.tap.attention_of(rows[item * frames + frame])
+            received, keys = self.tap.attention_of(rows[source_of(out, item) * frames + frame])
             grid, out_grid = (side, side), self.frame_grid()
             return pool_grid(received, grid, out_grid), pool_grid(keys, grid, out_grid)
 
@@ -102,10 +102,11 @@ class LlavaOnevisionAdapter(HFVLMAdapter):
         out = self.request.out
         videos = getattr(out, "vlm_prune_call", {}).get("pixel_values_videos")
         if videos is not None:
-            ctx.pixels = videos[index]
+            ctx.pixels = videos[source_of(out, index)]
         unpooled = getattr(out, "vlm_prune_unpooled", None)
         if unpooled is not None:
-            ctx.unpooled = unpooled[index * it.frames : (index + 1) * it.frames]
+            src = source_of(out, index)
+            ctx.unpooled = unpooled[src * it.frames : (src + 1) * it.frames]
             ctx.unpooled_grid = self.unpooled_grid()
         if self.state.processor is not None:
             frames, newline = ctx.features, it.features[-it.tail:]

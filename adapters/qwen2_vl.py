@@ -14,7 +14,7 @@ import torch
 
 from transformers.modeling_outputs import BaseModelOutputWithPooling
 
-from vlm_prune.adapters.hf_vlm import HFVLMAdapter, Item, fit_grid
+from vlm_prune.adapters.hf_vlm import HFVLMAdapter, Item, fit_grid, source_of
 from vlm_prune.engine import LMSpec, PositionRewrite, default_positions
 from vlm_prune.methods.base import FramesContext
 
@@ -51,7 +51,8 @@ class Qwen2VLAdapter(HFVLMAdapter):
             raise ValueError(f"Qwen2-VL {modality} features need {key} in the model inputs (the processor returns it)")
         merge = self.model.config.vision_config.spatial_merge_size
         out_items = []
-        for f, (t, h, w) in zip(out.pooler_output, grids.tolist()):
+        grids = [grids[source_of(out, i)].tolist() for i in range(len(out.pooler_output))]
+        for f, (t, h, w) in zip(out.pooler_output, grids):
             out_items.append(Item(f, int(t), (int(h) // merge, int(w) // merge)))
         return out_items
 
@@ -73,9 +74,11 @@ class Qwen2VLAdapter(HFVLMAdapter):
 
     def frames_context(self, method: Any, it: Item, index: int, sample: int) -> FramesContext:
         ctx = super().frames_context(method, it, index, sample)
-        call = getattr(self.request.out, "vlm_prune_call", {})
+        out = self.request.out
+        call = getattr(out, "vlm_prune_call", {})
         patches, grids = call.get("pixel_values_videos"), call.get("video_grid_thw")
         if patches is not None and grids is not None:
+            index = source_of(out, index)
             start = int(grids[:index].prod(-1).sum())
             t, h, w = (int(x) for x in grids[index])
             ctx.pixels = unpatchify(patches[start : start + t * h * w], (t, h, w), self.model.config.vision_config)

@@ -141,12 +141,18 @@ def wrap(
         raise RuntimeError(
             "this model is already wrapped by vlm_prune; call vlm_prune.unwrap(model) before wrapping it again"
         )
-    adapter_cls = find_adapter(model)
+    find_adapter(model)
     methods = build_pipeline(method, frames=frames, tokens=tokens, keep=keep, budget=budget)
-    state = WrapState(adapter=None, methods=methods, processor=processor, seed=seed)
-    adapter = adapter_cls(model, state)
+    return _attach(model, WrapState(adapter=None, methods=methods, processor=processor, seed=seed))
+
+
+def _attach(model: torch.nn.Module, state: WrapState) -> torch.nn.Module:
+    """Check ``state``'s methods against the model, patch it and set ``model.vlm_prune``."""
+    from vlm_prune.adapters import find_adapter
+
+    adapter = find_adapter(model)(model, state)
     adapter.check_methods()
-    for m in methods.values():
+    for m in state.methods.values():
         m.check_model(adapter)
         note = m.budget_warning(adapter)
         if note:
@@ -154,8 +160,25 @@ def wrap(
             warnings.warn(note, BudgetWarning, stacklevel=2)
     state.adapter = adapter
     adapter.attach()
+    adapter.patches.set(model, "__deepcopy__", lambda memo: _deepcopy(model, memo))
     model.vlm_prune = state
     return model
+
+
+def _deepcopy(model: torch.nn.Module, memo: dict) -> torch.nn.Module:
+    """``copy.deepcopy`` of a wrapped model: an independent model wrapped with copies of the methods.
+
+    The original is unwrapped while it is copied and wrapped again after (same ``vlm_prune``
+    state object); calls from other threads during the copy run unpruned.
+    """
+    state = model.vlm_prune
+    unwrap(model)
+    try:
+        clone = copy.deepcopy(model, memo)
+    finally:
+        _attach(model, state)
+    methods = {stage: copy.deepcopy(m, memo) for stage, m in state.methods.items()}
+    return _attach(clone, WrapState(adapter=None, methods=methods, processor=state.processor, seed=state.seed))
 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:

@@ -29,6 +29,7 @@ from typing import Any, Callable
 import torch
 from transformers.modeling_outputs import BaseModelOutputWithPast
 
+from vlm_prune.kv_cache import CacheSegments, install, segments_of
 from vlm_prune.methods.base import LayerContext, Reduction
 
 
@@ -63,6 +64,9 @@ class Pending:
     images_per_sample: list[int] | None = None
     records: list[dict[str, Any]] = field(default_factory=list)
     visual_in: list[int] | None = None  # visual tokens per sample before any reduction
+    #: columns of the prompt when the input also holds generated tokens (generate with
+    #: use_cache=False): LLM-stage methods then choose from the prompt's rows only
+    prompt: int | None = None
     #: resized frame maps (QuoTA on M-RoPE models): new spatial positions for some rows
     position_rewrites: list["PositionRewrite"] = field(default_factory=list)
     #: callable(embeds [B, S, D]) -> [B, S] bool: placeholder rows that are not visual tokens
@@ -92,19 +96,6 @@ class PositionRewrite:
         pos[t, self.b, self.rows] = pos[t, self.b, self.frame_rows]
         pos[h, self.b, self.rows] = pos[h, self.b, self.base_row] + rel[:, 0]
         pos[w, self.b, self.rows] = pos[w, self.b, self.base_row] + rel[:, 1]
-
-
-@dataclass
-class CacheSegments:
-    """Key bookkeeping stored on the KV cache: one segment per run of layers with the same rows."""
-
-    layer_segment: list[int]
-    key_valid: list[torch.Tensor]  # per segment [B, kv]
-    key_bias: list[torch.Tensor]  # per segment [B, kv] float32 (log sizes)
-    next_pos: torch.Tensor  # [P, B] next default position per sample
-    #: per segment [P, B] next position, when a method renumbered positions after pruning
-    #: (each layer then continues from its own row count, as AdaptInfer's official LLaVA code)
-    segment_next_pos: list[torch.Tensor] | None = None
 
 
 def default_positions(
@@ -281,8 +272,20 @@ class PrunedDecoder:
 
     def _select(self, layer: int, rows: Rows, prune_before: int) -> tuple[list[Reduction], float]:
         t0 = time.perf_counter()
+        pending = self.pending
+        # tokens generated after the prompt (use_cache=False re-runs them) sit in the last rows of
+        # every sample: the method chooses from the prompt's rows, exactly as with a cache
+        extra = rows.valid.shape[1] - pending.prompt if pending is not None and pending.prompt is not None else 0
+        extra = max(0, min(extra, int(rows.valid.sum(1).min())))
         with torch.no_grad():
-            reds = self.llm_method.select(self._context(layer, rows, prune_before))
+            if extra:
+                cut = rows.valid.shape[1] - extra
+                head = Rows(rows.hidden[:, :cut], rows.pos[..., :cut], rows.valid[:, :cut], rows.visual[:, :cut],
+                            rows.sizes[:, :cut], rows.origin[:, :cut])
+                reds = [_append_rows(r, rows, i, cut) for i, r in
+                        enumerate(self.llm_method.select(self._context(layer, head, prune_before)))]
+            else:
+                reds = self.llm_method.select(self._context(layer, rows, prune_before))
         return reds, time.perf_counter() - t0
 
     # ---- masks ------------------------------------------------------------------------------
@@ -304,6 +307,12 @@ class PrunedDecoder:
         spec = self.spec
         lm = spec.lm
         cache = _pop_cache(kwargs)
+        if kwargs.get("output_attentions") or kwargs.get("output_hidden_states"):
+            raise ValueError(
+                "vlm_prune does not return output_attentions / output_hidden_states: after a removal each layer "
+                "holds different rows. Use model.vlm_prune.last_rows (the input row of every output row) with the "
+                "logits, or unwrap the model (vlm_prune.unwrap) to inspect attentions and hidden states"
+            )
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
         if inputs_embeds is None:
@@ -314,9 +323,10 @@ class PrunedDecoder:
             from transformers import DynamicCache
 
             cache = DynamicCache(config=lm.config)
+        check_cache(cache)
         b, s, _ = inputs_embeds.shape
         device = inputs_embeds.device
-        segs: CacheSegments | None = getattr(cache, "_vlm_prune", None) if cache is not None else None
+        segs = segments_of(cache)
         past = cache.get_seq_length() if cache is not None else 0
         if attention_mask is not None and attention_mask.dim() == 2:
             new_valid = attention_mask[:, -s:].bool().to(device)
@@ -408,8 +418,8 @@ class PrunedDecoder:
             rows = replace(rows, hidden=self._run_layer(idx, rows.hidden, mask, pe, rows.pos, cache, use_cache, kwargs))
 
         if cache is not None and use_cache:
-            cache._vlm_prune = CacheSegments(layer_segment, key_valid, key_bias, next_pos=pos[:, :, -1] + 1,
-                                             segment_next_pos=segment_next if renumber else None)
+            install(cache, CacheSegments(layer_segment, key_valid, key_bias, next_pos=pos[:, :, -1] + 1, seen=s, prompt=s,
+                                         segment_next_pos=segment_next if renumber else None))
         self.state.last_stats = _stats(stats_in, rows, records, layer_visual, self.state)
         self.state.last_rows = rows.origin
         return rows.hidden
@@ -424,12 +434,10 @@ class PrunedDecoder:
                 list(range(n)),
                 [torch.ones(b, k, dtype=torch.bool, device=valid.device) for k in kv],
                 [torch.zeros(b, k, device=valid.device) for k in kv],
-                next_pos=pos[:, :, 0],
+                next_pos=pos[:, :, 0], seen=kv[0], prompt=kv[0],
             )
-            cache._vlm_prune = segs
-        segs.key_valid = [torch.cat([kv, valid], 1) for kv in segs.key_valid]
-        segs.key_bias = [torch.cat([kb, torch.zeros(b, s, device=kb.device)], 1) for kb in segs.key_bias]
-        segs.next_pos = pos[:, :, -1] + 1
+            install(cache, segs)
+        segs.extend(valid, pos[:, :, -1] + 1)
         masks = [self._mask(kv, kb, valid, embeds.dtype) for kv, kb in zip(segs.key_valid, segs.key_bias)]
         if segs.segment_next_pos is not None:  # renumbered: each segment continues from its own rows
             ar = torch.arange(s, device=valid.device)
@@ -443,6 +451,16 @@ class PrunedDecoder:
             seg = segs.layer_segment[idx]
             hidden = self._run_layer(idx, hidden, masks[seg], pes[seg], seg_pos[seg], cache, True, kwargs)
         return hidden
+
+
+def check_cache(cache: Any) -> None:
+    """Refuse caches the pruned decoder cannot keep right (fixed-size ones)."""
+    if cache is not None and getattr(cache, "is_compileable", False):
+        raise ValueError(
+            f"vlm_prune does not support a fixed-size KV cache ({type(cache).__name__}, e.g. generate(..., "
+            "cache_implementation='static')): pruned layers hold fewer rows than the prompt. Use the default "
+            "dynamic cache (drop cache_implementation), or unwrap the model to use a static cache"
+        )
 
 
 def allowed_keys(key_valid: torch.Tensor, q_valid: torch.Tensor) -> torch.Tensor:
@@ -529,6 +547,14 @@ def apply(rows: Rows, reds: list[Reduction]) -> Rows:
     hidden = hidden.masked_fill(~new_valid[..., None], 0.0)
     sizes = sizes.masked_fill(~new_valid, 1.0)
     return Rows(hidden, pos, new_valid, visual, sizes, origin)
+
+
+def _append_rows(red: Reduction, rows: Rows, b: int, cut: int) -> Reduction:
+    """``red`` (over rows [:cut] of sample b) with the rows from ``cut`` on kept unchanged."""
+    tail = torch.arange(cut, rows.valid.shape[1], device=red.indices.device)
+    feats = None if red.features is None else torch.cat([red.features, rows.hidden[b, cut:].to(red.features.device)])
+    sizes = None if red.sizes is None else torch.cat([red.sizes, rows.sizes[b, cut:].to(red.sizes.device)])
+    return Reduction(torch.cat([red.indices, tail]), feats, sizes)
 
 
 def renumbered(pos: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
