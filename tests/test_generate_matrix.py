@@ -25,6 +25,7 @@ import torch
 import tiny_models as T
 import vlm_prune
 from vlm_prune.frames.quota import QuoTA
+from vlm_prune.methods import PACT
 
 STEPS = 4
 
@@ -44,14 +45,20 @@ ADAPTERS = {
 VIDEO = {"onevision_video", "qwen2_vl_video"}
 METHODS = ["random", "pool", "divprune", "cdpruner", "visionzip", "tome", "asvit", "fastv", "pact", "adaptinfer",
            "uniform", "quota"]
-#: combinations a call refuses with a documented message (the adapter has no tower attention there)
+#: combinations a pruning call refuses with a documented message (no tower attention there)
 CALL_REFUSALS = {("onevision_image", "visionzip"): "VisionZip runs on LLaVA-1.5 images and LLaVA-OneVision videos"}
 _cache: dict = {}
 
 
-def _method(name: str):
+def _method(name: str, keep: float):
+    """The method as the matrix wraps it. At keep=1.0 the two methods that reshape what they keep
+    get their identity setting: PACT clusters nothing (cutoff 0), QuoTA scores frames alike."""
     if name == "quota":  # a fixed scorer: no processor needed
-        return QuoTA(scorer=lambda pixels, prompt: torch.linspace(0.9, 0.1, pixels.shape[0]))
+        flat = keep == 1.0
+        return QuoTA(scorer=lambda pixels, prompt: torch.full((pixels.shape[0],), 0.5) if flat
+                     else torch.linspace(0.9, 0.1, pixels.shape[0]))
+    if name == "pact" and keep == 1.0:
+        return PACT(cutoff=0.0)
     return name
 
 
@@ -141,15 +148,24 @@ def unwrapped_reference(adapter: str) -> dict:
     return _cache[key]
 
 
+def wrapped(adapter: str, method: str, keep: float):
+    """(model, inputs, batch-1 inputs) of the adapter wrapped with ``method``; None when wrap() or
+    the call refuses the combination with its documented message."""
+    if method in ("uniform", "quota") and adapter not in VIDEO:
+        pytest.skip("frames methods act on video only")
+    model, inp, inp1 = setup(adapter)
+    return (model, inp, inp1) if wrap_or_refuse(model, method, adapter, inp, keep=keep) else None
+
+
 def wrap_or_refuse(model, method, adapter, inp, **kw) -> bool:
     """Wrap; False when wrap() (or the call) refuses the combination with its documented message."""
     try:
-        vlm_prune.wrap(model, _method(method), **kw)
+        vlm_prune.wrap(model, _method(method, kw["keep"]), **kw)
     except ValueError as e:
         assert any(s in str(e) for s in ("does not offer", "supports", "needs", "CLS")), str(e)
         return False
     refusal = CALL_REFUSALS.get((adapter, method))
-    if refusal is not None:
+    if refusal is not None and kw["keep"] < 1.0:
         try:
             with pytest.raises(ValueError, match=refusal):
                 model.generate(**inp, max_new_tokens=2)
@@ -162,12 +178,11 @@ def wrap_or_refuse(model, method, adapter, inp, **kw) -> bool:
 @pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("adapter", list(ADAPTERS))
 def test_every_path_at_keep_one_equals_the_unwrapped_model(adapter, method):
-    if method in ("uniform", "quota") and adapter not in VIDEO:
-        pytest.skip("frames methods act on video only")
-    model, inp, inp1 = setup(adapter)
     ref = unwrapped_reference(adapter)
-    if not wrap_or_refuse(model, method, adapter, inp, keep=1.0):
+    case = wrapped(adapter, method, keep=1.0)
+    if case is None:
         return
+    model, inp, inp1 = case
     try:
         with torch.no_grad():
             for name, fn in PATHS.items():
@@ -191,11 +206,10 @@ def _assert_refusals(model, inp):
 @pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("adapter", list(ADAPTERS))
 def test_every_path_when_pruning_equals_its_reference(adapter, method):
-    if method in ("uniform", "quota") and adapter not in VIDEO:
-        pytest.skip("frames methods act on video only")
-    model, inp, inp1 = setup(adapter)
-    if not wrap_or_refuse(model, method, adapter, inp, keep=0.5):
+    case = wrapped(adapter, method, keep=0.5)
+    if case is None:
         return
+    model, inp, inp1 = case
     state = model.vlm_prune
     try:
         with torch.no_grad():

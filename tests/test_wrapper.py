@@ -7,6 +7,8 @@ import torch
 
 import tiny_models as T
 import vlm_prune
+from vlm_prune.adapters import hf_vlm
+from vlm_prune.methods import FastV
 from vlm_prune.methods.base import validate_budget
 
 
@@ -175,3 +177,114 @@ def test_a_failed_request_leaves_nothing_behind(monkeypatch, where):
     for g, e in zip(got[1:], expected[1:]):
         assert torch.allclose(g, e, atol=1e-6, rtol=0)
     assert state.adapter.request is None and not state.adapter.bypassed
+
+
+# ---- copies, counting, embeddings, labels, refusals -----------------------------------------------
+def test_deepcopy_is_an_independent_wrapped_model():
+    import copy
+
+    model = vlm_prune.wrap(T.tiny_llava(), ["random", "fastv"], keep=0.5)
+    inputs = T.llava_inputs()
+    with torch.no_grad():
+        before = model(**inputs).logits
+        clone = copy.deepcopy(model)
+        assert clone.vlm_prune is not model.vlm_prune and clone.vlm_prune.adapter.model is clone
+        assert torch.equal(clone(**inputs).logits, before)
+        assert clone.vlm_prune.last_stats["visual_tokens_out"] == model.vlm_prune.last_stats["visual_tokens_out"]
+        for p in clone.parameters():  # the copy runs its own weights, the original its own
+            p.add_(0.01)
+        assert torch.equal(model(**inputs).logits, before)
+        assert not torch.allclose(clone(**inputs).logits, before)
+    vlm_prune.unwrap(clone)
+    vlm_prune.unwrap(model)
+
+
+def test_adjacent_image_placeholders_count_as_two_images():
+    """<image><image>: budget= is per image, counted from the encoder's own images."""
+    model = T.tiny_llava()
+    g = torch.Generator().manual_seed(5)
+    ids = torch.tensor([[1, 7, 8] + [T.IMAGE_TOKEN] * 32 + [9, 10, 11]])
+    inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "pixel_values": torch.randn(2, 3, 32, 32, generator=g)}
+    for method in ("fastv", "random"):
+        vlm_prune.wrap(model, method, budget=3)
+        try:
+            with torch.no_grad():
+                model(**inputs)
+                model.generate(**inputs, max_new_tokens=2)
+            assert model.vlm_prune.last_stats["visual_tokens_out"] == [6], method
+        finally:
+            vlm_prune.unwrap(model)
+
+
+def test_inputs_embeds_with_placeholders_are_pruned_like_input_ids():
+    model = vlm_prune.wrap(T.tiny_llava(), ["random", "fastv"], keep=0.5)
+    inputs = T.llava_inputs()
+    with torch.no_grad():
+        by_ids = model(**inputs).logits
+        stats = model.vlm_prune.last_stats["visual_tokens_out"]
+        embeds = model.get_input_embeddings()(inputs["input_ids"])
+        by_embeds = model(inputs_embeds=embeds, attention_mask=inputs["attention_mask"],
+                          pixel_values=inputs["pixel_values"]).logits
+        assert model.vlm_prune.last_stats["visual_tokens_out"] == stats
+        torch.testing.assert_close(by_embeds, by_ids, atol=1e-6, rtol=0)
+        hf_vlm._warn_once.cache_clear()  # (warned once per process: maybe by an earlier test)
+        with pytest.warns(UserWarning, match="no image / video placeholder embeddings"):
+            model(inputs_embeds=torch.randn(1, 5, 64, generator=torch.Generator().manual_seed(9)))
+    vlm_prune.unwrap(model)
+
+
+@pytest.mark.parametrize("pad, attn", [("left", "sdpa"), ("right", "sdpa"), ("right", "eager")])
+def test_labels_at_keep_one_give_the_unwrapped_loss_and_gradients(pad, attn):
+    """(Eager with left padding differs in the padding rows' own outputs - transformers' eager mask
+    spreads a fully padded row over every key, the engine lets it see itself -, so there the
+    label of a sample's first token, predicted by a padding row, differs; README: Works with.)"""
+    model = T.tiny_llava(attn=attn)
+    inputs = T.llava_inputs(pad=pad)
+    labels = inputs["input_ids"].masked_fill(inputs["attention_mask"] == 0, -100)
+
+    def loss_and_grads():
+        model.zero_grad()
+        loss = model(**inputs, labels=labels).loss
+        loss.backward()
+        return loss.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+    ref_loss, ref_grads = loss_and_grads()
+    vlm_prune.wrap(model, ["random", FastV(keep=1.0)], keep=1.0)  # (later stages keep their own defaults)
+    try:
+        loss, grads = loss_and_grads()
+    finally:
+        vlm_prune.unwrap(model)
+    torch.testing.assert_close(loss, ref_loss, atol=1e-6, rtol=0)
+    assert len(grads) == len(ref_grads)
+    for g, r in zip(grads, ref_grads):
+        torch.testing.assert_close(g, r, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("method", ["random", "fastv", "tome"])
+def test_labels_with_pruning_are_the_loss_over_the_kept_rows(method):
+    """Each kept row predicts the input token that followed it in the original sequence."""
+    model = vlm_prune.wrap(T.tiny_llava(), method, keep=0.5)
+    inputs = T.llava_inputs()
+    labels = inputs["input_ids"].masked_fill(inputs["attention_mask"] == 0, -100)
+    out = model(**inputs, labels=labels)
+    rows = model.vlm_prune.last_rows
+    assert rows.shape[1] < labels.shape[1]
+    logits, targets = [], []
+    for b in range(rows.shape[0]):
+        for j, r in enumerate(rows[b].tolist()):
+            if r >= 0 and r + 1 < labels.shape[1] and labels[b, r + 1] != -100:
+                logits.append(out.logits[b, j])
+                targets.append(labels[b, r + 1])
+    ref = torch.nn.functional.cross_entropy(torch.stack(logits).float(), torch.stack(targets))
+    torch.testing.assert_close(out.loss, ref, atol=1e-6, rtol=0)
+    out.loss.backward()
+    assert model.model.language_model.layers[0].self_attn.q_proj.weight.grad.abs().sum() > 0
+    vlm_prune.unwrap(model)
+
+
+def test_sliding_window_language_models_are_refused_at_wrap_time():
+    model = T.tiny_onevision()
+    model.model.language_model.config.layer_types = ["sliding_attention", "full_attention"] * 3
+    with pytest.raises(ValueError, match="sliding_attention.*use_sliding_window"):
+        vlm_prune.wrap(model, "fastv", keep=0.5)
+    assert getattr(model, "vlm_prune", None) is None

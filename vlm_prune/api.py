@@ -159,7 +159,11 @@ def _attach(model: torch.nn.Module, state: WrapState) -> torch.nn.Module:
             state.budget_notes.append(note)
             warnings.warn(note, BudgetWarning, stacklevel=2)
     state.adapter = adapter
-    adapter.attach()
+    try:
+        adapter.attach()
+    except BaseException:  # a refusal during attach leaves the model as it was
+        adapter.detach()
+        raise
     adapter.patches.set(model, "__deepcopy__", lambda memo: _deepcopy(model, memo))
     model.vlm_prune = state
     return model
