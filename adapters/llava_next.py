@@ -75,7 +75,7 @@ class LlavaNextAdapter(CLIPTowerAdapter):
         try:
             reduced = super().reduce_features(modality, out)
             record = self.request.pending.records[-1]  # count visual tokens only, as the engine does
-            newlines = [int((c < 0).sum()) for c in self._crops]
+            newlines = [int((self._crops[source_of(out, i)] < 0).sum()) for i in range(len(record["tokens_in"]))]
             for key in ("tokens_in", "tokens_out"):
                 record[key] = [n - k for n, k in zip(record[key], newlines)]
             return reduced
