@@ -93,7 +93,7 @@ def run_and_check(page, names: list[str]) -> None:
         if "answer:" in card:
             page.wait_for_function("sel => { const img = document.querySelector(sel);"
                                    " return img && img.complete && img.naturalWidth > 0; }",
-                                   arg=f"#kept{i} img", timeout=60_000)
+                                   arg=f"#kept{i} img", timeout=REQUEST_TIMEOUT_MS)
 
 
 @pytest.mark.parametrize("example, question, min_offered", [

@@ -203,5 +203,7 @@ def _fit_table(lines: list[str], width: int, where: str, cell: int) -> list[str]
     return fitted
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+if __name__ == "__main__":  # run as the installed module, so that UsageError is the one subcommands raise
+    from vlm_prune.cli import main as installed_main
+
+    sys.exit(installed_main())

@@ -21,7 +21,7 @@ from vlm_prune.cli import UsageError, checkpoint, existing_file, plain_doc, posi
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("keyframes", description=plain_doc(__doc__), formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("videos", nargs="+", metavar="VIDEO", type=existing_file, help="video files")
+    p.add_argument("videos", nargs="+", metavar="VIDEO", help="video files (a missing one is reported in its line)")
     p.add_argument("--captions", metavar="FILE", type=existing_file,
                    help="captions: one line per video, or a .json mapping")
     p.add_argument("--encoder", metavar="PATH_OR_ID", type=checkpoint, help="CLIP / SigLIP checkpoint for KeyScore")
@@ -67,6 +67,8 @@ def run(args: argparse.Namespace) -> int:
     from vlm_prune.frames.select import select_frames
     from vlm_prune.video import VideoError
 
+    if not any(os.path.isfile(v) for v in args.videos):
+        raise UsageError(f"no video file among {', '.join(args.videos)}; give paths of existing video files")
     encoder = None
     if args.method == "keyscore" and (not args.encoder or not args.captions):
         raise UsageError("--method keyscore needs --encoder PATH_OR_ID (a CLIP / SigLIP checkpoint) and "
