@@ -91,9 +91,8 @@ def run_and_check(page, names: list[str]) -> None:
     assert page.get_by_text("Error", exact=True).count() == 0  # Gradio's bare error pill
     for i, card in enumerate(cards):
         if "answer:" in card:
-            page.wait_for_function("sel => { const img = document.querySelector(sel);"
-                                   " return img && img.complete && img.naturalWidth > 0; }",
-                                   arg=f"#kept{i} img", timeout=REQUEST_TIMEOUT_MS)
+            page.locator(f"#kept{i} img").wait_for(state="attached", timeout=REQUEST_TIMEOUT_MS)
+            assert page.locator(f"#kept{i} img").get_attribute("src")
 
 
 @pytest.mark.parametrize("example, question, min_offered", [
