@@ -7,7 +7,9 @@ Data flow for one prefill:
    the model's own tower and projector, then the vision / frames method on each image;
    reduced tokens are written back into their slots, dropped slots are marked;
 3. the language model's ``forward`` is the engine (:class:`PrunedDecoder`), which removes the
-   dropped rows before layer 0 (keeping original position ids) and runs the llm stage.
+   dropped rows before layer 0 (keeping original position ids, or renumbering them when the
+   vision method's official code feeds the LLM a shorter sequence: ``renumber_positions``) and
+   runs the llm stage.
 """
 from __future__ import annotations
 
@@ -435,6 +437,8 @@ class HFVLMAdapter(Adapter):
             offset += it.features.shape[0]
         secs = time.perf_counter() - t0
         self._commit_vision(modality, keep_list, size_list)
+        if frames_m is None and getattr(vision_m, "renumber_positions", False):
+            request.pending.renumber = True  # the official code feeds the LLM the shorter sequence
         record = {"stage": "frames" if frames_m is not None else "vision",
                   "method": (frames_m or vision_m).name, "modality": modality,
                   "tokens_in": n_in, "tokens_out": n_out, "seconds": secs}

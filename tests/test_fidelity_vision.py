@@ -366,3 +366,69 @@ def test_visionzip_slots_variant_keeps_tokens_at_their_own_slots():
         ref = visionzip_reduce(ctx.features, attention, keys, 7, 1)
         assert torch.equal(red.indices, ref.indices) and torch.equal(red.features, ref.features)
         assert red.indices.tolist() != list(range(8))
+
+
+@torch.no_grad()
+def official_visionzip_sequence(model, ids: torch.Tensor, pixels: torch.Tensor, dominant: int, contextual: int):
+    """One sample as the official LLaVA code feeds the language model: the image's placeholders
+    replaced by its dominant + contextual tokens, a shorter sequence at positions 0..n-1."""
+    import tiny_models as T
+
+    tokens = official_visionzip(model, pixels[None], dominant, contextual)[0]
+    embed = model.get_input_embeddings()
+    is_image = ids == T.IMAGE_TOKEN
+    first = int(torch.nonzero(is_image)[0])
+    last = int(torch.nonzero(is_image)[-1])
+    return torch.cat([embed(ids[:first]), tokens, embed(ids[last + 1:])])[None]
+
+
+@pytest.mark.parametrize("next_token", [None, 7])
+def test_visionzip_positions_and_logits_equal_the_official_llava_sequence(next_token):
+    """The LLM sees what the official code gives it: the text after the image follows the k image
+    tokens in position (renumbered), and so do decode steps; logits of the text rows are the
+    official model's on the shorter sequence."""
+    import tiny_models as T
+    from vlm_prune.methods.visionzip import VisionZip
+
+    model, inp = T.tiny_llava(), T.llava_inputs(batch=1)
+    ids = inp["input_ids"][0]
+    short = official_visionzip_sequence(model, ids, inp["pixel_values"][0], 7, 1)
+    with torch.no_grad():
+        ref = model(inputs_embeds=short).logits[0]  # unwrapped: positions 0..n-1
+        full = torch.cat([short, model.get_input_embeddings()(torch.tensor([[next_token or 0]]))], 1)
+        ref_step = model(inputs_embeds=full).logits[0, -1]
+        vlm_prune.wrap(model, VisionZip(), budget=8)
+        try:
+            out = model(**inp, use_cache=True)
+            rows = model.vlm_prune.last_rows[0]
+            assert out.logits.shape[1] == short.shape[1] == rows.numel()  # 8 image rows stay
+            torch.testing.assert_close(out.logits[0], ref, atol=1e-5, rtol=0)
+            if next_token is not None:  # one decode step continues at position n
+                step = model(input_ids=torch.tensor([[next_token]]), cache=out.past_key_values, use_cache=True,
+                             attention_mask=torch.ones(1, ids.numel() + 1, dtype=torch.long)).logits[0, -1]
+                torch.testing.assert_close(step, ref_step, atol=1e-5, rtol=0)
+        finally:
+            vlm_prune.unwrap(model)
+
+def test_visionzip_positions_keep_leaves_the_gaps():
+    """positions="keep" (and the slots variant's default): the rows keep their original ids, so the
+    logits differ from the official sequence; batched and alone agree under both."""
+    import tiny_models as T
+    from vlm_prune.methods.visionzip import VisionZip
+
+    model, inp = T.tiny_llava(), T.llava_inputs()
+    assert VisionZip().renumber_positions and not VisionZip(variant="slots").renumber_positions
+    assert not VisionZip(positions="keep").renumber_positions
+    assert VisionZip(variant="slots", positions="renumber").renumber_positions
+    outs = {}
+    for positions in ("renumber", "keep"):
+        vlm_prune.wrap(model, VisionZip(positions=positions), budget=8)
+        with torch.no_grad():
+            batched = model(**inp).logits
+            for b in range(2):
+                valid = inp["attention_mask"][b].bool()
+                alone = model(input_ids=inp["input_ids"][b:b + 1, valid], pixel_values=inp["pixel_values"][b:b + 1]).logits
+                torch.testing.assert_close(batched[b, -alone.shape[1]:], alone[0], atol=1e-5, rtol=0)
+        outs[positions] = batched
+        vlm_prune.unwrap(model)
+    assert not torch.allclose(outs["renumber"][:, -1], outs["keep"][:, -1], atol=1e-4)

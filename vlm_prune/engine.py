@@ -4,7 +4,10 @@ It replaces the ``forward`` of one language-model instance (LlamaModel, Qwen2Mod
 Qwen2VLTextModel, ...) and runs the same decoder layers, but lets methods remove or merge
 rows between layers:
 
-- rows keep their ORIGINAL position ids (gaps stay), so RoPE sees the same positions;
+- rows keep their ORIGINAL position ids (gaps stay), so RoPE sees the same positions, unless the
+  method's official code builds a shorter sequence: ``Pending.renumber`` (vision stage, VisionZip)
+  or an llm method's ``renumber_positions`` (AdaptInfer on LLaVA) renumber each sample's rows
+  without gaps after the removal, and decode steps continue from the renumbered count;
 - ragged batches are left-padded after a removal, padding rows are masked as keys;
 - merged rows carry a size w; every later layer adds log(w) to attention logits for that key
   (proportional attention) through an additive float mask (eager / SDPA);
@@ -72,6 +75,9 @@ class Pending:
     #: callable(embeds [B, S, D]) -> [B, S] bool: placeholder rows that are not visual tokens
     #: (LLaVA-OneVision's newline tokens); never counted, pruned or merged
     not_visual: Callable[[torch.Tensor], torch.Tensor] | None = None
+    #: renumber positions without gaps after the vision-stage removal (``keep``), as an official
+    #: code that feeds the LLM a shorter sequence (VisionZip); 1-D positions only
+    renumber: bool = False
 
 
 @dataclass
@@ -376,10 +382,18 @@ class PrunedDecoder:
         if pending is not None:
             pending.visual_in = stats_in
         records = list(pending.records) if pending is not None else []
+        vision_renumbered = False
         if pending is not None and pending.keep is not None:
             keep = pending.keep.to(device)
             reds = [Reduction(torch.nonzero(valid[i] & keep[i]).squeeze(1)) for i in range(b)]
-            rows = apply(rows, reds)
+            kept = apply(rows, reds)
+            if pending.renumber and kept is not rows:
+                if rows.pos.shape[0] > 1:
+                    raise ValueError("Pending.renumber renumbers 1-D positions; this model's multi-axis positions (M-RoPE) "
+                                     "must keep their ids")
+                kept = replace(kept, pos=renumbered(kept.pos, kept.valid))
+                vision_renumbered = True
+            rows = kept
 
         points = self.prune_points()
         method = self.llm_method
@@ -389,7 +403,7 @@ class PrunedDecoder:
         key_valid: list[torch.Tensor] = []
         key_bias: list[torch.Tensor] = []
         planned: dict[int, tuple[list[Reduction], float]] = {}
-        renumber = bool(getattr(method, "renumber_positions", False)) and bool(points)
+        renumber = (bool(getattr(method, "renumber_positions", False)) and bool(points)) or vision_renumbered
         segment_next: list[torch.Tensor] = []
         layer_visual: list[torch.Tensor] = []  # visual rows each layer saw, per sample
         mask = pe = None
@@ -398,7 +412,7 @@ class PrunedDecoder:
                 reds, secs = planned.pop(idx) if idx in planned else self._select(idx, rows, idx)
                 before = (rows.visual & rows.valid).sum(1).tolist()
                 rows = apply(rows, reds)
-                if renumber:
+                if renumber and getattr(method, "renumber_positions", False):
                     rows = replace(rows, pos=renumbered(rows.pos, rows.valid))
                 records.append({
                     "stage": "llm", "method": method.name, "layer": idx,
@@ -559,7 +573,8 @@ def _append_rows(red: Reduction, rows: Rows, b: int, cut: int) -> Reduction:
 
 def renumbered(pos: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     """[P, B, S] positions renumbered without gaps: each sample's valid rows count up from its
-    first position (what AdaptInfer's official LLaVA code does after each pruning step)."""
+    first position (what AdaptInfer's official LLaVA code does after each pruning step, and
+    VisionZip's after the vision-stage removal)."""
     first = pos.masked_fill(~valid, torch.iinfo(pos.dtype).max).amin(-1, keepdim=True)
     rank = valid.long().cumsum(-1) - 1
     return torch.where(valid, first + rank, pos)

@@ -128,12 +128,15 @@ class VisionZip(VisionMethod):
         :class:`TowerFeatures`): the official code exactly - the 54 dominant tokens are CLS + 53
         patches (its ``apply_info(dominant - 1)``), the contextual merge runs on the feature layer's
         outputs before the projector, and [CLS, dominant, contextual] are packed contiguously, here
-        into the image's first k placeholder slots (:func:`visionzip_official`). One difference
-        remains: the text after the image keeps its original positions (the engine keeps position
-        ids), where the official code renumbers it to follow the k image tokens.
+        into the image's first k placeholder slots (:func:`visionzip_official`).
       - "slots" (the variant the project used before, kept as an option): no CLS, the merge on the
         projected features, each dominant token at its own slot and each contextual token at its
         target's slot (:func:`visionzip_reduce`), so spatial positions survive.
+    ``positions``: "renumber" (the official code: the LLM gets the shorter sequence, so every row
+    after the removal is renumbered without gaps - the k image tokens follow the text before them
+    and the text after the image follows the k tokens - and decode steps continue from that
+    count) or "keep" (original position ids, gaps stay; the "slots" variant's point). Default:
+    "renumber" with ``variant="official"``, "keep" with ``variant="slots"``.
     Towers without a CLS token (SigLIP in LLaVA-OneVision) give the mean attention each token
     receives instead, bilinearly pooled to each video frame's token grid as the model pools its
     features; the model projects before it pools, so OneVision video always runs the "slots"
@@ -145,15 +148,25 @@ class VisionZip(VisionMethod):
     supported = ("llava", "llava_onevision")  # adapters that tap the tower feature layer (OneVision: video frames)
     paper = "VisionZip, Yang et al., CVPR 2025 (dvlab-research/VisionZip)"
 
-    def __init__(self, dominant_ratio: float = 54 / 64, variant: str = "official", keep: float | None = None,
-                 budget: int | None = None):
+    def __init__(self, dominant_ratio: float = 54 / 64, variant: str = "official", positions: str | None = None,
+                 keep: float | None = None, budget: int | None = None):
         super().__init__(keep=keep, budget=budget)
         if not 0 <= dominant_ratio <= 1:
             raise ValueError(f"VisionZip dominant_ratio must be in [0, 1], got {dominant_ratio!r}")
         if variant not in VARIANTS:
             raise ValueError(f"VisionZip variant must be one of {VARIANTS}, got {variant!r}")
+        if positions not in (None, "renumber", "keep"):
+            raise ValueError(f"VisionZip positions must be 'renumber' or 'keep' (None: the variant's own), got {positions!r}")
         self.dominant_ratio = dominant_ratio
         self.variant = variant
+        self.positions = positions
+
+    @property
+    def renumber_positions(self) -> bool:
+        """True when the rows after the removal are renumbered without gaps (official)."""
+        if self.positions is not None:
+            return self.positions == "renumber"
+        return self.variant == "official"
 
     def reduce_image(self, ctx: VisionContext) -> Reduction:
         n = ctx.features.shape[0]
