@@ -55,12 +55,13 @@ def float_mask(allowed: torch.Tensor, dtype, bias: torch.Tensor | None = None) -
     return m[:, None]
 
 
-def masked_llm_reference(model, inputs, layer: int, kept: torch.Tensor, merged=None):
+def masked_llm_reference(model, inputs, layer: int, kept: torch.Tensor, merged=None, grad: bool = False):
     """Invariant 3: the full sequence with removed tokens masked as keys from ``layer`` on.
 
     kept: [B, S] bool rows that survive at ``layer``. merged: optional (centre [B, S] bool,
     features [B, S, D] merged hidden states at those centres, sizes [B, S]) - the centres'
     hidden states are replaced at ``layer`` and log(size) is added to their key logits.
+    grad: keep the autograd graph of the decoder layers (the input embeddings are detached).
     """
     with torch.no_grad(), capture_lm_inputs(model) as seen:
         model(**inputs)
@@ -81,5 +82,5 @@ def masked_llm_reference(model, inputs, layer: int, kept: torch.Tensor, merged=N
     dtype = embeds.dtype
     m_before = float_mask(before, dtype)
     m_after = float_mask(after, dtype, bias)
-    with torch.no_grad():
-        return run_layers(model, embeds, pos, lambda i: m_before if i < layer else m_after, replace)
+    with torch.set_grad_enabled(grad):
+        return run_layers(model, embeds.detach(), pos, lambda i: m_before if i < layer else m_after, replace)

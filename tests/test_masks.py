@@ -76,10 +76,13 @@ def test_forms_per_implementation() -> None:
     padded[0, 0] = False
     assert torch.equal(segment_mask("flash_attention_2", padded, zeros, padded, torch.float32), padded.long())
     assert kind(segment_mask("eager", valid, zeros, valid, torch.float32)) == "float"
-    # a padding row sees only itself, a valid row every valid key up to itself
+    # as in transformers' masks, padding masks keys, not queries: a left-padding row sees no key,
+    # a right-padding row the valid keys before it, a valid row every valid key up to itself
+    padded[1, -2:] = False
     allowed = allowed_keys(padded, padded)
-    assert allowed[0, 0].tolist() == [True] + [False] * 8
+    assert allowed[0, 0].tolist() == [False] * 9
     assert allowed[0, 3].tolist() == [False, True, True, True] + [False] * 5
+    assert allowed[1, 8].tolist() == [True] * 7 + [False] * 2
 
 
 def forms_and_outputs(model, inp, method, keep, fast: bool, monkeypatch: pytest.MonkeyPatch) -> tuple[Counter, Any, Any]:

@@ -233,49 +233,133 @@ def test_inputs_embeds_with_placeholders_are_pruned_like_input_ids():
     vlm_prune.unwrap(model)
 
 
-@pytest.mark.parametrize("pad, attn", [("left", "sdpa"), ("right", "sdpa"), ("right", "eager")])
-def test_labels_at_keep_one_give_the_unwrapped_loss_and_gradients(pad, attn):
-    """(Eager with left padding differs in the padding rows' own outputs - transformers' eager mask
-    spreads a fully padded row over every key, the engine lets it see itself -, so there the
-    label of a sample's first token, predicted by a padding row, differs; README: Works with.)"""
-    model = T.tiny_llava(attn=attn)
-    inputs = T.llava_inputs(pad=pad)
-    labels = inputs["input_ids"].masked_fill(inputs["attention_mask"] == 0, -100)
+LABEL_MODELS = {
+    "llava": (T.tiny_llava, lambda m, pad: T.llava_inputs(pad=pad)),
+    "qwen2_vl": (T.tiny_qwen2_vl, lambda m, pad: T.qwen2_vl_inputs(m, pad=pad)),
+}
 
-    def loss_and_grads():
-        model.zero_grad()
-        loss = model(**inputs, labels=labels).loss
-        loss.backward()
-        return loss.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None]
 
-    ref_loss, ref_grads = loss_and_grads()
+def _labelled(family: str, attn: str, pad: str):
+    make, inputs = LABEL_MODELS[family]
+    model = make(attn=attn)
+    inp = inputs(model, pad)
+    return model, inp, inp["input_ids"].masked_fill(inp["attention_mask"] == 0, -100)
+
+
+def _loss_and_grads(model, inputs, labels):
+    model.zero_grad()
+    out = model(**inputs, labels=labels)
+    out.loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return out.loss.detach(), out.logits.detach(), grads
+
+
+@pytest.mark.parametrize("pad", ["left", "right"])
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+@pytest.mark.parametrize("family", list(LABEL_MODELS))
+def test_labels_at_keep_one_give_the_unwrapped_loss_and_gradients(family, attn, pad):
+    """keep=1.0 is the unwrapped model bit for bit, padding rows included: with left padding the
+    last padding row predicts the first real token, and (as in transformers' masks) it attends to
+    no key (eager spreads it over every key, SDPA returns zeros), so loss and gradients match."""
+    model, inputs, labels = _labelled(family, attn, pad)
+    ref_loss, ref_logits, ref_grads = _loss_and_grads(model, inputs, labels)
     vlm_prune.wrap(model, ["random", FastV(keep=1.0)], keep=1.0)  # (later stages keep their own defaults)
     try:
-        loss, grads = loss_and_grads()
+        loss, logits, grads = _loss_and_grads(model, inputs, labels)
     finally:
         vlm_prune.unwrap(model)
-    torch.testing.assert_close(loss, ref_loss, atol=1e-6, rtol=0)
-    assert len(grads) == len(ref_grads)
-    for g, r in zip(grads, ref_grads):
-        torch.testing.assert_close(g, r, atol=1e-6, rtol=1e-5)
+    assert torch.equal(loss, ref_loss)
+    assert torch.equal(logits, ref_logits)  # every row, padding rows too
+    assert grads.keys() == ref_grads.keys()
+    for name, g in grads.items():
+        assert torch.equal(g, ref_grads[name]), name
 
 
-@pytest.mark.parametrize("method", ["random", "fastv", "tome"])
-def test_labels_with_pruning_are_the_loss_over_the_kept_rows(method):
-    """Each kept row predicts the input token that followed it in the original sequence."""
+def _kept_row_loss(per_sample: list[tuple[torch.Tensor, torch.Tensor]], labels: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy of each kept row's logits against the input token that followed that row in
+    the original sequence. per_sample: (logits [k, V], origin row [k]) of each sample."""
+    logits, targets = [], []
+    s = labels.shape[1]
+    for b, (lg, origin) in enumerate(per_sample):
+        for j, r in enumerate(origin.tolist()):
+            if r + 1 < s and labels[b, r + 1] != -100:
+                logits.append(lg[j])
+                targets.append(labels[b, r + 1])
+    return torch.nn.functional.cross_entropy(torch.stack(logits).float(), torch.stack(targets))
+
+
+def _lm_grads(model) -> dict[str, torch.Tensor]:
+    """Gradients of the decoder layers, final norm and head (what the language model's rows reach)."""
+    lm = model.model.language_model
+    named = [(f"layers.{n}", p) for n, p in lm.layers.named_parameters()] + \
+            [(f"norm.{n}", p) for n, p in lm.norm.named_parameters()] + [("lm_head.weight", model.lm_head.weight)]
+    return {n: p.grad.clone() for n, p in named if p.grad is not None}
+
+
+@pytest.mark.parametrize("family", list(LABEL_MODELS))
+@pytest.mark.parametrize("method", ["random", "fastv"])
+def test_labels_with_pruning_equal_a_hand_built_reference(family, method):
+    """With pruning, the loss is over the kept rows, each predicting the input token that followed
+    it (labels mapped through last_rows). Reference, independent of the engine: vision stage - the
+    unwrapped language model on each sample's kept rows alone at their original positions;
+    in-LLM - the full sequence with the removed rows masked as keys from the pruning layer on.
+    Loss and the language model's gradients agree."""
+    from reference import capture_lm_inputs, masked_llm_reference, positions_of
+
+    model, inputs, labels = _labelled(family, "eager", "left")
+    spec = FastV(layer=2, keep=0.5) if method == "fastv" else method
+    vlm_prune.wrap(model, spec, keep=0.5)
+    try:
+        model.zero_grad()
+        with capture_lm_inputs(model) as seen:
+            out = model(**inputs, labels=labels)
+        out.loss.backward()
+        grads = _lm_grads(model)
+        rows = model.vlm_prune.last_rows
+        stats = model.vlm_prune.last_stats
+    finally:
+        vlm_prune.unwrap(model)
+    assert rows.shape[1] < labels.shape[1]
+    assert all(o < i for o, i in zip(stats["visual_tokens_out"], stats["visual_tokens_in"]))
+    model.zero_grad()
+    b, s = labels.shape
+    per_sample = []
+    if method == "random":
+        embeds = seen[0]["inputs_embeds"].detach()
+        pos = positions_of(seen[0], b, s)
+        lm = model.model.language_model
+        for i in range(b):
+            keep = rows[i][rows[i] >= 0]
+            p = pos[:, i : i + 1, keep]
+            p = p if "Qwen2" in type(model).__name__ else p[0]
+            h = lm(inputs_embeds=embeds[i : i + 1, keep], position_ids=p,
+                   attention_mask=torch.ones(1, keep.numel(), dtype=torch.long)).last_hidden_state
+            per_sample.append((model.lm_head(h)[0], keep))
+    else:
+        kept = torch.zeros(b, s, dtype=torch.bool)
+        for i in range(b):
+            kept[i, rows[i][rows[i] >= 0]] = True
+        ref_logits = masked_llm_reference(model, inputs, 2, kept, grad=True)
+        per_sample = [(ref_logits[i, rows[i][rows[i] >= 0]], rows[i][rows[i] >= 0]) for i in range(b)]
+    ref = _kept_row_loss(per_sample, labels)
+    ref.backward()
+    ref_grads = _lm_grads(model)
+    torch.testing.assert_close(out.loss.detach(), ref.detach(), atol=1e-6, rtol=0)
+    assert grads.keys() == ref_grads.keys()
+    for name, g in grads.items():
+        torch.testing.assert_close(g, ref_grads[name], atol=1e-6, rtol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("method", ["tome"])
+def test_labels_with_merges_are_the_loss_over_the_kept_rows(method):
+    """ToMe merges inside the tower: each kept row predicts the input token that followed it."""
     model = vlm_prune.wrap(T.tiny_llava(), method, keep=0.5)
     inputs = T.llava_inputs()
     labels = inputs["input_ids"].masked_fill(inputs["attention_mask"] == 0, -100)
     out = model(**inputs, labels=labels)
     rows = model.vlm_prune.last_rows
     assert rows.shape[1] < labels.shape[1]
-    logits, targets = [], []
-    for b in range(rows.shape[0]):
-        for j, r in enumerate(rows[b].tolist()):
-            if r >= 0 and r + 1 < labels.shape[1] and labels[b, r + 1] != -100:
-                logits.append(out.logits[b, j])
-                targets.append(labels[b, r + 1])
-    ref = torch.nn.functional.cross_entropy(torch.stack(logits).float(), torch.stack(targets))
+    ref = _kept_row_loss([(out.logits[b][rows[b] >= 0], rows[b][rows[b] >= 0]) for b in range(rows.shape[0])], labels)
     torch.testing.assert_close(out.loss, ref, atol=1e-6, rtol=0)
     out.loss.backward()
     assert model.model.language_model.layers[0].self_attn.q_proj.weight.grad.abs().sum() > 0

@@ -432,7 +432,10 @@ class PrunedDecoder:
             rows = replace(rows, hidden=self._run_layer(idx, rows.hidden, mask, pe, rows.pos, cache, use_cache, kwargs))
 
         if cache is not None and use_cache:
-            install(cache, CacheSegments(layer_segment, key_valid, key_bias, next_pos=pos[:, :, -1] + 1, seen=s, prompt=s,
+            # tokens after the prompt (assisted decoding's first draft, checked in the prefill) were not
+            # chosen from and sit last in every segment: they can be cropped like any later token
+            prompt = pending.prompt if pending is not None and pending.prompt is not None else s
+            install(cache, CacheSegments(layer_segment, key_valid, key_bias, next_pos=pos[:, :, -1] + 1, seen=s, prompt=prompt,
                                          segment_next_pos=segment_next if renumber else None))
         self.state.last_stats = _stats(stats_in, rows, records, layer_visual, self.state)
         self.state.last_rows = rows.origin
@@ -478,16 +481,19 @@ def check_cache(cache: Any) -> None:
 
 
 def allowed_keys(key_valid: torch.Tensor, q_valid: torch.Tensor) -> torch.Tensor:
-    """[B, q, kv] bool: which keys each of the newest ``q`` rows attends to.
+    """[B, q, kv] bool: which keys each of the newest ``q`` rows (``q_valid`` [B, q]) attends to.
 
     The new rows are the last ``q`` keys and causality is by row order (rows keep their
-    original order): valid keys up to the row itself. A padding row sees only itself, so no
-    row is fully masked (its output stays finite and is never read).
+    original order): valid keys up to the row itself. As in transformers' own masks, padding
+    masks keys, never queries: a right-padding row sees the valid keys before it, a
+    left-padding row sees none (eager attention then spreads it evenly over every key, SDPA
+    returns zeros). So every row's output is the unwrapped model's; with left padding the last
+    padding row predicts the first real token, and the loss and gradients through it match.
     """
     q, kv = q_valid.shape[1], key_valid.shape[1]
     qi = torch.arange(q, device=key_valid.device)[:, None] + (kv - q)
     ki = torch.arange(kv, device=key_valid.device)[None, :]
-    return ((ki <= qi)[None] & key_valid[:, None, :]) | ((ki == qi)[None] & ~q_valid[:, :, None])
+    return (ki <= qi)[None] & key_valid[:, None, :]
 
 
 def float_mask(key_valid: torch.Tensor, key_bias: torch.Tensor, q_valid: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
