@@ -198,6 +198,15 @@ class CLIPTowerStage:
         sizes = run.sizes[:, skip:].to(device) if run.sizes is not None else None
         return slots, sizes
 
+    def merged_into(self, run: ViTRun, rows: int, device: torch.device | str) -> torch.Tensor | None:
+        """[rows, n_features]: for each feature token of every tower row, the slot (as in
+        :meth:`survivors`) of the surviving token it was merged into (ToMe); None without merges."""
+        if run.members is None:
+            return None
+        skip = 1 if self.drop_cls else 0
+        current = run.members[:, skip:].to(device)
+        return run.token_slots(rows, device).to(device).gather(1, current) - skip
+
     def record(self, run: ViTRun, tokens_in: list[int], tokens_out: list[int]) -> dict[str, Any]:
         """The stats record of the stage (tokens per image before / after)."""
         summary = run.summary()
@@ -217,7 +226,11 @@ class CLIPTowerStage:
         src = [source_of(out, i) for i in range(len(feats))]  # the tower row of each (repeated) image
         reds = [Reduction(slots[j], f, sizes[j] if sizes is not None else None) for j, f in zip(src, feats)]
         n = self.n_features(run)
-        return reds, self.record(run, [n] * len(feats), [int(r.indices.numel()) for r in reds])
+        record = self.record(run, [n] * len(feats), [int(r.indices.numel()) for r in reds])
+        merged = self.merged_into(run, images, feats[0].device)
+        if merged is not None:
+            record["merged_into"] = [merged[j].tolist() for j in src]
+        return reds, record
 
 
 class CLIPTowerAdapter(HFVLMAdapter):

@@ -411,7 +411,8 @@ class HFVLMAdapter(Adapter):
         request.tower_attention = self.tower_attention_fn(out, modality)
         samples = self.sample_of_items(modality, [it.features.shape[0] for it in items])
         t0 = time.perf_counter()
-        new_feats, keep_list, size_list, n_in, n_out, extra = [], [], [], [], [], []
+        new_feats, keep_list, size_list, n_in, n_out, extra, merges = [], [], [], [], [], [], []
+        merged = False
         offset = 0
         for i, it in enumerate(items):
             body = it.features.shape[0] - it.tail
@@ -427,6 +428,8 @@ class HFVLMAdapter(Adapter):
                     rank = samples[:i].count(samples[i])
                     gen = torch.Generator().manual_seed(self.state.seed * 1_000_003 + rank)
                     red = self.reduce_frames(vision_m, it, samples[i], gen, i)
+            merges.append(red)
+            merged = merged or red.merged_into is not None
             f, keep, sizes = scatter_reduction(it.features[:body], red)
             tail = slice(body, it.features.shape[0])
             new_feats.append(torch.cat([f, it.features[tail]]))
@@ -444,6 +447,8 @@ class HFVLMAdapter(Adapter):
                   "tokens_in": n_in, "tokens_out": n_out, "seconds": secs}
         if extra:
             record["videos"] = extra
+        if merged:  # a merging method (VisionZip): each item's token -> its token's slot (Reduction.merged_into)
+            record["merged_into"] = [r.membership(n).tolist() for r, n in zip(merges, n_in)]
         request.pending.records.append(record)
         return self.rebuild(modality, out, new_feats)
 
@@ -452,7 +457,7 @@ class HFVLMAdapter(Adapter):
         n = (it.features.shape[0] - it.tail) // it.frames
         tower_attention = self.request.tower_attention
         text = self.text_embeds(sample).detach()
-        parts = []
+        parts, frame_into, merged = [], [], False
         for t in range(it.frames):
             frame = it.features[t * n : (t + 1) * n]
             ctx = VisionContext(
@@ -465,16 +470,19 @@ class HFVLMAdapter(Adapter):
                 image_index=index,
             )
             red = method.reduce_image(ctx)
+            into = red.membership(n)
+            frame_into.append(torch.where(into >= 0, into + t * n, -1))
+            merged = merged or red.merged_into is not None
             parts.append(Reduction(red.indices + t * n, red.features, red.sizes))
         if len(parts) == 1:
-            return parts[0]
+            return red
         feats = None
         if any(p.features is not None for p in parts):
             feats = torch.cat([p.features if p.features is not None else it.features[p.indices] for p in parts])
         sizes = None
         if any(p.sizes is not None for p in parts):
             sizes = torch.cat([p.sizes if p.sizes is not None else torch.ones(p.indices.numel()) for p in parts])
-        return Reduction(torch.cat([p.indices for p in parts]), feats, sizes)
+        return Reduction(torch.cat([p.indices for p in parts]), feats, sizes, torch.cat(frame_into) if merged else None)
 
     def frames_planned(self, modality: str, it: "Item", offset: int, plan: Any) -> None:
         """Hook after a frames plan for the item whose slots start at flat placeholder ``offset``

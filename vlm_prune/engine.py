@@ -378,7 +378,8 @@ class PrunedDecoder:
             for rewrite in pending.position_rewrites:
                 rewrite.apply(pos)
         rows = Rows(embeds, pos, valid, visual, sizes, origin)
-        stats_in = (visual & valid).sum(1).tolist()
+        visual_in = visual & valid
+        stats_in = visual_in.sum(1).tolist()
         if pending is not None:
             pending.visual_in = stats_in
         records = list(pending.records) if pending is not None else []
@@ -411,6 +412,7 @@ class PrunedDecoder:
             if idx in points and (rows.visual & rows.valid).any():
                 reds, secs = planned.pop(idx) if idx in planned else self._select(idx, rows, idx)
                 before = (rows.visual & rows.valid).sum(1).tolist()
+                merges = merged_into(rows, reds, visual_in) if any(r.merged_into is not None for r in reds) else None
                 rows = apply(rows, reds)
                 if renumber and getattr(method, "renumber_positions", False):
                     rows = replace(rows, pos=renumbered(rows.pos, rows.valid))
@@ -418,6 +420,8 @@ class PrunedDecoder:
                     "stage": "llm", "method": method.name, "layer": idx,
                     "tokens_in": before, "tokens_out": (rows.visual & rows.valid).sum(1).tolist(), "seconds": secs,
                 })
+                if merges is not None:
+                    records[-1]["merged_into"] = merges
                 mask = None
             if mask is None:
                 key_valid.append(rows.valid)
@@ -575,6 +579,23 @@ def _append_rows(red: Reduction, rows: Rows, b: int, cut: int) -> Reduction:
     feats = None if red.features is None else torch.cat([red.features, rows.hidden[b, cut:].to(red.features.device)])
     sizes = None if red.sizes is None else torch.cat([red.sizes, rows.sizes[b, cut:].to(red.sizes.device)])
     return Reduction(torch.cat([red.indices, tail]), feats, sizes)
+
+
+def merged_into(rows: Rows, reds: list[Reduction], visual_in: torch.Tensor) -> list[list[int]]:
+    """An llm-stage record's ``merged_into``: per sample, for each of its visual tokens at the
+    model input (numbered 0.. in input order, as ``visual_tokens_in`` counts them), the number of
+    the visual token whose row it was folded into by this step (itself when kept as it was), -1
+    when dropped now or by an earlier stage."""
+    number = visual_in.long().cumsum(1) - 1
+    out = []
+    for b, red in enumerate(reds):
+        res = torch.full((int(visual_in[b].sum()),), -1, dtype=torch.long, device=number.device)
+        src = torch.nonzero(rows.visual[b] & rows.valid[b]).squeeze(1)
+        dst = red.membership(rows.valid.shape[1]).to(src.device)[src]
+        ok = dst >= 0
+        res[number[b, rows.origin[b, src[ok]]]] = number[b, rows.origin[b, dst[ok]]]
+        out.append(res.tolist())
+    return out
 
 
 def renumbered(pos: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:

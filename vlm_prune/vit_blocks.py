@@ -103,6 +103,8 @@ class ViTRun:
     sizes: [B, N] how many original patches each token stands for (ToMe); None = all 1.
     slots: [B, N] index in the block-0 input of each token (a merged token: that of the token
         it was merged into), so adapters can map survivors back to patches; None = 0 .. N-1.
+    members: [B, N0] for each block-0 input token, the index among the current tokens of the
+        token it is now part of (ToMe's merges composed over the blocks); None = not merged.
     policy: [B, N] soft keep mask while calibrating AS-ViT; None = all kept.
     tokens: tokens entering each block (the tensor length; per image after pruning).
     flops: each block's FLOPs, as floats or (while calibrating) [B] tensors.
@@ -112,6 +114,7 @@ class ViTRun:
     n_tokens: int
     sizes: torch.Tensor | None = None
     slots: torch.Tensor | None = None
+    members: torch.Tensor | None = None
     policy: torch.Tensor | None = None
     tokens: list[int] = field(default_factory=list)
     flops: list[torch.Tensor | float] = field(default_factory=list)

@@ -47,11 +47,15 @@ class Reduction:
         original rows unchanged.
     sizes: optional [k] float number of original tokens each kept row stands for (merging);
         the engine adds log(size) to attention logits for that key (proportional attention).
+    merged_into: optional [N] long, set by merging methods: for each of the N input rows, the
+        row (one of ``indices``) whose output it was folded into - itself when kept as it was,
+        -1 when dropped. Reported as ``merged_into`` in the stage's ``last_stats`` record.
     """
 
     indices: torch.Tensor
     features: torch.Tensor | None = None
     sizes: torch.Tensor | None = None
+    merged_into: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if self.indices.dim() != 1:
@@ -67,6 +71,14 @@ class Reduction:
     @staticmethod
     def keep_all(n: int, device: torch.device | str = "cpu") -> "Reduction":
         return Reduction(torch.arange(n, device=device))
+
+    def membership(self, n: int) -> torch.Tensor:
+        """[n] :attr:`merged_into`, or for a method that only keeps / drops: kept rows themselves, the rest -1."""
+        if self.merged_into is not None:
+            return self.merged_into
+        out = torch.full((n,), -1, dtype=torch.long, device=self.indices.device)
+        out[self.indices] = self.indices
+        return out
 
     @staticmethod
     def top_k(scores: torch.Tensor, k: int) -> "Reduction":

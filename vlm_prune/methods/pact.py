@@ -175,10 +175,15 @@ class PACT(LLMMethod):
         labels = torch.cat([cl.labels, cl.extra_labels])
         merged, sizes = scatter_mean(ctx.hidden[b, rows], labels, cl.centres.numel(), ctx.sizes[b, rows].float())
         hidden = ctx.hidden[b]
+        centres = kept[cl.centres]
+        into = torch.full((hidden.shape[0],), -1, dtype=torch.long, device=vis.device)  # dropped: -1
+        into[other] = other
+        into[rows] = torch.where(labels >= 0, centres[labels.clamp(min=0)], -1)
         return Reduction(
-            torch.cat([other, kept[cl.centres]]),
+            torch.cat([other, centres]),
             features=torch.cat([hidden[other], merged]),
             sizes=torch.cat([ctx.sizes[b, other].float(), sizes]),
+            merged_into=into,
         )
 
 

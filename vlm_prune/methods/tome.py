@@ -90,6 +90,15 @@ def merged_order(t: torch.Tensor, unmerged: torch.Tensor, n_prefix: int = 0, b_r
     return torch.cat([t[:, :n_prefix], gather_tokens(t[:, ::2], unmerged[:, pa:]), b[:, pb:]], dim=1)
 
 
+def merged_positions(n: int, unmerged: torch.Tensor, src: torch.Tensor, dst: torch.Tensor, n_prefix: int = 0) -> torch.Tensor:
+    """[B, n] where each of n tokens lands in :func:`merge_matched`'s output for a matching
+    (a merged A token: where its B partner lands)."""
+    ids = torch.arange(n, device=src.device).expand(src.shape[0], n)
+    order = merged_order(ids, unmerged, n_prefix)  # the token at each output place
+    dest = torch.empty_like(ids).scatter_(1, order, torch.arange(order.shape[1], device=src.device).expand_as(order))
+    return dest.scatter_(1, 2 * src, dest.gather(1, 2 * dst + 1))
+
+
 @functools.lru_cache(maxsize=64)
 def merge_schedule(n_patches: int, n_prefix: int, depth: int, target: int) -> tuple[int, ...]:
     """Tokens to merge in each of ``depth`` blocks so that ``n_patches`` patch tokens end at
@@ -195,4 +204,7 @@ class ToMe(ViTMethod):
             match = bipartite_matching(a.k.mean(dim=1), r, p)
             x, run.sizes = merge_matched(x, sizes, *match, n_prefix=p)
             run.slots = merged_order(run.token_slots(x.shape[0], x.device), match[0], p)
+            n = sizes.shape[1]  # which tokens merged into which, composed over the blocks (last_stats)
+            members = run.members if run.members is not None else torch.arange(n, device=x.device).expand(x.shape[0], n)
+            run.members = merged_positions(n, *match, p).gather(1, members)
         return x + ops.mlp(x)

@@ -71,12 +71,17 @@ def visionzip_reduce(
     dominant = torch.topk(attention.float(), n_dominant, sorted=False).indices
     rest = remaining(features.shape[0], dominant)
     n_contextual = min(n_contextual, rest.numel())
+    into = torch.full((features.shape[0],), -1, dtype=torch.long, device=features.device)
+    into[dominant] = dominant
     if n_contextual == 0:
-        return Reduction(torch.sort(dominant).values)
+        return Reduction(torch.sort(dominant).values, merged_into=into)
     targets, others, assign = contextual_groups(keys, rest, n_contextual)
+    into[targets] = targets
+    into[others] = targets[assign]
     return Reduction(
         torch.cat([dominant, targets]),
         features=torch.cat([features[dominant], merge_contextual(features, targets, others, assign)]),
+        merged_into=into,
     )
 
 
@@ -99,10 +104,18 @@ def visionzip_official(
     n_contextual = min(n_contextual, rest.numel())
     parts = [] if tower.cls is None or n_dominant == 0 else [tower.cls[None]]
     parts.append(tower.features[dominant])
+    # the packed slot each image token ends in (CLS, when packed, is slot 0 and no image token)
+    into = torch.full((n,), -1, dtype=torch.long, device=dominant.device)
+    into[dominant] = torch.arange(dominant.numel(), device=dominant.device) + len(parts) - 1
     if n_contextual:
-        parts.append(merge_contextual(tower.features, *contextual_groups(keys, rest, n_contextual)))
+        targets, others, assign = contextual_groups(keys, rest, n_contextual)
+        parts.append(merge_contextual(tower.features, targets, others, assign))
+        first = len(parts) - 2 + dominant.numel()
+        into[targets] = torch.arange(n_contextual, device=dominant.device) + first
+        into[others] = assign + first
     packed = torch.cat(parts)
-    return Reduction(torch.arange(packed.shape[0], device=packed.device), features=tower.project(packed))
+    return Reduction(torch.arange(packed.shape[0], device=packed.device), features=tower.project(packed),
+                     merged_into=into)
 
 
 def remaining(n: int, dominant: torch.Tensor) -> torch.Tensor:
