@@ -435,8 +435,10 @@ class HFVLMAdapter(Adapter):
             new_feats.append(torch.cat([f, it.features[tail]]))
             keep_list.append(torch.cat([keep, torch.ones(it.tail, dtype=torch.bool, device=keep.device)]))
             size_list.append(torch.cat([sizes, torch.ones(it.tail, device=sizes.device)]))
-            n_in.append(body)
-            n_out.append(int(keep[:body].sum()))
+            skip = None if frames_m is not None else self.not_visual_rows(it, i)
+            visual = keep.new_ones(body) if skip is None else ~skip[:body].to(keep.device)
+            n_in.append(int(visual.sum()))  # visual tokens only, as the engine counts them
+            n_out.append(int((keep[:body] & visual).sum()))
             offset += it.features.shape[0]
         secs = time.perf_counter() - t0
         self._commit_vision(modality, keep_list, size_list)
@@ -452,8 +454,32 @@ class HFVLMAdapter(Adapter):
         request.pending.records.append(record)
         return self.rebuild(modality, out, new_feats)
 
+    def not_visual_rows(self, it: "Item", index: int) -> torch.Tensor | None:
+        """[N] bool: the rows of item ``index`` that are not visual tokens (the ``image_newline`` rows
+        of LLaVA-NeXT / LLaVA-OneVision images, found as the engine finds them: equal to the model's
+        newline embedding); None when every row is one. Vision methods never see, count or drop them."""
+        newline = getattr(self.inner, "image_newline", None) if self.newline_not_visual else None
+        if newline is None or it.grid is not None or it.tail:  # video items end in their newline (tail)
+            return None
+        mask = (it.features == newline.to(it.features.dtype)).all(-1)
+        return mask if bool(mask.any()) else None
+
     def reduce_frames(self, method: Any, it: "Item", sample: int, gen: torch.Generator, index: int) -> Reduction:
-        """Apply a vision method to each frame of an item (an image is one frame)."""
+        """Apply a vision method to each frame of an item (an image is one frame). Rows that are not
+        visual tokens (:meth:`not_visual_rows`) are always kept and the method sees the others only,
+        so they never count against its budget."""
+        skip = self.not_visual_rows(it, index)
+        if skip is None:
+            return self.reduce_visual_frames(method, it, sample, gen, index)
+        rows = torch.nonzero(~skip).squeeze(1)
+        kept = torch.nonzero(skip).squeeze(1)
+        red = self.reduce_visual_frames(method, Item(it.features[rows], 1, None), sample, gen, index)
+        feats = None if red.features is None else torch.cat([red.features, it.features[kept]])
+        sizes = None if red.sizes is None else torch.cat([red.sizes, torch.ones(kept.numel(), device=red.sizes.device)])
+        return Reduction(torch.cat([rows[red.indices.to(rows.device)], kept]), feats, sizes)
+
+    def reduce_visual_frames(self, method: Any, it: "Item", sample: int, gen: torch.Generator, index: int) -> Reduction:
+        """Apply a vision method to each frame of an item whose rows are all visual tokens."""
         n = (it.features.shape[0] - it.tail) // it.frames
         tower_attention = self.request.tower_attention
         text = self.text_embeds(sample).detach()

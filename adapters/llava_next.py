@@ -73,32 +73,25 @@ class LlavaNextAdapter(CLIPTowerAdapter):
         n_tile = (vcfg.image_size // vcfg.patch_size) ** 2 + (self.model.config.vision_feature_select_strategy == "full")
         self._crops = self.crop_ids(out.vlm_prune_call["image_sizes"], n_tile, out.pooler_output[0].device)
         try:
-            reduced = super().reduce_features(modality, out)
-            record = self.request.pending.records[-1]  # count visual tokens only, as the engine does
-            newlines = [int((self._crops[source_of(out, i)] < 0).sum()) for i in range(len(record["tokens_in"]))]
-            for key in ("tokens_in", "tokens_out"):
-                record[key] = [n - k for n, k in zip(record[key], newlines)]
-            return reduced
+            return super().reduce_features(modality, out)
         finally:
             self._crops = None
+
+    def not_visual_rows(self, it: Item, index: int) -> torch.Tensor | None:
+        """The image's newline tokens, from its crop map (-1)."""
+        return (self._crops[source_of(self.request.out, index)] < 0).to(it.features.device)
 
     def reduce_frames(self, method: Any, it: Item, sample: int, gen: torch.Generator, index: int) -> Reduction:
         """Vision methods see an image's visual tokens only; its newline tokens are always kept.
         Methods that select per crop (``per_crop``) get the crop of every token."""
-        crops = self._crops[source_of(self.request.out, index)].to(it.features.device)
-        visual = crops >= 0
         if getattr(method, "per_crop", False):
+            crops = self._crops[source_of(self.request.out, index)].to(it.features.device)
             ctx = VisionContext(
-                features=it.features, n_keep=method.n_keep(int(visual.sum()), 1),
+                features=it.features, n_keep=method.n_keep(int((crops >= 0).sum()), 1),
                 text_embeds=self.text_embeds(sample).detach(), generator=gen, image_index=index,
             )
             return method.reduce_crops(ctx, crops)
-        rows = torch.nonzero(visual).squeeze(1)
-        newlines = torch.nonzero(~visual).squeeze(1)
-        red = super().reduce_frames(method, Item(it.features[rows], 1, None), sample, gen, index)
-        feats = None if red.features is None else torch.cat([red.features, it.features[newlines]])
-        sizes = None if red.sizes is None else torch.cat([red.sizes, torch.ones(newlines.numel(), device=red.sizes.device)])
-        return Reduction(torch.cat([rows[red.indices.to(rows.device)], newlines]), feats, sizes)
+        return super().reduce_frames(method, it, sample, gen, index)
 
     def attach_tower_outputs(self) -> None:
         """Scatter a pruned tower's per-tile survivors back to full tiles before the model packs them."""

@@ -7,7 +7,8 @@ token nor pruned or merged inside the LLM). The frames stage (QuoTA, KeyScore, u
 [T, n, D] frame maps; vision methods reduce each frame separately. QuoTA (v1/v2/v3/v5) also gets
 each frame's unpooled 27 x 27 map, kept on the side by a patch of ``apply_pooling``, as the
 official code resizes that map. Images (anyres with newline tokens) are items without a
-rectangular grid.
+rectangular grid; their image_newline rows are not visual tokens either (``not_visual_rows``):
+vision methods see, count and budget an image's other tokens only, and the newlines always stay.
 """
 from __future__ import annotations
 

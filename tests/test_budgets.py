@@ -48,16 +48,6 @@ CASES = {
                  "timm_vit", 0),
 }
 
-def not_yet(name: str, case: str, kind: str, value: float) -> str | None:
-    """Cases that other work in progress (issue 13, part 2: ToMe, QuoTA, vision-stage newline
-    handling) does not meet yet. Strict xfails: they flip to failures once they do."""
-    if kind == "keep" and value == 1.0:
-        return None
-    if name == "cdpruner" and (case, kind, value) == ("onevision_image", "keep", 0.5):
-        return "vision methods count OneVision's image newline rows toward an image's budget"
-    return None
-
-
 _built: dict = {}
 
 
@@ -134,13 +124,10 @@ def _one_thread():
 @pytest.mark.parametrize("kind, value", TARGETS, ids=[f"{k}={v}" for k, v in TARGETS])
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("name", available_methods())
-def test_every_method_meets_the_target(request, name, case, kind, value):
+def test_every_method_meets_the_target(name, case, kind, value):
     model, inp = _model(case)
     if method_class(name).stage == "frames" and not CASES[case][3]:
         pytest.skip("frames methods choose among a video's frames; this input has none")
-    reason = not_yet(name, case, kind, value)
-    if reason:
-        request.applymarker(pytest.mark.xfail(strict=True, reason=reason))
     result = _run(model, inp, name, kind, value)
     if result is None:
         assert method_class(name).stage not in ("vision", "llm") or CASES[case][2] == "timm_vit" or \
@@ -221,3 +208,24 @@ def test_describe_methods_lists_each_methods_knobs_with_defaults():
     assert described["adaptinfer"]["knobs"]["average"] is None and described["adaptinfer"]["own_defaults"]
     assert not described["random"]["own_defaults"]  # needs keep / budget
     assert all("keep" not in d["knobs"] and "budget" not in d["knobs"] for d in described.values())
+
+
+@pytest.mark.parametrize("name", ["random", "pool", "divprune", "cdpruner"])
+def test_onevision_image_newlines_never_count_against_a_vision_budget(name):
+    """OneVision's anyres image: 32 visual tokens and 4 image_newline rows per image. Vision methods
+    see the 32 only, keep the target of them exactly, and every newline row reaches the LLM."""
+    model, inp = _model("onevision_image")
+    newline = model.model.image_newline
+    with torch.no_grad():
+        feats = model.model.get_image_features(inp["pixel_values"], inp["image_sizes"],
+                                               batch_num_images=torch.ones(2, dtype=torch.long)).pooler_output
+    image_rows = [torch.nonzero(inp["input_ids"][b] == T.IMAGE_TOKEN).squeeze(1) for b in range(2)]
+    newline_rows = [r[(f == newline).all(-1)] for r, f in zip(image_rows, feats)]
+    assert [n.numel() for n in newline_rows] == [4, 4]
+    for keep, target in ((0.5, 16), (0.25, 8), (0.05, 1)):
+        _, stats, rows = prefill(model, inp, name, keep=keep)
+        stage = stats["stages"][0]
+        assert stage["tokens_in"] == [32, 32] == stats["visual_tokens_in"], name
+        assert stage["tokens_out"] == [target, target] == stats["visual_tokens_out"], (name, keep)
+        for b in range(2):
+            assert set(newline_rows[b].tolist()) <= set(rows[b].tolist()), (name, keep)
