@@ -410,7 +410,7 @@ class HFVLMAdapter(Adapter):
         request.out = out
         request.tower_attention = self.tower_attention_fn(out, modality)
         samples = self.sample_of_items(modality, [it.features.shape[0] for it in items])
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         new_feats, keep_list, size_list, n_in, n_out, extra, merges = [], [], [], [], [], [], []
         merged = False
         offset = 0
@@ -440,13 +440,13 @@ class HFVLMAdapter(Adapter):
             n_in.append(int(visual.sum()))  # visual tokens only, as the engine counts them
             n_out.append(int((keep[:body] & visual).sum()))
             offset += it.features.shape[0]
-        secs = time.perf_counter() - t0
+        secs, cpu_secs = time.perf_counter() - t0, time.process_time() - c0
         self._commit_vision(modality, keep_list, size_list)
         if frames_m is None and getattr(vision_m, "renumber_positions", False):
             request.pending.renumber = True  # the official code feeds the LLM the shorter sequence
         record = {"stage": "frames" if frames_m is not None else "vision",
                   "method": (frames_m or vision_m).name, "modality": modality,
-                  "tokens_in": n_in, "tokens_out": n_out, "seconds": secs}
+                  "tokens_in": n_in, "tokens_out": n_out, "seconds": secs, "cpu_seconds": cpu_secs}
         if extra:
             record["videos"] = extra
         if merged:  # a merging method (VisionZip): each item's token -> its token's slot (Reduction.merged_into)

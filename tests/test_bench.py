@@ -99,6 +99,7 @@ def test_speed_tiny_scale_reports_savings(tmp_path):
     for r in rows:
         assert 0 < r["ideal_ratio"] <= 1 and r["overhead"] == pytest.approx(r["measured_ratio"] / r["ideal_ratio"])
         assert r["ratio_min"] <= r["measured_ratio"] <= r["ratio_max"] and r["timer"] == "process CPU time"
+        assert 0 <= r["scoring_share"] < 1  # process CPU seconds of the selection over the prefill's
         if r["ideal_ratio"] < 1:
             assert r["efficiency"] == pytest.approx((1 / r["measured_ratio"] - 1) / (1 / r["ideal_ratio"] - 1))
     assert image["measured_ratio"] < 1.0  # process CPU time: stable on a shared machine, unlike wall-clock

@@ -84,8 +84,9 @@ def _stats_and_rows(model):
 
 
 def _same_stats(a, b) -> bool:
-    strip = lambda s: {k: ([{kk: vv for kk, vv in r.items() if kk != "seconds"} for r in v] if k == "stages" else v)
-                       for k, v in s.items() if k != "seconds"}
+    timers = ("seconds", "cpu_seconds")
+    strip = lambda s: {k: ([{kk: vv for kk, vv in r.items() if kk not in timers} for r in v] if k == "stages" else v)
+                       for k, v in s.items() if k not in timers}
     return strip(a) == strip(b)
 
 

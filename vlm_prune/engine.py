@@ -276,8 +276,9 @@ class PrunedDecoder:
                     "images": self.pending.images_per_sample if self.pending else None},
         )
 
-    def _select(self, layer: int, rows: Rows, prune_before: int) -> tuple[list[Reduction], float]:
-        t0 = time.perf_counter()
+    def _select(self, layer: int, rows: Rows, prune_before: int) -> tuple[list[Reduction], float, float]:
+        """The method's reductions, with the wall-clock and process CPU seconds they took."""
+        t0, c0 = time.perf_counter(), time.process_time()
         pending = self.pending
         # tokens generated after the prompt (use_cache=False re-runs them) sit in the last rows of
         # every sample: the method chooses from the prompt's rows, exactly as with a cache
@@ -292,7 +293,7 @@ class PrunedDecoder:
                         enumerate(self.llm_method.select(self._context(layer, head, prune_before)))]
             else:
                 reds = self.llm_method.select(self._context(layer, rows, prune_before))
-        return reds, time.perf_counter() - t0
+        return reds, time.perf_counter() - t0, time.process_time() - c0
 
     # ---- masks ------------------------------------------------------------------------------
     def _mask(self, key_valid: torch.Tensor, key_bias: torch.Tensor, q_valid: torch.Tensor, dtype: torch.dtype) -> Any:
@@ -403,14 +404,14 @@ class PrunedDecoder:
         layer_segment: list[int] = []
         key_valid: list[torch.Tensor] = []
         key_bias: list[torch.Tensor] = []
-        planned: dict[int, tuple[list[Reduction], float]] = {}
+        planned: dict[int, tuple[list[Reduction], float, float]] = {}
         renumber = (bool(getattr(method, "renumber_positions", False)) and bool(points)) or vision_renumbered
         segment_next: list[torch.Tensor] = []
         layer_visual: list[torch.Tensor] = []  # visual rows each layer saw, per sample
         mask = pe = None
         for idx in range(n_layers):
             if idx in points and (rows.visual & rows.valid).any():
-                reds, secs = planned.pop(idx) if idx in planned else self._select(idx, rows, idx)
+                reds, secs, cpu_secs = planned.pop(idx) if idx in planned else self._select(idx, rows, idx)
                 before = (rows.visual & rows.valid).sum(1).tolist()
                 merges = merged_into(rows, reds, visual_in) if any(r.merged_into is not None for r in reds) else None
                 rows = apply(rows, reds)
@@ -419,6 +420,7 @@ class PrunedDecoder:
                 records.append({
                     "stage": "llm", "method": method.name, "layer": idx,
                     "tokens_in": before, "tokens_out": (rows.visual & rows.valid).sum(1).tolist(), "seconds": secs,
+                    "cpu_seconds": cpu_secs,
                 })
                 if merges is not None:
                     records[-1]["merged_into"] = merges
@@ -618,6 +620,7 @@ def _stats(stats_in: list[int], rows: Rows, records: list[dict[str, Any]], layer
         "visual_tokens_layer_avg": avg,
         "stages": records,
         "seconds": sum(r.get("seconds", 0.0) for r in records),
+        "cpu_seconds": sum(r.get("cpu_seconds", 0.0) for r in records),
     }
     if getattr(state, "budget_notes", None):
         out["budget_notes"] = list(state.budget_notes)
