@@ -57,9 +57,19 @@ def density_torch(x: torch.Tensor, bandwidth: float = 2.0, valid: torch.Tensor |
     ok = torch.ones(n, dtype=torch.bool, device=x.device) if valid is None else valid
     rho = torch.zeros(n, dtype=torch.float32, device=x.device)
     for r0 in range(0, n, CHUNK):
-        d = cosine_distance_torch(x[r0 : r0 + CHUNK], x)
-        rho[r0 : r0 + CHUNK] = (torch.exp(-((d / bandwidth) ** 2)) * ok[None, :]).sum(1)
+        rho[r0 : r0 + CHUNK] = density_of_rows(cosine_distance_torch(x[r0 : r0 + CHUNK], x), bandwidth, ok)
     return torch.where(ok, rho, 0.0)
+
+
+def density_of_rows(d: torch.Tensor, bandwidth: float, ok: torch.Tensor) -> torch.Tensor:
+    """sum_{valid j} exp(-(d_ij / bandwidth)^2) of distance rows d [R, N] (ok: [N] bool)."""
+    return (torch.exp(-((d / bandwidth) ** 2)) * ok[None, :]).sum(1)
+
+
+def cosine_distance_chunked(x: torch.Tensor) -> torch.Tensor:
+    """[N, N] :func:`cosine_distance_torch` of x with itself, ``CHUNK`` rows per product: the same
+    blocks (so the same values) as :func:`density_torch` and :func:`nearest_denser_torch` compute."""
+    return torch.cat([cosine_distance_torch(x[r0 : r0 + CHUNK], x) for r0 in range(0, x.shape[0], CHUNK)])
 
 
 def density(

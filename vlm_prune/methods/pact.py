@@ -7,7 +7,7 @@ import torch
 
 from vlm_prune.kernels import cosine_distance, euti_scores, scatter_mean
 from vlm_prune.methods.base import LayerContext, LLMMethod, Reduction
-from vlm_prune.methods.dbdpc import Clustering, dbdpc
+from vlm_prune.methods.dbdpc import Clustering, DensityPeaks, dbdpc
 from vlm_prune.methods.fastv import last_valid_index
 from vlm_prune.registry import register
 
@@ -194,28 +194,34 @@ def cluster_to_count(
     """DBDPC of ``points`` with exactly ``target`` clusters (fewer only if fewer distinct points).
 
     Bisects the cutoff over [0, 2] (cosine distances), starting from ``d_c``: a larger cutoff
-    gives fewer clusters. When no cutoff gives exactly ``target``, the clustering with the fewest
-    clusters above it keeps the ``target`` centres of highest ``importance`` (EUTI); members of
-    the other clusters join the nearest kept centre within ``extra_factor`` times the cutoff,
-    like pruned tokens, or are dropped.
+    gives fewer clusters. The density ranks, the first DBDPC round and (up to
+    :data:`~vlm_prune.methods.dbdpc.DENSE_MAX` points) the distances are computed once
+    (:class:`~vlm_prune.methods.dbdpc.DensityPeaks`); each step runs only the cutoff-dependent
+    rounds, and only the clustering returned assigns members and pruned tokens. When no cutoff
+    gives exactly ``target``, the clustering with the fewest clusters above it keeps the
+    ``target`` centres of highest ``importance`` (EUTI); members of the other clusters join the
+    nearest kept centre within ``extra_factor`` times the cutoff, like pruned tokens, or are
+    dropped.
     """
+    peaks = DensityPeaks(points)  # density ranks, first round and distances: shared by every cutoff tried
     lo, hi, cut = 0.0, 2.0, d_c
-    above: tuple[Clustering, float] | None = None
+    above: tuple[torch.Tensor, float] | None = None
     for _ in range(CUTOFF_SEARCH_STEPS):
-        cl = dbdpc(points, cut, extra=extra, extra_factor=extra_factor)
-        n = cl.centres.numel()
+        centres = peaks.centres(cut)
+        n = centres.numel()
         if n == target:
-            return cl
+            return peaks.assign(centres, cut, extra, extra_factor)
         if n > target:
             lo = cut
-            if above is None or n < above[0].centres.numel():
-                above = (cl, cut)
+            if above is None or n < above[0].numel():
+                above = (centres, cut)
         else:
             hi = cut
         cut = (lo + hi) / 2
     if above is None:  # even a zero cutoff merges duplicates below the target: keep them all
-        return dbdpc(points, 0.0, extra=extra, extra_factor=extra_factor)
-    cl, cut = above
+        return peaks.cluster(0.0, extra, extra_factor)
+    cl = peaks.assign(above[0], above[1], extra, extra_factor)
+    cut = above[1]
     keep = torch.topk(importance[cl.centres].float(), target).indices.sort().values
     centres = cl.centres[keep]
     relabel = torch.full((cl.centres.numel() + 1,), -1, dtype=torch.long, device=points.device)
