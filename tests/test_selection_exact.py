@@ -1,5 +1,6 @@
 """The fast selection paths choose exactly as the code they replaced (``former_selections``):
-DBDPC / PACT's cutoff bisection sharing density, distances and the first round across cutoffs."""
+DBDPC / PACT's cutoff bisection sharing density, distances and the first round across cutoffs;
+DivPrune's and CDPruner's greedy loops with host indices on the CPU."""
 from __future__ import annotations
 
 import former_selections as former
@@ -7,7 +8,10 @@ import pytest
 import torch
 
 from vlm_prune.methods import dbdpc as dbdpc_module
+from vlm_prune.methods import divprune
+from vlm_prune.methods.cdpruner import KernelRows, conditional_kernel, dpp_greedy_map, relevance
 from vlm_prune.methods.dbdpc import DensityPeaks, dbdpc
+from vlm_prune.methods.divprune import max_min_diverse
 from vlm_prune.methods.pact import cluster_to_count
 
 
@@ -61,3 +65,40 @@ def test_density_peaks_ranks_equal_the_density_kernel() -> None:
     x = clustered(1100, 24, 5)
     assert torch.equal(DensityPeaks(x).ranks, density_rank(density(x, 2.0)))
     assert torch.equal(DensityPeaks(x, bandwidth=0.5).ranks, density_rank(density(x, 0.5)))
+
+
+@pytest.mark.parametrize("dense_max", [4096, 1], ids=["dense", "rows"])
+@pytest.mark.parametrize("n,d,seed,dup", [(2, 3, 0, 0), (97, 16, 1, 0), (576, 64, 2, 0), (300, 8, 3, 50)])
+def test_divprune_host_loop_equals_the_former_device_loop(n, d, seed, dup, dense_max, monkeypatch) -> None:
+    """The CPU loop with host indices picks as the former on-device loop (dense and rows on demand)."""
+    monkeypatch.setattr(divprune, "DENSE_MAX", dense_max)
+    monkeypatch.setattr(former, "DENSE_MAX", dense_max)
+    x = clustered(n, d, seed, duplicates=dup)
+    for k in sorted({1, 2, n // 4, n // 2, n}):
+        assert torch.equal(max_min_diverse(x, k, chunk=64), former.max_min_diverse(x, k, chunk=64)), k
+
+
+def low_rank_kernel_case(n: int, d: int, rank: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, rank, generator=g) @ torch.randn(rank, d, generator=g)  # residuals vanish past the rank
+    return x, relevance(x, torch.randn(3, d, generator=g))
+
+
+@pytest.mark.parametrize("n,d,rank,seed", [(80, 96, 96, 0), (576, 64, 64, 1), (200, 32, 5, 2), (64, 16, 16, 3)])
+def test_cdpruner_host_loop_equals_the_former_device_loop(n, d, rank, seed) -> None:
+    """Dense kernels and rows on demand, full rank and past the rank (the diagonal fallback)."""
+    x, rel = low_rank_kernel_case(n, d, rank, seed)
+    for k in sorted({1, n // 8, n // 4, rank + 3 if rank + 3 <= n else n, n}):
+        dense = dpp_greedy_map(KernelRows(conditional_kernel(x, rel)), k)
+        assert torch.equal(dense, former.dpp_greedy_map(former.KernelRows(conditional_kernel(x, rel)), k)), k
+        factored = dpp_greedy_map(KernelRows(features=x, rel=rel), k)
+        assert torch.equal(factored, former.dpp_greedy_map(former.KernelRows(features=x, rel=rel), k)), k
+
+
+def test_cdpruner_host_loop_compares_eps_as_float32() -> None:
+    """A residual equal to float32(eps) stops the greedy, as the device loop's float32 comparison:
+    item 1's residual is exactly float32(1e-10) (> 1e-10 in double), item 2 duplicates item 0, so
+    the diagonal fallback takes 2 before 1, where a double comparison would have taken 1 first."""
+    eps32 = float(torch.tensor(1e-10, dtype=torch.float32))
+    kernel = torch.tensor([[4.0, 0.0, 4.0], [0.0, eps32, 0.0], [4.0, 0.0, 4.0]])
+    assert dpp_greedy_map(kernel, 3).tolist() == former.dpp_greedy_map(kernel, 3).tolist() == [0, 2, 1]

@@ -57,6 +57,12 @@ class KernelRows:
             return self.kernel.index_select(0, j)[0]
         return self.rel.index_select(0, j) * (self.xn @ self.xn.index_select(0, j)[0]) * self.rel
 
+    def row(self, j: int) -> torch.Tensor:
+        """Row ``j`` [N] for a host index (the values :meth:`rows` gives)."""
+        if self.kernel is not None:
+            return self.kernel[j]
+        return self.rel[j : j + 1] * (self.xn @ self.xn[j]) * self.rel
+
 
 def dpp_greedy_map(kernel: torch.Tensor | KernelRows, k: int, eps: float = 1e-10) -> torch.Tensor:
     """Greedy MAP inference of a DPP with PSD kernel [N, N] (a tensor or :class:`KernelRows`),
@@ -70,6 +76,8 @@ def dpp_greedy_map(kernel: torch.Tensor | KernelRows, k: int, eps: float = 1e-10
     diag = rows.diagonal
     n = diag.shape[0]
     k = max(0, min(int(k), n))
+    if diag.device.type == "cpu":
+        return _dpp_greedy_map_host(rows, k, eps)
     cis = torch.zeros(k, n, device=diag.device)
     di2 = diag.clone()
     chosen = torch.zeros(k, dtype=torch.long, device=diag.device)
@@ -89,6 +97,33 @@ def dpp_greedy_map(kernel: torch.Tensor | KernelRows, k: int, eps: float = 1e-10
     rest = diag.clone()
     rest[chosen[:n_ok]] = float("-inf")
     return torch.cat([chosen[:n_ok], torch.topk(rest, k - n_ok).indices])
+
+
+def _dpp_greedy_map_host(rows: KernelRows, k: int, eps: float) -> torch.Tensor:
+    """:func:`dpp_greedy_map` on the CPU, indices on the host: the same arithmetic, fewer and
+    cheaper operations per step, and it stops at the first residual <= eps."""
+    diag = rows.diagonal
+    n = diag.shape[0]
+    eps32 = float(torch.tensor(eps, dtype=torch.float32))  # the threshold as the device loop compares it
+    cis = torch.zeros(k, n)
+    di2 = diag.clone()
+    chosen: list[int] = []
+    for i in range(k):
+        j = int(di2.argmax())
+        best = float(di2[j])
+        if not best > eps32:
+            break
+        # the square root in double precision, divided in float32 (as the device loop)
+        e = (rows.row(j) - cis[:i, j] @ cis[:i]) / math.sqrt(best)
+        cis[i] = e
+        di2 -= e * e
+        di2[j] = float("-inf")
+        chosen.append(j)
+    if len(chosen) == k:
+        return torch.tensor(chosen, dtype=torch.long)
+    rest = diag.clone()
+    rest[chosen] = float("-inf")
+    return torch.cat([torch.tensor(chosen, dtype=torch.long), torch.topk(rest, k - len(chosen)).indices])
 
 
 def crop_budgets(n_keep: int, sizes: list[int]) -> list[int]:
