@@ -104,6 +104,9 @@ class CLIPTowerStage:
     #: the run of the calling thread's latest tower forward (None when it ran unpruned), for code
     #: between the tower and the model's use of its output (LLaVA-NeXT's tile packing)
     finished: ViTRun | None = PerThread()
+    #: patch tokens each tower row of the calling thread's next tower forward ends with (set by an
+    #: adapter whose rows are parts of images, LLaVA-NeXT's tiles); None: the method's own target
+    row_target: int | None = PerThread()
 
     def __init__(self, tower: torch.nn.Module, method: ViTMethod, feature_layer: Any, select_strategy: str,
                  patches: Patcher, active: Callable[[], bool]) -> None:
@@ -169,7 +172,7 @@ class CLIPTowerStage:
                     "cannot apply an attention mask there; unwrap the model to run the tower with a mask"
                 )
             if index == 0 or self.run is None:
-                self.run = ViTRun(n_prefix=1, n_tokens=hidden_states.shape[1])
+                self.run = ViTRun(n_prefix=1, n_tokens=hidden_states.shape[1], target=self.row_target)
             ops = CLIPLayerOps(layer, index, self.depth, functools.partial(original, attention_mask=None, **kwargs), kwargs)
             return self.method.block_forward(ops, hidden_states, self.run)
 

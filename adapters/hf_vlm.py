@@ -272,15 +272,21 @@ class HFVLMAdapter(Adapter):
 
         @functools.wraps(original)
         def features(*args: Any, **kwargs: Any) -> Any:
+            call = signature.bind_partial(*args, **kwargs).arguments
+            self.before_features(modality, call)
             out = original(*args, **kwargs)
             # remember the call's arguments (grid sizes): generate() encodes before the forward
-            out.vlm_prune_call = signature.bind_partial(*args, **kwargs).arguments
+            out.vlm_prune_call = call
             self.annotate_output(modality, out)
             if self.request is not None:
                 out = self.encoded(modality, out)
             return out
 
         self.patches.set(self.inner, fname, features)
+
+    def before_features(self, modality: str, call: dict[str, Any]) -> None:
+        """Hook before the model's feature function runs with arguments ``call`` (LLaVA-NeXT sets
+        each anyres tile's share of the image budget for the tower)."""
 
     # ---- per request --------------------------------------------------------------------------
     #: the placeholder rows holding the model's ``image_newline`` (LLaVA-NeXT, LLaVA-OneVision) are

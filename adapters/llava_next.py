@@ -17,12 +17,17 @@ Before the model packs the tiles, each tile's survivors are scattered back to it
 (dropped positions hold zeros); the model's own ``pack_image_features`` then packs the
 features, and the same function packs a keep mask and merge sizes (newline tokens: always
 kept, size 1), so every image's kept placeholders and sizes reach the engine as a
-vision-stage reduction at their original positions.
+vision-stage reduction at their original positions. ``keep`` / ``budget`` stay per image there:
+an image's target (of its visual tokens after unpadding) is split over its tiles, each tile
+keeping ceil(target / tiles) (:meth:`LlavaNextAdapter.tile_share`); all tower rows keep one
+count, so an image can end up to tiles - 1 tokens over its target, and under it where the
+unpadding crops survivors - wrap() says so once (:meth:`LlavaNextAdapter.vit_budget_note`).
 """
 from __future__ import annotations
 
 import functools
 import importlib
+import math
 from typing import Any
 
 import torch
@@ -64,14 +69,49 @@ class LlavaNextAdapter(CLIPTowerAdapter):
         )
         return [p[:, 0].round().long() - 1 for p in packed]
 
+    # ---- ViT-stage methods: one image budget over its tiles -------------------------------------
+    def feature_tokens_per_tile(self) -> int:
+        vcfg = self.model.config.vision_config
+        return (vcfg.image_size // vcfg.patch_size) ** 2 + (self.model.config.vision_feature_select_strategy == "full")
+
+    def tile_share(self, method: Any, image_sizes: Any) -> tuple[int | None, list[int] | None]:
+        """(patch tokens each tower row keeps, each image's target) for a ViT-stage method with
+        keep / budget: the target is the method's count of the image's visual tokens (after the
+        model's unpadding, newlines excluded), split over its tiles (base image included) as
+        ceil(target / tiles); the largest share when images have different tile counts, since
+        every tower row keeps the same number. (None, None) without keep / budget."""
+        if image_sizes is None or (method.keep is None and method.budget is None):
+            return None, None
+        tiles = self.tiles_per_image(image_sizes)
+        crops = self.crop_ids(image_sizes, self.feature_tokens_per_tile(), torch.device("cpu"))
+        targets = [method.n_keep(int((c >= 0).sum()), 1) for c in crops]
+        share = max(math.ceil(t / n) for t, n in zip(targets, tiles))
+        cls = 0 if self.model.config.vision_feature_select_strategy == "default" else 1  # 'full': CLS is a visual token
+        return max(1, share - cls), targets
+
+    def before_features(self, modality: str, call: dict[str, Any]) -> None:
+        if self.tower_stage is not None:
+            self.tower_stage.row_target = self.tile_share(self.tower_stage.method, call.get("image_sizes"))[0]
+
+    def vit_budget_note(self, method: Any) -> str | None:
+        """wrap()'s note for a ViT-stage method with keep / budget: how the per-image target is met."""
+        if method.keep is None and method.budget is None:
+            return None
+        return (
+            f"{method.name} on LLaVA-NeXT prunes inside the vision tower, where every anyres tile (the base "
+            "image included) keeps the same number of tokens: an image's target is split over its tiles, "
+            "ceil(target / tiles) each, so an image keeps up to tiles - 1 tokens over its target, and fewer "
+            "where the model's unpadding crops padded rows of the tile grid; each call's vit stage record "
+            "gives the targets and the counts reached"
+        )
+
     def reduce_features(self, modality: str, out: Any) -> Any:
         if self.tower_stage is not None:
             return self.reduce_tower_output(modality, out)
         if "vision" not in self.state.methods:
             return super().reduce_features(modality, out)
-        vcfg = self.model.config.vision_config
-        n_tile = (vcfg.image_size // vcfg.patch_size) ** 2 + (self.model.config.vision_feature_select_strategy == "full")
-        self._crops = self.crop_ids(out.vlm_prune_call["image_sizes"], n_tile, out.pooler_output[0].device)
+        self._crops = self.crop_ids(out.vlm_prune_call["image_sizes"], self.feature_tokens_per_tile(),
+                                    out.pooler_output[0].device)
         try:
             return super().reduce_features(modality, out)
         finally:
@@ -140,5 +180,8 @@ class LlavaNextAdapter(CLIPTowerAdapter):
         visual = [packed[j][:, 2] > 0.5 for j in src]
         self._commit_vision(modality, keep_list, size_list)
         record = stage.record(run, [int(v.sum()) for v in visual], [int((k & v).sum()) for k, v in zip(keep_list, visual)])
+        targets = self.tile_share(stage.method, image_sizes)[1]
+        if targets is not None:
+            record["targets"] = [targets[j] for j in src]
         self.request.pending.records.append(record)
         return out

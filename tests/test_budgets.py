@@ -229,3 +229,72 @@ def test_onevision_image_newlines_never_count_against_a_vision_budget(name):
         assert stage["tokens_out"] == [target, target] == stats["visual_tokens_out"], (name, keep)
         for b in range(2):
             assert set(newline_rows[b].tolist()) <= set(rows[b].tolist()), (name, keep)
+
+
+def _llava_next_deep_tower():
+    """The tiny LLaVA-NeXT with a 5-layer CLIP tower (4 layers up to the feature layer), so AS-ViT's
+    three stages and ToMe's merges have room."""
+    from transformers import CLIPVisionConfig, LlavaNextConfig, LlavaNextForConditionalGeneration
+
+    torch.manual_seed(0)
+    cfg = LlavaNextConfig(
+        vision_config=CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=5,
+                                       num_attention_heads=2, image_size=32, patch_size=8),
+        text_config=T._llama(), image_token_id=T.IMAGE_TOKEN, image_grid_pinpoints=[[32, 64], [64, 32], [64, 64]],
+        vision_feature_layer=-2,
+    )
+    return T._finish(LlavaNextForConditionalGeneration(cfg), "sdpa")
+
+
+@pytest.mark.parametrize("name", ["asvit", "tome"])
+def test_llava_next_vit_budget_is_per_image_split_over_its_tiles(name):
+    """keep / budget stay per image on LLaVA-NeXT: the target is split over the image's tiles
+    (base + 2 here), ceil(target / 3) each; wrap() says how once, and the stage record gives
+    each image's target beside the count reached."""
+    model = _llava_next_deep_tower()
+    inp = T.llava_next_inputs(model)  # 32 x 64 images: 3 tiles of 16 patches, no unpadding loss
+    for kind, value, target, reached in (("budget", 3, 3, 3), ("keep", 0.25, 12, 12), ("budget", 8, 8, 9),
+                                         ("budget", 30, 30, 30), ("keep", 0.11, 5, 6)):
+        with pytest.warns(BudgetWarning, match="ceil\\(target / tiles\\)"):
+            vlm_prune.wrap(model, name, **{kind: value})
+        try:
+            with torch.no_grad():
+                model(**inp)
+            stats = model.vlm_prune.last_stats
+        finally:
+            vlm_prune.unwrap(model)
+        assert stats["visual_tokens_in"] == [48, 48]
+        assert stats["stages"][0]["targets"] == [target, target], (kind, value)
+        assert stats["visual_tokens_out"] == [reached, reached], (kind, value)
+        assert stats["budget_notes"] and target <= reached <= target + 2
+    # without keep / budget (the paper's own knob) nothing is split and wrap() has nothing to say
+    own = vlm_prune.methods.ToMe(r=2) if name == "tome" else vlm_prune.methods.ASViT(mode="threshold", thresholds=[0, 0, 0])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", BudgetWarning)
+        vlm_prune.wrap(model, own)
+    vlm_prune.unwrap(model)
+
+
+def test_llava_next_vit_budget_counts_the_unpadded_tokens():
+    """A 32 x 50 image: unpadding keeps 16 base tokens + 4 rows of 6 tile tokens (and 4 newlines).
+    keep=0.5 targets half of those 40, split over 3 tiles (7 each); the unpadding crops some
+    survivors, so the image ends near (never over tiles - 1 above) its target."""
+    model = _llava_next_deep_tower()
+    inp = T.llava_next_inputs(model)
+    sizes = torch.tensor([[32, 50]] * 2)
+    with torch.no_grad():
+        n = model.model.get_image_features(inp["pixel_values"], sizes).pooler_output[0].shape[0]
+    assert n == 16 + 4 * 6 + 4
+    ids, mask = T.prompts([[(T.IMAGE_TOKEN, n)]] * 2, "left", 1)
+    inp = {**inp, "image_sizes": sizes, "input_ids": ids, "attention_mask": mask}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", BudgetWarning)
+        vlm_prune.wrap(model, "asvit", keep=0.5)
+    try:
+        with torch.no_grad():
+            model(**inp)
+        stats = model.vlm_prune.last_stats
+    finally:
+        vlm_prune.unwrap(model)
+    assert stats["visual_tokens_in"] == [40, 40] and stats["stages"][0]["targets"] == [20, 20]
+    assert all(14 <= n <= 22 for n in stats["visual_tokens_out"]), stats["visual_tokens_out"]

@@ -11,7 +11,7 @@ the same method runs in any pre-norm ViT (timm blocks today, a CLIP vision tower
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -106,6 +106,9 @@ class ViTRun:
     members: [B, N0] for each block-0 input token, the index among the current tokens of the
         token it is now part of (ToMe's merges composed over the blocks); None = not merged.
     policy: [B, N] soft keep mask while calibrating AS-ViT; None = all kept.
+    target: patch tokens each row should end with, set by the adapter when a row is not a whole
+        image (LLaVA-NeXT's anyres tiles share an image's budget); None = the method's
+        ``n_keep(n_patches)`` (keep / budget per row).
     tokens: tokens entering each block (the tensor length; per image after pruning).
     flops: each block's FLOPs, as floats or (while calibrating) [B] tensors.
     """
@@ -116,6 +119,7 @@ class ViTRun:
     slots: torch.Tensor | None = None
     members: torch.Tensor | None = None
     policy: torch.Tensor | None = None
+    target: int | None = None
     tokens: list[int] = field(default_factory=list)
     flops: list[torch.Tensor | float] = field(default_factory=list)
     full_flops: float = 0.0
@@ -182,3 +186,15 @@ class ViTMethod(Method):
 
     def run_block(self, ops: BlockOps, x: torch.Tensor, run: ViTRun) -> torch.Tensor:  # pragma: no cover
         raise NotImplementedError
+
+    def patch_target(self, run: ViTRun) -> int:
+        """Patch tokens a row of ``run`` ends with: the adapter's per-row share of an image's
+        target when it set one (``run.target``), else keep / budget of the row's patches."""
+        if run.target is not None:
+            return max(1, min(run.n_patches, run.target))
+        return self.n_keep(run.n_patches, 1)
+
+    def budget_warning(self, adapter: Any) -> str | None:
+        """The adapter's note when its tower rows are not whole images (LLaVA-NeXT's tiles)."""
+        note = getattr(adapter, "vit_budget_note", None)
+        return note(self) if note is not None else None

@@ -154,10 +154,11 @@ class ASViT(ViTMethod):
         return locs
 
     # ---- budgets ---------------------------------------------------------------------------
-    def stage_keep(self, stage: int, n_stages: int, n_patches: int) -> int:
+    def stage_keep(self, stage: int, n_stages: int, n_patches: int, target: int | None = None) -> int:
         """Patch tokens kept after stage ``stage`` (1-based) in keep mode: the geometric schedule
-        ending at :meth:`n_keep` of the ``n_patches`` patch tokens (see the class docstring)."""
-        target = self.n_keep(n_patches, 1)
+        ending at ``target`` (default :meth:`n_keep` of the ``n_patches`` patch tokens; see the
+        class docstring)."""
+        target = self.n_keep(n_patches, 1) if target is None else target
         if stage >= n_stages:
             return target
         frac = (target / n_patches) ** (stage / n_stages)
@@ -182,7 +183,7 @@ class ASViT(ViTMethod):
         p = run.n_prefix
         n_cur = x.shape[1] - p
         if self.mode == "keep":
-            k = min(n_cur, self.stage_keep(stage, len(locs), run.n_patches))
+            k = min(n_cur, self.stage_keep(stage, len(locs), run.n_patches, self.patch_target(run)))
             if k >= n_cur:
                 return ops.forward(x)
         a = ops.attention(x)

@@ -165,11 +165,13 @@ class ToMe(ViTMethod):
             raise ValueError("ToMe takes either r= (tokens merged per block) or keep= / budget=, not both")
         self.keep, self.budget = validate_budget(keep, budget, required=self.r is None, method=self.name)
 
-    def merges(self, block: int, depth: int, n_patches: int, n_prefix: int = 1) -> int:
-        """Tokens to merge in ``block`` (before the per-block cap for a given ``r``)."""
+    def merges(self, block: int, depth: int, n_patches: int, n_prefix: int = 1, target: int | None = None) -> int:
+        """Tokens to merge in ``block`` (before the per-block cap for a given ``r``); ``target``:
+        the patch tokens to end with (default keep / budget of ``n_patches``)."""
         if self.r is not None:
             return self.r
-        return merge_schedule(n_patches, n_prefix, depth, self.n_keep(n_patches, 1))[block]
+        target = self.n_keep(n_patches, 1) if target is None else target
+        return merge_schedule(n_patches, n_prefix, depth, target)[block]
 
     def budget_warning(self, adapter: Any) -> str | None:
         """The reachable patch count when keep / budget asks for fewer than ``adapter.depth``
@@ -179,16 +181,19 @@ class ToMe(ViTMethod):
         n_prefix, n_patches = adapter.vit_tokens()
         target = self.n_keep(n_patches, 1)
         floor = reachable_tokens(n_patches, n_prefix, adapter.depth)
+        tiles = super().budget_warning(adapter)
         if target >= floor:
-            return None
-        return (
+            return tiles
+        note = (
             f"tome: {adapter.depth} blocks merge at most half of their tokens each, so {n_patches} patch tokens "
             f"cannot go below {floor} per image; asked for {target}, the model keeps {floor}"
         )
+        return note if tiles is None else f"{note} (per tile); {tiles}"
 
     def run_block(self, ops: BlockOps, x: torch.Tensor, run: ViTRun) -> torch.Tensor:
         p = run.n_prefix
-        r = min(self.merges(ops.index, ops.depth, run.n_patches, p), max_merges(x.shape[1], p))
+        target = None if self.r is not None else self.patch_target(run)
+        r = min(self.merges(ops.index, ops.depth, run.n_patches, p, target), max_merges(x.shape[1], p))
         if run.sizes is not None and run.sizes.shape[1] != x.shape[1]:
             raise RuntimeError(
                 f"ToMe: block {ops.index} got {x.shape[1]} tokens but the previous block left "
