@@ -301,3 +301,43 @@ def test_adaptinfer_renumbered_decode_continues_each_layer_from_its_own_rows(mod
         expected = model.lm_head(lm.norm(x))[0]
     torch.testing.assert_close(gen.scores[1][0], expected, atol=1e-5, rtol=0)
     assert len({int(pos[-1]) for _, pos in per_layer}) > 1  # the layers really continue from different positions
+
+
+def _llava_576(layers: int = 32):
+    """A tiny LLaVA whose image gives 576 visual tokens (24 x 24 patches, as LLaVA-1.5's 336px CLIP)
+    and whose language model has LLaVA-1.5-7B's depth (32 layers, narrow)."""
+    from transformers import CLIPVisionConfig, LlavaConfig, LlavaForConditionalGeneration
+
+    torch.manual_seed(0)
+    cfg = LlavaConfig(
+        vision_config=CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                       num_attention_heads=2, image_size=48, patch_size=2),
+        text_config=T._llama(num_hidden_layers=layers, max_position_embeddings=1024),
+        image_token_id=T.IMAGE_TOKEN, vision_feature_layer=-2, vision_feature_select_strategy="default",
+    )
+    model = LlavaForConditionalGeneration(cfg).eval()
+    inp = T.llava_inputs(batch=1, n_img_tokens=576)
+    inp["pixel_values"] = torch.randn(1, 3, 48, 48, generator=torch.Generator().manual_seed(2))
+    return model, inp
+
+
+def test_adaptinfer_average_64_is_the_published_schedule_and_budget_64_the_final_count():
+    """The paper's "64 tokens" on LLaVA-1.5-7B is AdaptInfer(average=64): 133, 27, 3 of 576 tokens
+    after layers 1, 10, 20; budget=64 (the library's target) ends at 64: 277, 133, 64."""
+    model, inp = _llava_576()
+
+    def stages(method, **kw):
+        vlm_prune.wrap(model, method, **kw)
+        try:
+            with torch.no_grad():
+                model(**inp)
+            stats = model.vlm_prune.last_stats
+        finally:
+            vlm_prune.unwrap(model)
+        assert stats["visual_tokens_in"] == [576]
+        return [(s["layer"], s["tokens_out"][0]) for s in stats["stages"]], stats["visual_tokens_out"][0]
+
+    paper, final = stages(AdaptInfer(schedule="llava-1.5-7b", average=64))
+    assert paper == [(2, 133), (11, 27), (21, 3)] and final == 3
+    ours, final = stages(AdaptInfer(schedule="llava-1.5-7b"), budget=64)
+    assert ours == [(2, 277), (11, 133), (21, 64)] and final == 64

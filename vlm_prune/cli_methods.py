@@ -48,4 +48,6 @@ def run(args: argparse.Namespace) -> int:
         knobs = ", ".join(f"{k}={v!r}" for k, v in m["knobs"].items())
         models = ", ".join(m["supported"]) if m["supported"] else "all supported models"
         print(f"{'':19s} knobs: {knobs or '(none)'}; models: {models}")
+        if m.get("budget_note"):
+            print(f"{'':19s} budget: {m['budget_note']}")
     return 0

@@ -46,7 +46,8 @@ def method_knobs(name: str) -> dict[str, Any]:
 
 def describe_methods() -> list[dict[str, Any]]:
     """One plain dict per registered method: name, stage, paper, supported model families (None:
-    all), whether it runs without keep / budget (its own defaults), and its knobs with defaults."""
+    all), whether it runs without keep / budget (its own defaults), its knobs with defaults, and
+    ``budget_note``: how keep / budget relate to the paper's own target, where they differ."""
     out = []
     for name in available_methods():
         cls = method_class(name)
@@ -54,6 +55,7 @@ def describe_methods() -> list[dict[str, Any]]:
             "name": name, "stage": cls.stage, "paper": cls.paper,
             "supported": list(cls.supported) if cls.supported is not None else None,
             "own_defaults": bool(cls.own_schedule), "knobs": method_knobs(name),
+            "budget_note": getattr(cls, "budget_note", None),
         })
     return out
 

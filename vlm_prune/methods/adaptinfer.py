@@ -183,6 +183,10 @@ class AdaptInfer(LLMMethod):
       counts; Qwen2-VL-2B, average=0.3: 0.5, 0.6, 0.3 of the current count); otherwise
       :func:`derive_counts` solves for it. No keep / budget needed.
     - nothing, on a Qwen2-VL-2B shape: the official default ratios (0.17, 0.6, 0.3).
+    The two targets differ by design: ``budget=64`` means what it means for every other method,
+    64 visual tokens reach the last layer (LLaVA-1.5-7B: 277, 133, 64 after layers 1, 10, 20),
+    while the paper's "64 tokens" setting is a depth average, ``AdaptInfer(average=64)``
+    (133, 27, 3). Compare methods with keep / budget; quote the paper with ``average=``.
 
     ``positions``: "renumber" (kept rows renumbered 0..n-1 after each step, each decode step at
     its layer's row count, as the official LLaVA code) or "keep" (original position ids, gaps
@@ -192,6 +196,8 @@ class AdaptInfer(LLMMethod):
 
     name = "adaptinfer"
     paper = "AdaptInfer, arXiv 2508.06084 (weiczh02/AdaptInfer-base)"
+    budget_note = ("keep / budget = visual tokens reaching the last layer (budget=64 on LLaVA-1.5-7B: 277, 133, "
+                   "64); the paper's depth-average setting is average=64 (133, 27, 3)")
     own_schedule = True
     scores_from_previous_layer = True
 
