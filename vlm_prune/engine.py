@@ -236,12 +236,12 @@ class PrunedDecoder:
             if q_rows is None and rope is True:
                 q, k = spec.apply_rope(q, k, cos, sin)
                 return q, repeat(k)
-            k_rope = spec.apply_rope(k, k, cos, sin)[1]
+            k_rope = spec.apply_rope(k[:, :1], k, cos, sin)[1]  # one head in q's slot: only k's rotation is used
             if rope == "keys":
                 return q, repeat(k), repeat(k_rope)
             pos3 = pos[None] if pos.dim() == 2 else pos
             q_pos = torch.gather(pos3, 2, q_rows[None].expand(pos3.shape[0], b, q_rows.shape[1]))
-            q = spec.apply_rope(q, q, *rotary(xq, q_pos))[0]
+            q = spec.apply_rope(q, q[:, :1], *rotary(xq, q_pos))[0]
             return q, repeat(k_rope)
 
         return project
