@@ -1,8 +1,9 @@
 """DBDPC: Distance-Bounded Density Peak Clustering, the merging step of PACT.
 
 PACT (Dhouib et al., CVPR 2025, "PACT: Pruning and Clustering-Based Token Reduction for
-Faster Visual Language Models"; orailix/PACT). A pure function on a feature matrix; PACT calls
-it on layer-L keys. Defaults follow the official code: density bandwidth 2, greedy finish when
+Faster Visual Language Models"; orailix/PACT, ``transformers/PACT/utils.py``, class ``DBDPC``,
+``fit_variant``, read at 423c799f). A pure function on a feature matrix; PACT calls it on
+layer-L keys. Defaults follow the official code: density bandwidth 2, greedy finish when
 a round yields fewer than 10 centres, extra (pruned) points re-attached within 1.5 d_c.
 The distance, density and nearest-denser blocks come from :mod:`vlm_prune.kernels` (Triton on
 CUDA). Up to :data:`DENSE_MAX` points the N x N distances are computed once and every round

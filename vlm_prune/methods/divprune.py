@@ -68,7 +68,9 @@ def max_min_diverse(features: torch.Tensor, k: int, chunk: int = 1024) -> torch.
 @register
 class DivPrune(VisionMethod):
     """DivPrune (Alvar et al., CVPR 2025, "DivPrune: Diversity-based Visual Token Pruning for
-    Large Multimodal Models"; vbdi/divprune).
+    Large Multimodal Models"; vbdi/divprune at a6889f78; its ``DivPrune()`` selection function
+    was read in verbatim copies other repositories carry, and tests/test_fidelity_vision.py
+    re-states it).
 
     Per image, keep the ``n_keep`` tokens chosen by greedy max-min diversity
     (:func:`max_min_diverse`) on the cosine distance of the projected features, in their

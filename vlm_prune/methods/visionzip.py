@@ -153,7 +153,8 @@ class VisionZip(VisionMethod):
     Towers without a CLS token (SigLIP in LLaVA-OneVision) give the mean attention each token
     receives instead, bilinearly pooled to each video frame's token grid as the model pools its
     features; the model projects before it pools, so OneVision video always runs the "slots"
-    variant. OneVision's anyres image tiles and Qwen2-VL's windowed tower have no per-token tower
+    reduction (with ``variant="official"`` its rows are still renumbered, as the official code's
+    shorter sequence). OneVision's anyres image tiles and Qwen2-VL's windowed tower have no per-token tower
     row, so VisionZip runs on LLaVA-1.5 images and OneVision video.
     """
 
