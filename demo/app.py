@@ -1,6 +1,7 @@
 """The Gradio app: pick a model, upload an image or a video (or click an example), ask a
 question, pick one or more methods; see the unpruned answer and, one column per method, the
-pruned answer, what was kept drawn over the upload and the method's token scores, under a
+pruned answer, what was kept drawn over the upload, the method's token scores and (merging
+methods) which tokens merged into which, under a
 headline table of ideal FLOPs, visual tokens, measured time (median, with its range) and memory.
 
     app = build_app({"toy": make_session()})      # the shipped synthetic models, offline
@@ -102,7 +103,7 @@ def model_notes(session: Session) -> str:
 def build_app(sessions: dict[str, Session] | Session, examples_dir: Path = EXAMPLES_DIR) -> gr.Blocks:
     """The demo's Blocks. The endpoint ``/run`` takes (model, file, question, methods, keep,
     layer) and returns (status, unpruned answer, headline markdown, stats, then per column
-    slot: visibility, card markdown, kept picture, score heatmap)."""
+    slot: visibility, card markdown, kept picture, score heatmap, merge picture)."""
     if isinstance(sessions, Session):
         sessions = {sessions.name: sessions}
     names = list(sessions)
@@ -111,7 +112,7 @@ def build_app(sessions: dict[str, Session] | Session, examples_dir: Path = EXAMP
     def empty(message: str) -> list[Any]:
         out: list[Any] = [message, "", "", {}]
         for _ in range(MAX_COLUMNS):
-            out += [gr.update(visible=False), "", None, None]
+            out += [gr.update(visible=False), "", None, None, None]
         return out
 
     def render(comp: Comparison, status: str) -> list[Any]:
@@ -120,9 +121,10 @@ def build_app(sessions: dict[str, Session] | Session, examples_dir: Path = EXAMP
             if i < len(comp.columns):
                 col = comp.columns[i]
                 out += [gr.update(visible=True), col.card(), col.picture,
-                        gr.update(value=col.heatmap, visible=col.heatmap is not None)]
+                        gr.update(value=col.heatmap, visible=col.heatmap is not None),
+                        gr.update(value=col.merges, visible=col.merges is not None)]
             else:
-                out += [gr.update(visible=False), "", None, None]
+                out += [gr.update(visible=False), "", None, None, None]
         return out
 
     def run(
@@ -210,7 +212,9 @@ def build_app(sessions: dict[str, Session] | Session, examples_dir: Path = EXAMP
                                             elem_id=f"kept{i}")
                             heat = gr.Image(label="Token scores", type="pil", format="png", interactive=False,
                                             elem_id=f"heat{i}")
-                        slots += [col, card, kept, heat]
+                            merge = gr.Image(label="Merged tokens", type="pil", format="png", interactive=False,
+                                             elem_id=f"merge{i}")
+                        slots += [col, card, kept, heat, merge]
                 with gr.Accordion("Stats (model.vlm_prune.last_stats, FLOPs and timings)", open=False):
                     stats = gr.JSON(label="stats")
         for trigger in (media.change, model.change):

@@ -3,10 +3,10 @@
 Both work from what every wrapped model reports: ``model.vlm_prune.last_rows`` (the input
 position of each row the last prefill returned) and the positions of the visual placeholder
 tokens in ``input_ids``. Pictures are drawn on the upload at its own resolution, the part the
-model's processor crops away greyed out. Cluster membership of merging methods is not recorded
-by the engine, so a kept cell of a merging method (PACT, ToMe, VisionZip, pool) is drawn as
-kept and the tokens merged into it as dropped. Methods that rank tokens by a score get a
-heatmap of those scores.
+model's processor crops away greyed out. In the kept / dropped overlay a token merged into
+another is drawn as dropped; merging methods (PACT, ToMe, VisionZip) also get a picture of their
+groups from ``last_stats`` (``merged_into``): one colour per merged token. Methods that rank
+tokens by a score get a heatmap of those scores.
 """
 from __future__ import annotations
 
@@ -28,6 +28,15 @@ OUTSIDE_TINT = (128, 128, 128)  # what the model's processor crops away
 OUTSIDE_ALPHA = 0.75
 HEAT_STOPS = ((48, 18, 59), (33, 145, 140), (253, 231, 37))  # dark blue -> teal -> yellow
 HEAT_ALPHA = 0.6
+# merged groups: a colour-blind-safe qualitative palette (Okabe-Ito, then Paul Tol's bright and light
+# sets); neighbouring groups get different colours (greedy colouring of the grid's adjacency)
+GROUP_COLOURS = (
+    (230, 159, 0), (86, 180, 233), (0, 158, 115), (240, 228, 66), (0, 114, 178), (213, 94, 0), (204, 121, 167),
+    (68, 119, 170), (102, 204, 238), (34, 136, 51), (204, 187, 68), (238, 102, 119), (170, 51, 119),
+    (153, 221, 255), (68, 187, 153), (187, 204, 51), (238, 136, 102), (255, 170, 187),
+)
+GROUP_ALPHA = 0.6
+GROUP_EDGE = (255, 255, 255)
 FRAME_SIDE = 112  # width of one frame in the strip
 STRIP_COLUMNS = 8
 
@@ -133,6 +142,99 @@ def grid_overlay(picture: np.ndarray, kept: np.ndarray, grid: tuple[int, int], c
     return with_caption(out, caption)
 
 
+def group_colours(into: np.ndarray, grid: tuple[int, int], frames: int = 1) -> dict[int, int]:
+    """Palette index of every merged group (value of ``into`` shared by 2+ tokens): one colour
+    each while the palette lasts, else greedy, so no two groups touching in a frame's rows x cols
+    grid share a colour."""
+    cells = into.reshape(frames, *grid)
+    sizes = dict(zip(*np.unique(into[into >= 0], return_counts=True)))
+    merged = [int(g) for g, n in sizes.items() if n > 1]
+    if len(merged) <= len(GROUP_COLOURS):
+        return {g: i for i, g in enumerate(merged)}
+    touch: dict[int, set[int]] = {g: set() for g in merged}
+    for a, b in ((cells[:, 1:, :], cells[:, :-1, :]), (cells[:, :, 1:], cells[:, :, :-1])):
+        for x, y in zip(a.ravel().tolist(), b.ravel().tolist()):
+            if x != y and x in touch and y in touch:
+                touch[x].add(y)
+                touch[y].add(x)
+    out: dict[int, int] = {}
+    for g in sorted(merged, key=lambda g: (-len(touch[g]), g)):
+        used = {out[h] for h in touch[g] if h in out}
+        out[g] = next((c for c in range(len(GROUP_COLOURS)) if c not in used), g % len(GROUP_COLOURS))
+    return out
+
+
+def _draw_groups(base: np.ndarray, cells: np.ndarray, grid: tuple[int, int], xs: np.ndarray, ys: np.ndarray,
+                 colours: dict[int, int], dots: list[int]) -> Image.Image:
+    """``base`` with the cells of one rows x cols grid tinted by their group (``cells``: a group
+    id per cell, -1 = dropped, darkened; groups without a colour - tokens kept as they were - left
+    plain), white lines between groups and a dot on the cells in ``dots`` (where a merged token sits)."""
+    n_rows, n_cols = grid
+    cells = cells.reshape(n_rows, n_cols)
+    tint = np.array(DROPPED_TINT, dtype=np.float32)
+    for r in range(n_rows):
+        for c in range(n_cols):
+            block = base[ys[r] : ys[r + 1], xs[c] : xs[c + 1]]
+            g = int(cells[r, c])
+            if g < 0:
+                block[:] = (1 - DROPPED_ALPHA) * block + DROPPED_ALPHA * tint
+            elif g in colours:
+                block[:] = (1 - GROUP_ALPHA) * block + GROUP_ALPHA * np.array(GROUP_COLOURS[colours[g]], dtype=np.float32)
+    out = Image.fromarray(base.round().astype(np.uint8))
+    draw = ImageDraw.Draw(out)
+    width = max(1, int(xs[-1] - xs[0]) // (max(grid) * 16))
+    for r in range(n_rows):
+        for c in range(n_cols):
+            if c + 1 < n_cols and cells[r, c] != cells[r, c + 1]:
+                draw.line([(xs[c + 1], ys[r]), (xs[c + 1], ys[r + 1])], fill=GROUP_EDGE, width=width)
+            if r + 1 < n_rows and cells[r, c] != cells[r + 1, c]:
+                draw.line([(xs[c], ys[r + 1]), (xs[c + 1], ys[r + 1])], fill=GROUP_EDGE, width=width)
+    for cell in dots:
+        r, c = divmod(cell, n_cols)
+        cx, cy, rad = (xs[c] + xs[c + 1]) / 2, (ys[r] + ys[r + 1]) / 2, max(2.0, (xs[c + 1] - xs[c]) / 7)
+        draw.ellipse([cx - rad, cy - rad, cx + rad, cy + rad], fill=GROUP_EDGE, outline=(0, 0, 0))
+    return out
+
+
+def merge_overlay(picture: np.ndarray, into: np.ndarray, grid: tuple[int, int], caption: list[str],
+                  box: tuple[int, int, int, int] | None = None) -> Image.Image:
+    """The upload (at display size) with each token cell of ``box`` coloured by the token it was
+    merged into: ``into`` int [rows * cols], row-major, the slot of that token (-1: dropped);
+    a dot marks the slot of each merged token that sits on one of its own cells."""
+    n_rows, n_cols = grid
+    if n_rows * n_cols != into.size:
+        raise ValueError(f"a {n_rows} x {n_cols} token grid needs {n_rows * n_cols} tokens, got {into.size}")
+    base, ex, ey = _base(picture, box)
+    xs, ys = _cell_edges(ex, ey, grid)
+    colours = group_colours(into, grid)
+    dots = [g for g in colours if into[g] == g]
+    return with_caption(_draw_groups(base, into, grid, xs, ys, colours, dots), caption)
+
+
+def merge_strip(frames: list[np.ndarray], into: np.ndarray, grid: tuple[int, int], caption: list[str],
+                side: int = FRAME_SIDE * 2, columns: int = STRIP_COLUMNS // 2) -> Image.Image:
+    """Video frames in rows of ``columns``, each token cell coloured by its merged group as in
+    :func:`merge_overlay`; ``into`` covers the frames' tokens frame after frame (one colour per
+    group across frames: a token of one frame can merge into another frame's)."""
+    per_frame = grid[0] * grid[1]
+    if into.size != per_frame * len(frames):
+        raise ValueError(f"{len(frames)} frames of {per_frame} tokens need {per_frame * len(frames)} entries, got {into.size}")
+    colours = group_colours(into, grid, len(frames))
+    h0, w0 = frames[0].shape[:2]
+    pic_h = max(1, round(side * h0 / w0))
+    n_rows = math.ceil(len(frames) / columns)
+    sheet = Image.new("RGB", (columns * (side + 4), n_rows * (pic_h + 4)), CAPTION_BG)
+    for i, frame in enumerate(frames):
+        resample = Image.NEAREST if max(frame.shape[:2]) < side / 2 else Image.BICUBIC
+        base = np.asarray(Image.fromarray(frame).resize((side, pic_h), resample)).astype(np.float32)
+        xs, ys = _cell_edges(np.array([0, side]), np.array([0, pic_h]), grid)
+        first = i * per_frame
+        dots = [g - first for g in colours if first <= g < first + per_frame and into[g] == g]
+        pic = _draw_groups(base, into[first : first + per_frame], grid, xs, ys, colours, dots)
+        sheet.paste(pic, ((i % columns) * (side + 4) + 2, (i // columns) * (pic_h + 4) + 2))
+    return with_caption(sheet, caption)
+
+
 def colour_map(values: np.ndarray) -> np.ndarray:
     """float [..., 3] RGB in 0..255 of ``values`` in [0, 1] on the dark-blue -> yellow ramp."""
     v = np.clip(values, 0, 1)[..., None]
@@ -145,15 +247,16 @@ def colour_map(values: np.ndarray) -> np.ndarray:
 
 def score_heatmap(picture: np.ndarray, scores: np.ndarray, grid: tuple[int, int], caption: list[str],
                   box: tuple[int, int, int, int] | None = None) -> Image.Image:
-    """The upload with each token cell of ``box`` tinted by its score (min-max scaled over the
-    image; ranks are what methods use), dark blue = low, yellow = high."""
+    """The upload with each token cell of ``box`` tinted by the rank of its score among the
+    image's distinct scores (ranks are what methods use; one outlier does not flatten the rest),
+    dark blue = lowest, yellow = highest."""
     n_rows, n_cols = grid
     if n_rows * n_cols != scores.size:
         raise ValueError(f"a {n_rows} x {n_cols} token grid needs {n_rows * n_cols} scores, got {scores.size}")
     base, ex, ey = _base(picture, box)
     xs, ys = _cell_edges(ex, ey, grid)
-    span = float(scores.max() - scores.min())
-    norm = (scores - scores.min()) / span if span > 0 else np.full(scores.shape, 0.5)
+    distinct, rank = np.unique(scores, return_inverse=True)
+    norm = rank.reshape(scores.shape) / (distinct.size - 1) if distinct.size > 1 else np.full(scores.shape, 0.5)
     colours = colour_map(norm.reshape(n_rows, n_cols))
     for r in range(n_rows):
         for c in range(n_cols):

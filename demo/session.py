@@ -6,11 +6,13 @@ concurrent requests never interleave), and yields the growing :class:`Comparison
 stream in. Each pipeline gets one :class:`Column`: its answer, its ideal prefill FLOPs and
 visual tokens (final and averaged over the LLM layers), the median of repeated prefill timings
 with their range, the KV cache it leaves, CUDA peak memory, what it kept drawn over the
-upload, and a heatmap of its token scores when the method scores tokens. A failing pipeline
-fills its column with a message; the others still run.
+upload, a heatmap of its token scores when the method scores tokens, and for merging methods
+(PACT, ToMe, VisionZip) which tokens merged into which. A failing pipeline fills its column with
+a message; the others still run.
 """
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import logging
 import math
@@ -145,9 +147,27 @@ def load_checkpoint(model_id: str) -> LoadedModel:
     return LoadedModel(model, processor, model_id, [f"{model_id} ({model.dtype}, {model.device})"])
 
 
-def build_pipeline(methods: list[str] | str, layer: int | None) -> list[Any]:
+def make_method(cls: type, layer: int | None, loaded: LoadedModel | None) -> Any:
+    """One configured method: ``layer`` (when > 0) for in-LLM methods that take one; QuoTA with
+    its frame scorer's prompt in the loaded model's own words (``QuoTA.for_processor``), and on the
+    toy models the objects their questions name (``eval.bench.query_objects``) in place of the
+    decoupling prompt the toy cannot follow."""
+    if cls.name == "quota" and loaded is not None:
+        knobs: dict[str, Any] = {}
+        if loaded.toy:
+            from vlm_prune.eval.bench import query_objects
+
+            knobs["objects"] = query_objects
+        return cls.for_processor(loaded.processor, **knobs)
+    if layer and "layer" in inspect.signature(cls.__init__).parameters:
+        return cls(layer=int(layer))
+    return cls()
+
+
+def build_pipeline(methods: list[str] | str, layer: int | None, loaded: LoadedModel | None = None) -> list[Any]:
     """Method objects for the chosen names; "a+b" entries are split into stages. ``layer``
-    (when > 0) replaces the default prune layer of in-LLM methods that take one."""
+    (when > 0) replaces the default prune layer of in-LLM methods that take one; ``loaded``: the
+    model they will run on (see :func:`make_method`)."""
     names = [methods] if isinstance(methods, str) else list(methods or [])
     names = [n.strip() for entry in names for n in str(entry).split("+") if n.strip()]
     if not names:
@@ -159,10 +179,11 @@ def build_pipeline(methods: list[str] | str, layer: int | None) -> list[Any]:
         except ValueError as err:
             raise DemoError(str(err)) from None
         try:
-            pipeline.append(cls(layer=int(layer)) if layer and "layer" in inspect.signature(cls.__init__).parameters
-                            else cls())
+            pipeline.append(make_method(cls, layer, loaded))
         except ImportError as err:  # an optional dependency of the method (e.g. KeyScore's STACFP)
             raise DemoError(str(err)) from None
+        except ValueError as err:  # e.g. QuoTA on a vocabulary with neither "A" nor yes / no
+            raise DemoError(f"{name}: {err}") from None
     return pipeline
 
 
@@ -198,11 +219,6 @@ def encode(loaded: LoadedModel, media: Media, question: str) -> dict[str, torch.
         k: v.to(model.device, model.dtype if v.is_floating_point() else v.dtype) if isinstance(v, torch.Tensor) else v
         for k, v in inputs.items()
     }
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _sync(device: torch.device) -> None:
@@ -313,16 +329,20 @@ def _peak_cuda(device: torch.device) -> int | None:
 
 
 class ScoreSpy:
-    """Records the first token scores a method computes (``scores(ctx)`` of FastV / PACT /
-    AdaptInfer over the rows entering their layer, ``relevance(ctx)`` of CDPruner over one
-    image's tokens) by shadowing that bound method on the instance; ``close`` removes it."""
+    """Records the first token scores a method computes (``scores(ctx)`` of FastV / AdaptInfer
+    and PACT's ``_scores_and_keys(ctx)`` over the rows entering their layer, ``relevance(ctx)``
+    of CDPruner over one image's tokens) by shadowing that bound method on the instance;
+    ``close`` removes it."""
 
-    ATTRS = ("scores", "relevance")
+    ATTRS = ("scores", "_scores_and_keys", "relevance")
 
     def __init__(self, methods: list[Any]) -> None:
         self.found: dict[str, torch.Tensor] = {}
         self.patched: list[tuple[Any, str]] = []
         for m in methods:
+            if inspect.ismethod(getattr(m, "reduce_image", None)):  # VisionZip: the tower's CLS attention
+                m.reduce_image = self._spy_tower(m.name, m.reduce_image)
+                self.patched.append((m, "reduce_image"))
             for attr in self.ATTRS:
                 fn = getattr(m, attr, None)
                 if inspect.ismethod(fn):
@@ -333,10 +353,26 @@ class ScoreSpy:
         def spy(ctx: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
             out = fn(ctx, *args, **kwargs)
             if name not in self.found:
+                scores = out[0] if isinstance(out, tuple) else out  # PACT's (scores, keys)
                 visual = getattr(ctx, "visual", None)  # llm stage: [B, S] rows -> the first sample's visual rows
                 mask = None if visual is None else visual[0] & ctx.valid[0]
-                self.found[name] = (out[0][mask] if mask is not None else out).detach().float().cpu()
+                self.found[name] = (scores[0][mask] if mask is not None else scores).detach().float().cpu()
             return out
+        return spy
+
+    def _spy_tower(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """reduce_image(ctx) whose ``ctx.tower_attention()`` (attention each token gets, keys, ...)
+        records the attention of the first image it is asked for."""
+        def spy(ctx: Any) -> Any:
+            tower = ctx.tower_attention
+            if tower is None or name in self.found:
+                return fn(ctx)
+
+            def recorded() -> Any:
+                out = tower()
+                self.found.setdefault(name, out[0].detach().float().cpu())
+                return out
+            return fn(dataclasses.replace(ctx, tower_attention=recorded))
         return spy
 
     def close(self) -> None:
@@ -358,6 +394,8 @@ class Column:
     picture: Image.Image | None = None
     heatmap: Image.Image | None = None
     heatmap_note: str = ""
+    merges: Image.Image | None = None
+    merge_note: str = ""
     error: str | None = None
     done: bool = False
 
@@ -370,8 +408,9 @@ class Column:
             lines += [f"**answer:** {escape(self.answer) or '(empty)'}",
                       f"{self.cost.visual_out} of {self.cost.visual_in} visual tokens, "
                       f"FLOPs x{self.cost.flops_ratio:.2f} (ideal)"]
-            if self.heatmap_note:
-                lines.append(f"<small>{escape(self.heatmap_note)}</small>")
+            for note in (self.heatmap_note, self.merge_note):
+                if note:
+                    lines.append(f"<small>{escape(note)}</small>")
         elif not self.done:
             lines.append(f"running ... {escape(self.answer)}")
         return "\n\n".join(line for line in lines if line)
@@ -477,7 +516,7 @@ class Session:
         self.max_new_tokens = max_new_tokens
         self.timing_repeats = timing_repeats
         self.lock = threading.Lock()
-        self._offered: dict[MediaKind, list[str]] = {}
+        self._offered: dict[tuple[MediaKind, tuple[str, ...]], list[str]] = {}
 
     @property
     def name(self) -> str:
@@ -498,14 +537,15 @@ class Session:
 
     def offered(self, kind: MediaKind, pipelines: tuple[str, ...] = ()) -> list[str]:
         """Methods (and the given "a+b" pipelines) the model of ``kind`` accepts at wrap time;
-        frames-stage methods only for videos. Checked once per kind."""
-        if kind not in self._offered:
+        frames-stage methods only for videos. Checked once per kind and list of pipelines."""
+        key = (kind, tuple(pipelines))
+        if key not in self._offered:
             loaded = self.models[kind]
             ok = []
             if loaded is not None:
                 for entry in [*available_methods(), *pipelines]:
                     try:
-                        pipeline = build_pipeline(entry, None)
+                        pipeline = build_pipeline(entry, None, loaded)
                     except DemoError:
                         continue
                     if kind == "image" and any(m.stage == "frames" for m in pipeline):
@@ -520,8 +560,8 @@ class Session:
                             if vlm_prune.api.is_wrapped(loaded.model):
                                 vlm_prune.unwrap(loaded.model)
                     ok.append(entry)
-            self._offered[kind] = ok
-        return list(self._offered[kind])
+            self._offered[key] = ok
+        return list(self._offered[key])
 
     def run(self, path: str | Path | None, question: str, methods: list[str] | str, keep: float,
             layer: int | None = None, progress: Progress | None = None) -> Comparison:
@@ -594,7 +634,7 @@ class Session:
     def _fill(self, col: Column, loaded: LoadedModel, media: Media, inputs: dict[str, Any], keep: float,
               layer: int | None, comp: Comparison) -> Iterator[Comparison]:
         model = loaded.model
-        pipeline = build_pipeline(col.name, layer)
+        pipeline = build_pipeline(col.name, layer, loaded)
         spy = ScoreSpy(pipeline)
         try:
             self._wrap(loaded, pipeline, keep)
@@ -638,8 +678,13 @@ class Session:
         if grid is None:
             caption[1] = "this model's image tokens form no single grid (tiles, newlines): kept/dropped not drawn"
             col.picture = overlay.plain_view(picture, caption)
+            if merged_into(col.stats) is not None:
+                col.merge_note = f"merges of {col.name} not drawn: this model's image tokens form no single grid"
             return
         col.picture = overlay.grid_overlay(picture, kept, grid, caption, box=box)
+        into = self._merges(col, kept.size)
+        if into is not None:
+            col.merges = overlay.merge_overlay(picture, into, grid, merge_caption(col.name, into), box=box)
         for name, values in scores.items():
             if values.numel() == kept.size:
                 col.heatmap = overlay.score_heatmap(picture, values.numpy(), grid, [
@@ -647,7 +692,7 @@ class Session:
                 break
         else:
             col.heatmap_note = (f"no score heatmap for {col.name}: the demo draws the token scores of methods "
-                                "that rank by one score before choosing (FastV, PACT, AdaptInfer, CDPruner)")
+                                "that rank by one score before choosing (FastV, PACT, AdaptInfer, CDPruner, VisionZip)")
 
     def _draw_video(self, col: Column, loaded: LoadedModel, media: Media, inputs: dict[str, Any],
                     rows: torch.Tensor, scores: dict[str, torch.Tensor]) -> None:
@@ -669,6 +714,48 @@ class Session:
                    "s = frame score of the frames-stage method, b = its token budget; grey frames are dropped"]
         col.stats.update(frames_kept_tokens=per_group_kept, tokens_per_frame=per_group)
         col.picture = overlay.frame_strip(frames, caption)
+        into = self._merges(col, n_groups * per_group)
+        side = math.isqrt(per_group)
+        if into is not None and side * side == per_group:
+            col.merges = overlay.merge_strip([f.picture for f in frames], into, (side, side),
+                                             merge_caption(col.name, into, per_frame=per_group))
+        elif into is not None:
+            col.merge_note = f"merges of {col.name} not drawn: a frame's {per_group} tokens form no square grid"
+
+    @staticmethod
+    def _merges(col: Column, n_tokens: int) -> np.ndarray | None:
+        """The request's composed ``merged_into`` (:func:`merged_into`) when it covers ``n_tokens``
+        tokens; else None, with the column's note saying why no merge picture is drawn."""
+        into = merged_into(col.stats)
+        if into is None:
+            col.merge_note = (f"no merge picture for {col.name}: it only keeps or drops tokens "
+                              "(the merging methods are pact, tome and visionzip)")
+        elif into.size != n_tokens:
+            col.merge_note = f"merges of {col.name} not drawn: they cover {into.size} tokens, the picture {n_tokens}"
+            return None
+        return into
+
+
+def merged_into(stats: dict[str, Any]) -> np.ndarray | None:
+    """For each visual token of the request's one image / video, the slot of the token it ended
+    in after every merging stage (the stage records' ``merged_into``, composed in stage order:
+    e.g. VisionZip's groups merged again by PACT); -1 = dropped. None when no stage merged."""
+    into = None
+    for record in stats.get("stages", []):
+        if "merged_into" not in record:
+            continue
+        step = np.asarray(record["merged_into"][0], dtype=np.int64)
+        into = step if into is None else np.where(into >= 0, step[into.clip(0)], -1)
+    return into
+
+
+def merge_caption(name: str, into: np.ndarray, per_frame: int | None = None) -> list[str]:
+    """What a merge picture shows, with its counts."""
+    slots, sizes = np.unique(into[into >= 0], return_counts=True)
+    merged = int(sizes[sizes > 1].sum())
+    where = " (across frames too)" if per_frame and bool(((into >= 0) & (into // per_frame != np.arange(into.size) // per_frame)).any()) else ""
+    return [f"{name}: {into.size} tokens -> {slots.size}; {merged} of them merged into {int((sizes > 1).sum())} tokens{where}",
+            "one colour per merged token (dot: the slot it sits at), plain: kept as it was, dark: dropped"]
 
 
 def describe(entry: str) -> str:

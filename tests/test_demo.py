@@ -16,8 +16,8 @@ import vlm_prune
 from vlm_prune.api import is_wrapped
 from vlm_prune.demo import overlay
 from vlm_prune.demo.session import (
-    DemoError, Media, Session, answer, build_pipeline, encode, load_synthetic, model_box, normalise_question,
-    parse_entries, read_media,
+    DemoError, Media, Session, answer, build_pipeline, encode, load_synthetic, merged_into, model_box,
+    normalise_question, parse_entries, read_media,
 )
 from vlm_prune.eval import metrics
 
@@ -87,6 +87,30 @@ def test_score_heatmap_colours_cells_by_rank():
     assert np.abs(low - overlay.HEAT_ALPHA * np.array(overlay.HEAT_STOPS[0])).max() <= 1
     assert np.abs(high - overlay.HEAT_ALPHA * np.array(overlay.HEAT_STOPS[1])).max() <= 1  # the middle score
     assert np.abs(out[300, 300].astype(float) - overlay.HEAT_ALPHA * np.array(overlay.HEAT_STOPS[2])).max() <= 1
+
+
+def test_merge_overlay_colours_each_group_and_darkens_dropped_cells():
+    picture = np.zeros((448, 448, 3), dtype=np.uint8)
+    into = np.array([0, 0, 2, -1])  # cells 0 and 1 merged into slot 0, cell 2 kept as it was, cell 3 dropped
+    out = np.asarray(overlay.merge_overlay(picture, into, (2, 2), ["x"]))
+    group = overlay.GROUP_ALPHA * np.array(overlay.GROUP_COLOURS[0])
+    assert np.abs(out[60, 60] - group).max() <= 1 and np.abs(out[60, 380] - group).max() <= 1
+    assert out[300, 60].max() == 0  # kept as it was: plain
+    assert np.abs(out[380, 380] - overlay.DROPPED_ALPHA * np.array(overlay.DROPPED_TINT)).max() <= 1
+    assert tuple(out[112, 112]) == overlay.GROUP_EDGE  # the dot on slot 0, where the merged token sits
+    with pytest.raises(ValueError, match="needs 4 tokens"):
+        overlay.merge_overlay(picture, into[:3], (2, 2), ["x"])
+    many = np.repeat(np.arange(0, 64, 2), 2)  # 32 groups of two side by side: more than the palette
+    colours = overlay.group_colours(many, (8, 8))
+    cells = many.reshape(8, 8)
+    assert all(colours[a] != colours[b] for a, b in zip(cells[:, 1:].ravel(), cells[:, :-1].ravel()) if a != b)
+
+
+def test_merged_into_composes_the_stages():
+    stats = {"stages": [{"stage": "vision", "merged_into": [[0, 0, 2, 3]]}, {"stage": "llm", "tokens_in": [4]},
+                        {"stage": "llm", "merged_into": [[2, -1, 2, 3]]}]}
+    assert merged_into(stats).tolist() == [2, 2, 2, 3]
+    assert merged_into({"stages": [{"stage": "vision"}]}) is None
 
 
 def test_model_box_is_the_processors_centre_crop(session):
@@ -209,6 +233,39 @@ def test_run_matches_the_model_and_the_eval_metrics(session):
     assert [p["pipeline"] for p in summary["pruned"]] == ["random", "fastv"]
 
 
+def test_merging_methods_show_which_tokens_merged_into_which(session):
+    out = session.run(EXAMPLES_DIR / "synthetic_colour_0.png", "what colour is the shape ?",
+                      ["pact", "tome", "visionzip", "divprune"], keep=0.25)
+    for col in out.columns[:3]:
+        assert col.error is None and col.merges is not None and not col.merge_note
+        assert col.merges.width == col.picture.width  # drawn on the upload, like the kept overlay
+        into = merged_into(col.stats)
+        slots, sizes = np.unique(into[into >= 0], return_counts=True)
+        assert into.size == 64 and (sizes > 1).any()
+        assert slots.size == col.cost.visual_out - (col.name == "visionzip")  # VisionZip packs CLS first
+    assert all(c.heatmap is not None for c in out.columns if c.name in ("pact", "visionzip"))
+    divprune = out.columns[3]
+    assert divprune.merges is None and "only keeps or drops tokens" in divprune.card()
+    video = session.run(EXAMPLES_DIR / "synthetic_clip.mp4", "what colour is the shape ?", ["visionzip+pact", "uniform"],
+                        keep=0.25)
+    both, uniform = video.columns
+    assert both.merges is not None and merged_into(both.stats).size == both.cost.visual_in
+    assert [r["method"] for r in both.stats["stages"] if "merged_into" in r] == ["visionzip", "pact"]
+    assert uniform.merges is None and "no merge picture" in uniform.merge_note
+
+
+def test_quota_scores_the_example_video_in_the_toy_models_words(session):
+    assert {"quota", "quota+pact"} <= set(session.offered("video", ("quota+pact",)))
+    out = session.run(EXAMPLES_DIR / "synthetic_clip.mp4", "what colour is the shape ?", ["quota"], keep=0.25)
+    col = out.columns[0]
+    assert col.error is None and col.answer == out.answer_unpruned
+    plan = next(r for r in col.stats["stages"] if r["stage"] == "frames")["videos"][0]
+    scores = np.array(plan["frame_scores"])
+    # "is there a coloured shape ?" answered per frame: the frames showing the shape score high, the rest low
+    assert scores.max() > 0.9 and np.median(scores) < 0.1
+    assert set(plan["kept_frames"]) == set(np.flatnonzero(scores > 0.5).tolist())
+
+
 def test_vit_methods_render(session):
     out = session.run(EXAMPLES_DIR / "synthetic_colour_0.png", "what colour is the shape ?", ["tome", "asvit"], keep=0.25)
     for col in out.columns:
@@ -230,7 +287,7 @@ def test_offered_methods_are_those_the_model_takes(session):
     image = session.offered("image", ("keyscore+pact",))
     video = session.offered("video", ("keyscore+pact",))
     assert {"tome", "asvit", "pact", "random"} <= set(image) and not {"keyscore", "uniform", "quota", "keyscore+pact"} & set(image)
-    assert {"keyscore", "uniform", "pact", "keyscore+pact"} <= set(video) and not {"tome", "asvit"} & set(video)
+    assert {"keyscore", "uniform", "pact", "keyscore+pact", "quota"} <= set(video) and not {"tome", "asvit"} & set(video)
     labels = dict((v, label) for label, v in method_choices(session, "image"))
     assert labels["divprune"].startswith("divprune - ") and "diversity" in labels["divprune"]
     assert media_kind(str(EXAMPLES_DIR / "bikes.mp4")) == "video" and media_kind(str(EXAMPLES_DIR / "coffee.jpg")) == "image"
@@ -301,7 +358,7 @@ def predict(client, session, path, question, methods, keep=0.25, layer=1):
     out = client.predict(session.name, gradio_client.handle_file(str(path)), question, methods, keep, layer,
                          api_name="/run")
     status, unpruned, summary, stats = out[:4]
-    cards = [out[4 + 3 * i : 7 + 3 * i] for i in range(MAX_COLUMNS)]
+    cards = [out[4 + 4 * i : 8 + 4 * i] for i in range(MAX_COLUMNS)]
     return status, unpruned, summary, stats, cards
 
 
@@ -311,11 +368,14 @@ def test_app_image_request_one_column_per_method(client, session):
     assert unpruned == stats["unpruned"]["answer"] and "ran random, tome." in status
     assert [p["pipeline"] for p in stats["pruned"]] == ["random", "tome"]
     assert stats["pruned"][0]["visual_tokens_out"] == 16 and "LLM prefill FLOPs" in summary
-    for (card, kept, _), name in zip(cards[:2], ["random", "tome"]):
+    for (card, kept, _, merges), name in zip(cards[:2], ["random", "tome"]):
         assert f"### `{name}`" in card and "**answer:**" in card
         im = Image.open(kept)
         assert im.format == "PNG" and im.width == overlay.MIN_WIDTH
-    assert cards[2] == ("", None, None)
+        assert merges["visible"] == (name == "tome")  # ToMe merges, random only drops
+    assert "no merge picture for random" in cards[0][0] and cards[0][3]["value"] is None
+    assert Image.open(cards[1][3]["value"]).width == overlay.MIN_WIDTH
+    assert cards[2] == ("", None, None, None)
 
 
 def test_app_video_pipeline_request(client, session):
@@ -338,7 +398,7 @@ def test_app_bad_requests_show_messages_and_clear_the_result(client, session, tm
     for path, question, methods, message in cases:
         status, unpruned, summary, stats, cards = predict(client, session, path, question, methods)
         assert "Cannot run this request" in status and message in status
-        assert (unpruned, summary, stats) == ("", "", {}) and all(c == ("", None, None) for c in cards)
+        assert (unpruned, summary, stats) == ("", "", {}) and all(c == ("", None, None, None) for c in cards)
     text = tmp_path / "notes.txt"
     text.write_text("hello")
     with pytest.raises(gradio_client.exceptions.AppError, match="Invalid file type"):
