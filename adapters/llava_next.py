@@ -95,7 +95,7 @@ class LlavaNextAdapter(CLIPTowerAdapter):
 
     def vit_budget_note(self, method: Any) -> str | None:
         """wrap()'s note for a ViT-stage method with keep / budget: how the per-image target is met."""
-        if method.keep is None and method.budget is None:
+        if (method.keep is None and method.budget is None) or method.keep == 1.0:
             return None
         return (
             f"{method.name} on LLaVA-NeXT prunes inside the vision tower, where every anyres tile (the base "
