@@ -145,7 +145,9 @@ class VisionZip(VisionMethod):
       - "slots" (the variant the project used before, kept as an option): no CLS, the merge on the
         projected features, each dominant token at its own slot and each contextual token at its
         target's slot (:func:`visionzip_reduce`), so spatial positions survive.
-    ``positions``: "renumber" (the official code: the LLM gets the shorter sequence, so every row
+    ``positions``: "renumber" (the official code - llava/model/llava_arch.py at ccb20fe,
+    ``prepare_inputs_labels_for_multimodal``, concatenates the k image tokens between the text
+    pieces and numbers the result 0..n-1 - gives the LLM the shorter sequence, so every row
     after the removal is renumbered without gaps - the k image tokens follow the text before them
     and the text after the image follows the k tokens - and decode steps continue from that
     count) or "keep" (original position ids, gaps stay; the "slots" variant's point). Default:
@@ -154,8 +156,8 @@ class VisionZip(VisionMethod):
     receives instead, bilinearly pooled to each video frame's token grid as the model pools its
     features; the model projects before it pools, so OneVision video always runs the "slots"
     reduction (with ``variant="official"`` its rows are still renumbered, as the official code's
-    shorter sequence). OneVision's anyres image tiles and Qwen2-VL's windowed tower have no per-token tower
-    row, so VisionZip runs on LLaVA-1.5 images and OneVision video.
+    shorter sequence). OneVision's anyres image tiles and Qwen2-VL's windowed tower have no
+    per-token tower row, so VisionZip runs on LLaVA-1.5 images and OneVision video.
     """
 
     name = "visionzip"
