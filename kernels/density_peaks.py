@@ -69,7 +69,12 @@ def density_of_rows(d: torch.Tensor, bandwidth: float, ok: torch.Tensor) -> torc
 def cosine_distance_chunked(x: torch.Tensor) -> torch.Tensor:
     """[N, N] :func:`cosine_distance_torch` of x with itself, ``CHUNK`` rows per product: the same
     blocks (so the same values) as :func:`density_torch` and :func:`nearest_denser_torch` compute."""
-    return torch.cat([cosine_distance_torch(x[r0 : r0 + CHUNK], x) for r0 in range(0, x.shape[0], CHUNK)])
+    n = x.shape[0]
+    xn = F.normalize(x.float(), dim=1)
+    out = torch.empty(n, n, device=x.device)
+    for r0 in range(0, n, CHUNK):  # in place: 1 - cos, clamped, as cosine_distance_torch
+        torch.matmul(F.normalize(x[r0 : r0 + CHUNK].float(), dim=1), xn.T, out=out[r0 : r0 + CHUNK])
+    return out.neg_().add_(1.0).clamp_(min=0.0)
 
 
 def density(

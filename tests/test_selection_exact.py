@@ -60,10 +60,14 @@ def test_dbdpc_equals_the_former_clustering(n, d, seed, spread, dup, dense_max, 
 def test_density_peaks_ranks_equal_the_density_kernel() -> None:
     """The dense path takes the density from its own distance blocks: the same values (so the
     same ranks) as the density kernel, across a chunk boundary."""
-    from vlm_prune.kernels import density, density_rank
+    from vlm_prune.kernels import cosine_distance_torch, density, density_rank
 
     x = clustered(1100, 24, 5)
-    assert torch.equal(DensityPeaks(x).ranks, density_rank(density(x, 2.0)))
+    peaks = DensityPeaks(x)
+    assert torch.equal(peaks.ranks, density_rank(density(x, 2.0)))
+    # the distances are cosine_distance's blocks, and symmetric (rounds read rows for columns)
+    blocks = torch.cat([cosine_distance_torch(x[r0 : r0 + 1024], x) for r0 in (0, 1024)])
+    assert torch.equal(peaks.dist, blocks) and torch.equal(peaks.dist, peaks.dist.T)
     assert torch.equal(DensityPeaks(x, bandwidth=0.5).ranks, density_rank(density(x, 0.5)))
 
 

@@ -80,20 +80,25 @@ class DensityPeaks:
         self._denser = None if self.dist is None else torch.where(ranks[None, :] > ranks[:, None], self.dist, float("inf"))
         self._first_delta: torch.Tensor | None = None
 
-    def _delta(self, u: torch.Tensor | None) -> torch.Tensor:
-        """Distance of each point of ``u`` (None: all) to its nearest denser point of ``u``."""
+    def _delta(self, u: torch.Tensor | None, unassigned: torch.Tensor | None = None) -> torch.Tensor:
+        """Distance of each point of ``u`` (None: all) to its nearest denser point of ``u``
+        (``unassigned``: u as an [N] mask)."""
         if self.dist is None:
             pts, ranks = (self.points, self.ranks) if u is None else (self.points[u], self.ranks[u])
             return nearest_denser(pts, ranks)[0]
-        denser = self._denser if u is None else self._denser.index_select(0, u).index_select(1, u)
-        return denser.min(dim=1).values
+        if u is None:
+            return self._denser.min(dim=1).values
+        # whole rows (a contiguous gather), the columns outside u masked
+        return torch.where(unassigned[None, :], self._denser.index_select(0, u), float("inf")).min(dim=1).values
 
-    def _near(self, rows: torch.Tensor | None, cols: torch.Tensor, d_c: float) -> torch.Tensor:
-        """[len(rows), len(cols)] bool (rows None: all points): cosine distance <= d_c."""
+    def _covered(self, u: torch.Tensor | None, new: torch.Tensor, d_c: float) -> torch.Tensor:
+        """[len(u)] bool (u None: all points): within d_c of a point of ``new``. The dense path
+        reads the rows of ``new`` (the distances are symmetric)."""
         if self.dist is None:
-            return cosine_distance(self.points if rows is None else self.points[rows], self.points[cols]) <= d_c
-        dist = self.dist.index_select(1, cols)
-        return (dist if rows is None else dist.index_select(0, rows)) <= d_c
+            pts = self.points if u is None else self.points[u]
+            return (cosine_distance(pts, self.points[new]) <= d_c).any(dim=1)
+        near = (self.dist.index_select(0, new) <= d_c).any(dim=0)
+        return near if u is None else near[u]
 
     def centres(self, d_c: float, min_new: int = 10) -> torch.Tensor:
         """DBDPC centre selection at cutoff ``d_c``; returns [C] indices in the order found.
@@ -108,7 +113,7 @@ class DensityPeaks:
             self._first_delta = self._delta(None)
         device = self.points.device
         new = torch.nonzero(self._first_delta > d_c).squeeze(1)  # round 1: every point unassigned
-        unassigned = ~self._near(None, new, d_c).any(dim=1)
+        unassigned = ~self._covered(None, new, d_c)
         centres: list[int] = []
         while True:
             centres.extend(new.tolist())
@@ -119,8 +124,8 @@ class DensityPeaks:
             u = torch.nonzero(unassigned).squeeze(1)
             if u.numel() == 0:
                 break
-            new = u[self._delta(u) > d_c]  # nearest denser among the unassigned points only
-            unassigned[u[self._near(u, new, d_c).any(dim=1)]] = False
+            new = u[self._delta(u, unassigned) > d_c]  # nearest denser among the unassigned points only
+            unassigned[u[self._covered(u, new, d_c)]] = False
         return torch.tensor(centres, dtype=torch.long, device=device)
 
     def _greedy_finish(self, d_c: float, unassigned: torch.Tensor, centres: list[int]) -> None:
@@ -131,7 +136,11 @@ class DensityPeaks:
         if rest.numel() == 0:
             return
         rest = rest[torch.argsort(self.ranks[rest], descending=True)]
-        near = self._near(rest, rest, d_c).cpu().numpy()
+        if self.dist is None:
+            near = cosine_distance(self.points[rest], self.points[rest]) <= d_c
+        else:
+            near = (self.dist.index_select(0, rest) <= d_c).index_select(1, rest)
+        near = near.cpu().numpy()
         taken = np.zeros(rest.numel(), dtype=bool)
         for i, point in enumerate(rest.tolist()):
             if not taken[i]:
