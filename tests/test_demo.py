@@ -266,6 +266,21 @@ def test_quota_scores_the_example_video_in_the_toy_models_words(session):
     assert set(plan["kept_frames"]) == set(np.flatnonzero(scores > 0.5).tolist())
 
 
+def test_answers_stream_word_by_word():
+    """answer_stream yields the answer as it grows (an untrained toy that never stops, six words)."""
+    from vlm_prune.demo.session import LoadedModel, answer_stream
+    from vlm_prune.eval.synthetic import build_model, build_processor
+
+    torch.manual_seed(0)
+    loaded = LoadedModel(build_model("image").eval(), build_processor("image"), "untrained")
+    loaded.model.generation_config.eos_token_id = None
+    inputs = encode(loaded, Media("image", image=Image.open(EXAMPLES_DIR / "synthetic_colour_0.png").convert("RGB")),
+                    "what colour is the shape ?")
+    texts = list(answer_stream(loaded, inputs, 6))
+    assert len(set(texts)) >= 4 and all(b.startswith(a) for a, b in zip(texts, texts[1:]))
+    assert texts[-1] == answer(loaded, inputs, 6) and len(texts[-1].split()) == 6
+
+
 def test_vit_methods_render(session):
     out = session.run(EXAMPLES_DIR / "synthetic_colour_0.png", "what colour is the shape ?", ["tome", "asvit"], keep=0.25)
     for col in out.columns:
@@ -385,6 +400,31 @@ def test_app_video_pipeline_request(client, session):
     assert [r["method"] for r in column["last_stats"]["stages"]] == ["keyscore", "pact"]
     assert len(column["last_stats"]["frames_kept_tokens"]) == 16 and column["answer"]
     assert Image.open(cards[0][1]).width == overlay.STRIP_COLUMNS * overlay.FRAME_SIDE
+
+
+def test_model_picker_lists_each_checkpoint_and_the_toy(tmp_path):
+    """``vlm-prune demo --model PATH``: the picker lists the checkpoint (here the shipped video model's
+    folder, loaded as any Hugging Face checkpoint) and the toy models; a request runs on the one picked."""
+    from vlm_prune.demo.app import TOY, make_sessions
+    from vlm_prune.eval.synthetic import model_path
+
+    path = str(model_path("video"))
+    sessions = make_sessions([path], max_new_tokens=3)
+    assert list(sessions) == [path, TOY] and not sessions[path].models["video"].toy
+    for s in sessions.values():
+        s.timing_repeats = 1
+    app = build_app(sessions)
+    picker = next(c for c in app.config["components"] if c.get("props", {}).get("elem_id") == "model")
+    assert [choice[1] for choice in picker["props"]["choices"]] == [path, TOY]
+    port = free_port()
+    launch(app, port=port, block=False)
+    try:
+        client = gradio_client.Client(f"http://127.0.0.1:{port}/", verbose=False, analytics_enabled=False)
+        out = client.predict(path, gradio_client.handle_file(str(EXAMPLES_DIR / "synthetic_clip.mp4")),
+                             "what colour is the shape ?", ["uniform"], 0.5, 0, api_name="/run")
+        assert f"Done on `{path}`: ran uniform." in out[0] and out[3]["model"] == path
+    finally:
+        app.close()
 
 
 def test_app_bad_requests_show_messages_and_clear_the_result(client, session, tmp_path):

@@ -1,9 +1,10 @@
 """The demo in a real browser: headless Debian Chromium driven by Playwright uploads the example
 image and video, runs every method the page offers for each (four side by side per request) and
-checks that every column shows an answer or a readable message, never a bare error, and that the
-headline table shows the FLOPs ratio and the visual tokens. Skipped when chromium or playwright is
-missing (apt-get install -y chromium; pip install playwright - never `playwright install`, the
-system chromium is used)."""
+checks that every column shows an answer or a readable message, never a bare error, that the
+headline table shows the FLOPs ratio and the visual tokens, that merging methods draw which tokens
+merged into which (pure pruners say they only keep or drop) and that QuoTA runs on the video.
+Skipped when chromium or playwright is missing (apt-get install -y chromium; pip install
+playwright - never `playwright install`, the system chromium is used)."""
 from __future__ import annotations
 
 import shutil
@@ -27,6 +28,7 @@ from vlm_prune.demo.app import EXAMPLES_DIR, MAX_COLUMNS, build_app, launch
 from vlm_prune.demo.session import Session, load_synthetic
 
 REQUEST_TIMEOUT_MS = 240_000
+MERGING = ("pact", "tome", "visionzip")  # methods whose columns show which tokens merged into which
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +75,8 @@ def choose(page, names: list[str]) -> None:
     page.locator("#question textarea").click()  # close the list
 
 
-def run_and_check(page, names: list[str]) -> None:
+def run_and_check(page, names: list[str]) -> list[str]:
+    """Run the chosen methods; check every column and the headline table; return the cards' text."""
     page.locator("#run").click()
     page.wait_for_function(  # this request's "Done" line names every method it ran or could not run
         "names => { const t = document.querySelector('#status').innerText;"
@@ -89,10 +92,16 @@ def run_and_check(page, names: list[str]) -> None:
     assert "LLM prefill FLOPs (ideal)" in summary and "visual tokens, final" in summary
     assert "visual tokens, mean over LLM layers" in summary
     assert page.get_by_text("Error", exact=True).count() == 0  # Gradio's bare error pill
-    for i, card in enumerate(cards):
+    for i, (name, card) in enumerate(zip(names, cards)):
         if "answer:" in card:
             page.locator(f"#kept{i} img").wait_for(state="attached", timeout=REQUEST_TIMEOUT_MS)
             assert page.locator(f"#kept{i} img").get_attribute("src")
+            if any(part in MERGING for part in name.split("+")):  # which tokens merged into which, drawn
+                page.locator(f"#merge{i} img").wait_for(state="attached", timeout=REQUEST_TIMEOUT_MS)
+                assert page.locator(f"#merge{i} img").get_attribute("src"), name
+            else:  # pure pruners: no merge picture, and the card says why
+                assert not page.locator(f"#merge{i}").is_visible() and "only keeps or drops tokens" in card, (name, card)
+    return cards
 
 
 @pytest.mark.parametrize("example, question, min_offered", [
@@ -109,13 +118,15 @@ def test_every_offered_method_gives_a_result_or_a_message(page, example, questio
     assert len(names) >= min_offered
     if example.endswith(".png"):
         assert {"tome", "asvit"} <= set(names) and "keyscore" not in names
-    else:
-        assert {"keyscore", "keyscore+pact"} <= set(names) and "tome" not in names
+    else:  # QuoTA scores the frames in the toy model's own words (QuoTA.for_processor)
+        assert {"keyscore", "keyscore+pact", "quota", "quota+pact"} <= set(names) and "tome" not in names
+    answered = {}
     for start in range(0, len(names), MAX_COLUMNS):
         chunk = names[start : start + MAX_COLUMNS]
         choose(page, chunk)
-        run_and_check(page, chunk)
+        answered.update({n: "answer:" in card for n, card in zip(chunk, run_and_check(page, chunk))})
     page.screenshot(path=str(tmp_path / "demo.png"), full_page=True)
+    assert all(answered[n] for n in ("pact", "visionzip", "quota", "quota+pact") if n in answered), answered
 
 
 def test_a_bad_request_clears_the_previous_result(page, tmp_path):
