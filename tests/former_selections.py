@@ -232,3 +232,8 @@ def dpp_greedy_map(kernel: torch.Tensor | KernelRows, k: int, eps: float = 1e-10
     rest = diag.clone()
     rest[chosen[:n_ok]] = float("-inf")
     return torch.cat([chosen[:n_ok], torch.topk(rest, k - n_ok).indices])
+
+
+def conditional_kernel(features: torch.Tensor, rel: torch.Tensor) -> torch.Tensor:
+    xn = F.normalize(features.float(), dim=-1)
+    return rel[:, None] * (xn @ xn.t()) * rel[None, :]

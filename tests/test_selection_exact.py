@@ -106,3 +106,8 @@ def test_cdpruner_host_loop_compares_eps_as_float32() -> None:
     eps32 = float(torch.tensor(1e-10, dtype=torch.float32))
     kernel = torch.tensor([[4.0, 0.0, 4.0], [0.0, eps32, 0.0], [4.0, 0.0, 4.0]])
     assert dpp_greedy_map(kernel, 3).tolist() == former.dpp_greedy_map(kernel, 3).tolist() == [0, 2, 1]
+
+
+def test_conditional_kernel_in_place_equals_the_former_product() -> None:
+    x, rel = low_rank_kernel_case(300, 48, 48, 7)
+    assert torch.equal(conditional_kernel(x, rel), former.conditional_kernel(x, rel))

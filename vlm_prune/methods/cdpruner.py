@@ -27,7 +27,7 @@ def conditional_kernel(features: torch.Tensor, rel: torch.Tensor) -> torch.Tenso
     """L = diag(r) S diag(r), S the cosine similarity of the rows of features [N, D] (dense,
     for reference; CDPruner itself reads rows through :class:`KernelRows`)."""
     xn = F.normalize(features.float(), dim=-1)
-    return rel[:, None] * (xn @ xn.t()) * rel[None, :]
+    return (xn @ xn.t()).mul_(rel[:, None]).mul_(rel[None, :])  # in place: (r_i s_ij) r_j
 
 
 class KernelRows:

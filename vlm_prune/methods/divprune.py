@@ -31,8 +31,10 @@ def max_min_diverse(features: torch.Tensor, k: int, chunk: int = 1024) -> torch.
         return torch.zeros(k, dtype=torch.long, device=device)
     xn = F.normalize(features.float(), dim=1)
     if n <= DENSE_MAX:
-        dist = (1.0 - xn @ xn.T).clamp(min=0.0)
-        nn_dist = dist.clone().fill_diagonal_(float("inf")).min(dim=1).values  # symmetric: row min = column min
+        # 1 - cos clamped at 0, in place; the diagonal set to inf: the nearest other row, and a
+        # pick's own entry is overwritten with -inf right after it is read
+        dist = (xn @ xn.T).neg_().add_(1.0).clamp_(min=0.0).fill_diagonal_(float("inf"))
+        nn_dist = dist.min(dim=1).values  # symmetric: row min = column min
 
         def row(j: torch.Tensor) -> torch.Tensor:
             return dist.index_select(0, j)[0]
