@@ -4,7 +4,10 @@
 # 1. tests/test_cuda.py: Triton kernels vs references at real sizes; methods with Triton vs with
 #    the references on the same GPU; keep=1.0 equals the unwrapped model on CUDA.
 # 2. bench_kernels --device cuda: kernel vs reference vs eager attention weights, time and memory.
-# 3. bench --speed --device cuda --scale 1: time to first token, LLaVA-1.5-7B / OneVision-7B shapes.
+# 3. bench --speed --device cuda --scale 1: time to first token, LLaVA-1.5-7B / OneVision-7B (32 frames)
+#    shapes at full size, every method, 3 repeats: efficiency, keep=1.0 overhead, scoring share
+#    (wall-clock on CUDA), the issue-15 acceptance table. (image-deep is a CPU stand-in for 7B
+#    proportions; at --scale 1 the real shapes are timed instead.)
 #
 # Prepare on the CPU machine (the device image has transformers 5.17, below our 5.18 floor):
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
@@ -43,4 +46,5 @@ step() {  # step NAME SECONDS COMMAND...: run with a time limit, log to $OUT/NAM
 
 step cuda_tests 150 python3 -m pytest -q -p no:cacheprovider -x tests/test_cuda.py
 step bench_kernels 90 python3 -m vlm_prune.eval.bench_kernels --device cuda --json "$OUT/kernels.json"
-step speed 270 vlm-prune bench --speed --device cuda --scale 1 --out "$OUT/speed"
+step speed 270 vlm-prune bench --speed --device cuda --scale 1 --shapes image,video --frames 32 --repeats 3 \
+  --out "$OUT/speed"
