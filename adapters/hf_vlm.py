@@ -234,19 +234,33 @@ class HFVLMAdapter(Adapter):
 
         @functools.wraps(original)
         def expand(input_ids: Any, mm_encoder_output: dict, *args: Any, **kwargs: Any) -> dict:
-            probes = {}
+            # transformers groups the items per text sample by matching their token counts with the
+            # placeholders: probe it with the placeholder count of every item (a ViT-stage method
+            # already shortened the items), each probe token naming its item
+            probes, items = {}, {}
             for m, out in mm_encoder_output.items():
                 pooled = getattr(out, "pooler_output", None)
                 if pooled is not None:
+                    items[m] = {source_of(out, i): p for i, p in enumerate(pooled)}
                     probes[m] = SimpleNamespace(pooler_output=[
-                        torch.full((len(p),), source_of(out, i)) for i, p in enumerate(pooled)])
+                        torch.full((self.placeholder_count(out, p),), source_of(out, i)) for i, p in enumerate(pooled)])
             original(input_ids, probes, *args, **kwargs)
             result = original(input_ids, mm_encoder_output, *args, **kwargs)
             for m, probe in probes.items():
-                result[m].vlm_prune_source = [int(t[0]) for t in probe.pooler_output]
+                sources = [int(t[0]) for t in probe.pooler_output]
+                result[m].vlm_prune_source = sources
+                expanded = [items[m][j] for j in sources]
+                pooled = result[m].pooler_output
+                if len(expanded) != len(pooled) or any(a is not b and not torch.equal(a, b) for a, b in zip(expanded, pooled)):
+                    result[m].pooler_output = torch.stack(expanded) if isinstance(pooled, torch.Tensor) else type(pooled)(expanded)
             return result
 
         self.patches.set(self.model, "_expand_multimodal_outputs", expand)
+
+    def placeholder_count(self, out: Any, item: torch.Tensor) -> int:
+        """Placeholder rows one item of an encoder output fills (its tokens, unless a ViT-stage
+        method shortened them)."""
+        return len(item)
 
     def detach(self) -> None:
         if self.tap is not None:
@@ -298,9 +312,8 @@ class HFVLMAdapter(Adapter):
         input_ids = kwargs.get("input_ids", args[0] if args else None)
         embeds = kwargs.get("inputs_embeds") if input_ids is None else None
         cache = kwargs.get("cache", kwargs.get("past_key_values"))
-        if cache is not None and cache.get_seq_length() > 0:
-            self._warn_unpruned_after_prefix(input_ids, embeds)
-            return None
+        if cache is not None and cache.get_seq_length() > 0 and not self._brings_media(kwargs):
+            return None  # a decode step, draft tokens, or a text turn after the cached prefix
         if embeds is not None:
             input_ids = self._placeholders_in(embeds)
         if input_ids is None:
@@ -310,7 +323,11 @@ class HFVLMAdapter(Adapter):
         visual = torch.zeros_like(input_ids, dtype=torch.bool)
         for m in masks.values():
             visual |= m
+        if cache is not None and cache.get_seq_length() > 0 and not bool(visual.any()):
+            return None
         attn = kwargs.get("attention_mask")
+        if attn is not None and attn.dim() == 2:
+            attn = attn[:, -input_ids.shape[1]:]  # (after a cached prefix it also covers the cached columns)
         prompt = self._prompt.get()
         counts = {m: placeholder_runs(mask) for m, mask in masks.items()}
         pending = Pending(visual=visual, images_per_sample=[sum(c) for c in zip(*counts.values())],
@@ -342,19 +359,11 @@ class HFVLMAdapter(Adapter):
                    "inputs_embeds with the placeholders, and pixel_values) to prune")
         return None
 
-    def _warn_unpruned_after_prefix(self, input_ids: torch.Tensor | None, embeds: torch.Tensor | None) -> None:
-        """Images after a prefix already in the KV cache reach the model unpruned: say so."""
-        new = input_ids if input_ids is not None else (self._placeholders_in(embeds) if embeds is not None else None)
-        if new is None or new.shape[1] <= 1:
-            return
-        n = sum(int((new == t).sum()) for t in self.placeholder_ids().values())
-        if n:
-            _warn_once("vlm_prune: image / video tokens that follow a prefix already in the KV cache are not "
-                       "pruned (the cache holds the rows the prefix kept); put the images in the first turn's "
-                       "prompt to prune them")
-            per_sample = [sum(int((row == t).sum()) for t in self.placeholder_ids().values()) for row in new]
-            self.state.last_stats = {"visual_tokens_in": per_sample, "visual_tokens_out": per_sample,
-                                     "stages": [], "seconds": 0.0}
+    def _brings_media(self, kwargs: dict[str, Any]) -> bool:
+        """True when a call carries images / videos (pixels or encoder outputs) for its placeholders."""
+        encoded = kwargs.get("mm_encoder_outputs") or {}
+        return any(kwargs.get(k) is not None for k in ("pixel_values", "pixel_values_videos")) or \
+            any(v is not None for v in encoded.values())
 
     def encoded(self, modality: str, out: Any) -> Any:
         """An encoder output of the current request: count its images / videos per sample (adjacent

@@ -20,6 +20,11 @@ class LlavaAdapter(CLIPTowerAdapter):
 
     family = "llava"
     model_classes = ("LlavaForConditionalGeneration",)
+    def placeholder_count(self, out: Any, item: Any) -> int:
+        """An image fills the tower's feature tokens of placeholders, however many survive ToMe / AS-ViT."""
+        run = getattr(out, "vlm_prune_vit", None)
+        return self.tower_stage.n_features(run) if self.tower_stage is not None and run is not None else len(item)
+
     def make_tap(self) -> FeatureLayerTap:
         cfg = self.model.config
         return FeatureLayerTap(

@@ -84,3 +84,120 @@ def masked_llm_reference(model, inputs, layer: int, kept: torch.Tensor, merged=N
     m_after = float_mask(after, dtype, bias)
     with torch.set_grad_enabled(grad):
         return run_layers(model, embeds.detach(), pos, lambda i: m_before if i < layer else m_after, replace)
+
+
+# ---- generate() references: the unwrapped model driven by its own generate(), with hooks -------------
+def renumber(pos: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """[P, B, k] positions of the rows ``keep`` [B, k] counted up without gaps from each sample's
+    first kept position (what a method that renumbers after a removal defines); others unchanged."""
+    big = torch.iinfo(pos.dtype).max
+    first = pos.masked_fill(~keep, big).amin(-1, keepdim=True)
+    return torch.where(keep, first + keep.long().cumsum(-1) - 1, pos)
+
+
+class HookedReference:
+    """The UNWRAPPED model, run by its own forward / generate(), with hooks that only:
+
+    - give the ``k`` prompt columns the positions ``positions`` [P, B, k] (P = 1, or M-RoPE's 3
+      axes) and every later column c the next one, ``positions[..., -1] + 1 + (c - k)`` (text
+      continues on every axis), whatever the model computed;
+    - per decoder layer i, hide the prompt's key columns ``hidden[i]`` [B, k] and add ``bias[i]``
+      [B, k] (log merge sizes) to their logits, through an explicit float mask built on the
+      model's own mask (None: the layer's mask is left alone);
+    - per layer, rope positions ``layer_positions[i]`` [P, B, k] (renumbered after a removal;
+      later columns continue from their last one);
+    - ``replace`` = (layer, rows [B, k] bool, feats [B, k, D]): the prompt rows' hidden states
+      entering that layer (merged cluster centres), in calls that hold the prompt.
+
+    Batch rows repeated by generate() (beams, num_return_sequences) take their sample's plan.
+    """
+
+    def __init__(self, model, k: int, positions=None, hidden=None, bias=None, layer_positions=None, replace=None):
+        self.model, self.k = model, k
+        self.lm = model.model.language_model
+        n = len(self.lm.layers)
+        self.positions = positions
+        self.hidden = hidden or [None] * n
+        self.bias = bias or [None] * n
+        self.layer_positions = layer_positions or [None] * n
+        self.replace = replace
+        self.handles: list = []
+        self.call = (0, 0, 1)
+
+    # columns of the current call -> positions [P, B, q]
+    def _at(self, table: torch.Tensor, past: int, q: int, b: int) -> torch.Tensor:
+        table = table.repeat_interleave(b // table.shape[1], dim=1)
+        cols = torch.arange(past, past + q)
+        inside = table[..., cols.clamp(max=self.k - 1)]
+        after = table[..., -1:] + 1 + (cols - self.k)
+        return torch.where(cols < self.k, inside, after)
+
+    def _per_sample(self, t: torch.Tensor, b: int) -> torch.Tensor:
+        return t.repeat_interleave(b // t.shape[0], dim=0)
+
+    def _lm_hook(self, mod, args, kwargs):
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        x = kwargs.get("inputs_embeds")
+        if x is None:
+            x = kwargs.get("input_ids", args[0] if args else None)
+        b, q = x.shape[:2]
+        past = cache.get_seq_length() if cache is not None else 0
+        self.call = (past, q, b)
+        if self.positions is None:
+            return None
+        new = self._at(self.positions, past, q, b)
+        given = kwargs.get("position_ids")
+        if given is not None and given.dim() == 3 and given.shape[0] == new.shape[0] + 1:
+            new = torch.cat([new[:1], new])  # Qwen2-VL's text row in front of the M-RoPE axes
+        elif given is None or given.dim() == 2:
+            new = new[0]
+        kwargs["position_ids"] = new.to(x.device)
+        return args, kwargs
+
+    def _layer_hook(self, i: int):
+        def hook(mod, args, kwargs):
+            past, q, b = self.call
+            h = args[0] if args else kwargs.pop("hidden_states")
+            hide, bias = self.hidden[i], self.bias[i]
+            if hide is not None or bias is not None:
+                mask = kwargs.get("attention_mask")
+                kv = past + q if mask is None else mask.shape[-1]
+                if mask is None:
+                    qi = torch.arange(q)[:, None] + (kv - q)
+                    allowed = (torch.arange(kv)[None] <= qi)[None, None].expand(b, 1, q, kv)
+                elif mask.dtype == torch.bool:
+                    allowed = mask
+                else:
+                    allowed = mask > torch.finfo(mask.dtype).min / 2
+                n = min(self.k, kv)
+                cols_hidden = torch.zeros(b, kv, dtype=torch.bool)
+                cols_bias = torch.zeros(b, kv)
+                if hide is not None:
+                    cols_hidden[:, :n] = self._per_sample(hide, b)[:, :n]
+                if bias is not None:
+                    cols_bias[:, :n] = self._per_sample(bias, b)[:, :n]
+                allowed = allowed & ~cols_hidden[:, None, None, :]
+                dtype = h.dtype
+                kwargs["attention_mask"] = cols_bias[:, None, None, :].to(dtype).masked_fill(~allowed, torch.finfo(dtype).min)
+            if self.layer_positions[i] is not None:
+                pos = self._at(self.layer_positions[i], past, q, b)
+                kwargs["position_embeddings"] = self.lm.rotary_emb(h, pos if pos.shape[0] > 1 else pos[0])
+            if self.replace is not None and i == self.replace[0] and past == 0:
+                rows = self._per_sample(self.replace[1], b)[:, : min(q, self.k)]
+                feats = self._per_sample(self.replace[2], b)[:, : rows.shape[1]].to(h.dtype)
+                h = h.clone()
+                h[:, : rows.shape[1]] = torch.where(rows[..., None], feats, h[:, : rows.shape[1]])
+            return (h, *args[1:]), kwargs
+
+        return hook
+
+    def __enter__(self) -> "HookedReference":
+        self.handles.append(self.lm.register_forward_pre_hook(self._lm_hook, with_kwargs=True))
+        for i, layer in enumerate(self.lm.layers):
+            self.handles.append(layer.register_forward_pre_hook(self._layer_hook(i), with_kwargs=True))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles.clear()

@@ -1,19 +1,21 @@
 """The generate() matrix: every method x every adapter x every decoding path.
 
-Each path either equals its reference or raises the documented clear error:
+Paths: greedy, sampling with a seed, beams 3, num_return_sequences 2, prompt lookup, assisted
+decoding with a separate assistant model, multi-turn continuation with the returned cache (both
+spellings: the whole conversation as input_ids, or only the new turn with the whole attention
+mask), use_cache=False. Each equals its reference, which never runs vlm_prune:
 
-- keep=1.0 (nothing pruned, every piece of plumbing still runs): the unwrapped model, for greedy,
-  sampling with a seed, beams 3, num_return_sequences 2, prompt lookup, multi-turn continuation
-  with the returned cache (both spellings: the whole conversation as input_ids, or only the new
-  turn with the whole attention mask), use_cache=False.
-- pruned (keep=0.5): the same wrapped model on the path the invariant tests pin to the exact
-  references (a prefill, then cached greedy decode steps):
-  * use_cache=False and prompt lookup equal cached greedy generate (the kept set comes from the
-    prompt only, and rejected draft tokens are cropped from the engine's key bookkeeping);
-  * both multi-turn spellings equal a hand-written loop: the new turn, then one token at a time,
-    fed to model() with the returned cache;
-  * beams 3 / num_return_sequences 2: every repeated sequence keeps exactly the rows its sample
-    keeps in a plain prefill (last_rows, last_stats), and sampling with top_k=1 equals greedy.
+- keep=1.0 (nothing pruned, every piece of plumbing still runs): the unwrapped model.
+- pruned (keep=0.5), vision / frames / ViT stage: the unwrapped model's own generate() on a
+  hand-built shorter input - each sample's kept rows only (reduced features in place), left-padded,
+  at the positions the method defines (original ids; renumbered without gaps for VisionZip;
+  QuoTA's resized frames on M-RoPE), merged tokens' log sizes added to their keys.
+- pruned, in-LLM (FastV, PACT, AdaptInfer): the unwrapped model's generate() on the whole input,
+  the dropped rows masked as keys from each pruning layer on (merged centres replaced, log sizes
+  added, positions renumbered per layer where the method says so).
+  Both through :class:`reference.HookedReference` (hooks that only set positions and masks).
+- prompt lookup and the assistant model must give the reference's greedy answer; multi-turn
+  equals the reference continuing its own cache token by token.
 - cache_implementation="static", output_attentions / output_hidden_states: refused with a
   message that names the feature and the alternative.
 """
@@ -24,6 +26,8 @@ import torch
 
 import tiny_models as T
 import vlm_prune
+from reference import HookedReference, capture_lm_inputs, positions_of, renumber
+from vlm_prune import engine
 from vlm_prune.frames.quota import QuoTA
 from vlm_prune.methods import PACT
 
@@ -152,7 +156,13 @@ def unwrapped_reference(adapter: str) -> dict:
         model, inp, inp1 = setup(adapter)
         with torch.no_grad():
             _cache[key] = {name: fn(model, inp, inp1) for name, fn in PATHS.items()}
+            _cache[key]["assistant"] = assisted(model, inp1, adapter)
     return _cache[key]
+
+
+def assisted(model, inp1, adapter: str) -> torch.Tensor:
+    """Assisted decoding with a separate assistant model (batch 1, greedy)."""
+    return model.generate(**inp1, max_new_tokens=2 * STEPS, do_sample=False, assistant_model=assistant(adapter))
 
 
 def wrapped(adapter: str, method: str, keep: float):
@@ -195,6 +205,7 @@ def test_every_path_at_keep_one_equals_the_unwrapped_model(adapter, method):
             for name, fn in PATHS.items():
                 got = fn(model, inp, inp1)
                 assert torch.equal(got, ref[name]), f"{name} differs from the unwrapped model"
+            assert torch.equal(assisted(model, inp1, adapter), ref["assistant"]), "assistant model"
             _assert_refusals(model, inp)
     finally:
         vlm_prune.unwrap(model)
@@ -210,31 +221,228 @@ def _assert_refusals(model, inp):
             model(**inp, **{flag: True})
 
 
+# ---- pruned: every path against a reference that never runs vlm_prune ------------------------------
+def record_prefill(model, inp) -> dict:
+    """One wrapped prefill of ``inp``: what the method chose and produced (the reference's plan).
+
+    The language model's input (reduced features in their slots, the model's own positions), the
+    kept rows (last_rows), the llm method's reductions per pruning layer and the M-RoPE positions
+    of resized frames (QuoTA): the method's decisions, never the engine's maths."""
+    state = model.vlm_prune
+    llm = state.methods.get("llm")
+    selects: list = []
+    if llm is not None:
+        select = llm.select
+
+        def recording(ctx):
+            reds = select(ctx)
+            selects.append((ctx.extras["prune_before"], ctx.extras["origin"].clone(), reds))
+            return reds
+
+        llm.select = recording
+    rewritten: list = []
+    apply = engine.PositionRewrite.apply
+
+    def recording_apply(self, pos):
+        apply(self, pos)
+        rewritten.append(pos.clone())
+
+    engine.PositionRewrite.apply = recording_apply
+    adapter = state.adapter
+    sizes: list = []
+    commit = adapter._commit_vision
+
+    def recording_commit(*args):  # the merge sizes the vision stage hands on (ToMe's patches per token)
+        commit(*args)
+        sizes.append(adapter.request.pending.sizes.clone())
+
+    adapter._commit_vision = recording_commit
+    try:
+        with torch.no_grad(), capture_lm_inputs(model) as seen:
+            model(**inp)
+    finally:
+        engine.PositionRewrite.apply = apply
+        del adapter._commit_vision
+        if llm is not None:
+            del llm.select
+    b, s = inp["input_ids"].shape
+    pos = positions_of(seen[0], b, s)
+    if rewritten:
+        pos = rewritten[-1]
+    pos = pos[-3:] if pos.shape[0] == 4 else pos  # Qwen2-VL: the M-RoPE axes
+    return {"embeds": seen[0]["inputs_embeds"], "pos": pos, "rows": state.last_rows.clone(),
+            "stats": state.last_stats, "selects": selects, "methods": dict(state.methods),
+            "sizes": sizes[-1] if sizes and bool((sizes[-1] > 1).any()) else None}
+
+
+def vision_reference(model, inp: dict, rec: dict):
+    """Vision / frames / ViT stage: the unwrapped model on a hand-built shorter input - each
+    sample's kept rows only (reduced features in place), left-padded - at the positions the method
+    defines (the original ones, or renumbered without gaps where the method says so), merged
+    tokens' log sizes added to their keys. Returns (generate inputs, hooks)."""
+    rows, embeds, pos = rec["rows"], rec["embeds"], rec["pos"]
+    b = rows.shape[0]
+    kept = [r[r >= 0] for r in rows]
+    k = max(len(r) for r in kept)
+    short = torch.zeros(b, k, embeds.shape[-1], dtype=embeds.dtype)
+    mask = torch.zeros(b, k, dtype=torch.long)
+    target = torch.zeros(pos.shape[0], b, k, dtype=pos.dtype)
+    sizes = rec["sizes"]
+    bias = torch.zeros(b, k)
+    for i, r in enumerate(kept):
+        short[i, k - len(r):] = embeds[i, r]
+        mask[i, k - len(r):] = 1
+        target[:, i, k - len(r):] = pos[:, i, r]
+        if sizes is not None:
+            bias[i, k - len(r):] = torch.log(sizes[i, r])
+    method = rec["methods"].get("vision")
+    if getattr(method, "renumber_positions", False) and "frames" not in rec["methods"]:
+        target = renumber(target, mask.bool())
+    n = len(model.model.language_model.layers)
+    hooks = HookedReference(model, k, positions=target, bias=[bias] * n if sizes is not None else None)
+    return {"inputs_embeds": short, "attention_mask": mask}, hooks
+
+
+def llm_reference(model, inp: dict, rec: dict):
+    """In-LLM stage: the unwrapped model on the whole input, the dropped rows hidden as keys from
+    each pruning layer on, merged clusters' centres replaced by their mean and log(size) added
+    to their keys, positions renumbered per layer where the method says so."""
+    b, s = inp["input_ids"].shape
+    valid = inp["attention_mask"].bool()
+    n = len(model.model.language_model.layers)
+    method = rec["methods"]["llm"]
+    pos = rec["pos"]
+    hidden, bias, layer_pos = [None] * n, [None] * n, [None] * n
+    replace = None
+    kept = valid.clone()
+    sizes = torch.ones(b, s)
+    plan = {}
+    for layer, origin, reds in sorted(rec["selects"], key=lambda t: t[0]):
+        kept = torch.zeros(b, s, dtype=torch.bool)
+        centre = torch.zeros(b, s, dtype=torch.bool)
+        feats = torch.zeros(b, s, rec["embeds"].shape[-1])
+        for i, red in enumerate(reds):
+            o = origin[i][red.indices]
+            kept[i, o] = True
+            if red.features is not None:
+                centre[i, o] = True
+                feats[i, o] = red.features.float()
+            if red.sizes is not None:
+                sizes[i, o] = red.sizes.float()
+        if centre.any():
+            replace = (layer, centre, feats)
+        plan[layer] = (kept, torch.log(sizes).masked_fill(~kept, 0.0) if bool((sizes > 1).any()) else None)
+    current = None
+    for i in range(n):
+        current = plan.get(i, current)
+        if current is not None:
+            hidden[i], bias[i] = ~current[0], current[1]
+            if getattr(method, "renumber_positions", False):
+                layer_pos[i] = renumber(pos, current[0] & valid)
+    return dict(inp), HookedReference(model, s, positions=pos, hidden=hidden, bias=bias, layer_positions=layer_pos,
+                                      replace=replace)
+
+
+def reference_turn(model, ref_inp: dict, hooks, answer: torch.Tensor) -> torch.Tensor:
+    """The second turn on the reference: its first-turn cache, then the new turn and one greedy
+    token at a time through model() (positions and masks from the hooks)."""
+    b = answer.shape[0]
+    with hooks:
+        first = model.generate(**ref_inp, max_new_tokens=STEPS, do_sample=False, return_dict_in_generate=True)
+        assert torch.equal(first.sequences[:, -STEPS:], answer), "first turn"
+        new5 = torch.randint(3, 80, (b, 5), generator=torch.Generator().manual_seed(7))
+        toks = torch.cat([answer[:, -1:], new5], 1)
+        mask = torch.cat([ref_inp["attention_mask"], torch.ones(b, STEPS - 1 + toks.shape[1], dtype=torch.long)], 1)
+        cache = first.past_key_values
+        cfg = model.generation_config
+        eos = torch.tensor([] if cfg.eos_token_id is None else cfg.eos_token_id, dtype=torch.long).reshape(-1)
+        pad = cfg.pad_token_id if cfg.pad_token_id is not None else 0
+        done = torch.zeros(b, 1, dtype=torch.bool)
+        out = []
+        for _ in range(STEPS):
+            p = (mask.cumsum(-1) - 1)[:, -toks.shape[1]:]  # (the hooks give the positions)
+            if "Qwen2" in type(model).__name__:
+                p = p[None].expand(3, -1, -1)
+            nxt = model(input_ids=toks, attention_mask=mask, cache=cache, position_ids=p).logits[:, -1].argmax(-1, keepdim=True)
+            nxt = nxt.masked_fill(done, pad)
+            done |= torch.isin(nxt, eos)
+            out.append(nxt)
+            toks = nxt
+            mask = torch.cat([mask, torch.ones_like(nxt)], 1)
+    return torch.cat(out, 1)
+
+
+def assistant(adapter: str):
+    """A separate assistant model for assisted decoding: the same family, other weights, unwrapped."""
+    key = ("assistant", adapter)
+    if key not in _cache:
+        _cache[key] = ADAPTERS[adapter][0](seed=1)
+    return _cache[key]
+
+
+def wrapped_paths(model, inp, inp1, adapter):
+    """Every decoding path of the wrapped model (outputs compared to the reference after unwrap)."""
+    out = {name: fn(model, inp, inp1) for name, fn in PATHS.items()}
+    out["greedy1"] = model.generate(**inp1, max_new_tokens=2 * STEPS, do_sample=False)
+    out["assistant"] = assisted(model, inp1, adapter)
+    return out
+
+
+def reference_paths(model, ref_inp, hooks, ref_inp1, hooks1, first_answer):
+    """The same paths on the reference (prompt lookup and the assistant: greedy decoding's answer,
+    which they must reproduce; multi-turn: :func:`reference_turn`)."""
+    out = {}
+    with hooks:
+        out["greedy"] = model.generate(**ref_inp, max_new_tokens=STEPS, do_sample=False)
+        out["sampling"] = _seeded(lambda: model.generate(**ref_inp, max_new_tokens=STEPS, do_sample=True, top_k=0))
+        out["beams3"] = model.generate(**ref_inp, max_new_tokens=STEPS, num_beams=3, do_sample=False)
+        out["return2"] = _seeded(lambda: model.generate(**ref_inp, max_new_tokens=STEPS, num_return_sequences=2, do_sample=True))
+        out["no_cache"] = model.generate(**ref_inp, max_new_tokens=STEPS, do_sample=False, use_cache=False)
+    with hooks1:
+        out["greedy1"] = model.generate(**ref_inp1, max_new_tokens=2 * STEPS, do_sample=False)
+    out["prompt_lookup"] = out["assistant"] = out["greedy1"]
+    out["turn"] = reference_turn(model, ref_inp, hooks, first_answer)
+    return out
+
+
 @pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("adapter", list(ADAPTERS))
 def test_every_path_when_pruning_equals_its_reference(adapter, method):
+    """keep=0.5: greedy, sampling with a seed, beams 3, num_return_sequences 2, prompt lookup, a
+    separate assistant model, both multi-turn spellings and use_cache=False equal the reference
+    (vision stage: the unwrapped model on the hand-built shorter input; in-LLM: the unwrapped
+    model with the dropped rows masked from the pruning layer on); a static cache is refused."""
     case = wrapped(adapter, method, keep=0.5)
     if case is None:
         return
     model, inp, inp1 = case
     state = model.vlm_prune
     try:
+        rec, rec1 = record_prefill(model, inp), record_prefill(model, inp1)
+        rows, stats = rec["rows"], rec["stats"]
+        assert any(o < i for o, i in zip(stats["visual_tokens_out"], stats["visual_tokens_in"]))
+        in_llm = "llm" in state.methods
         with torch.no_grad():
-            model(**inp)
-            rows, stats = state.last_rows, state.last_stats
-            assert any(o < i for o, i in zip(stats["visual_tokens_out"], stats["visual_tokens_in"]))
-            greedy = PATHS["greedy"](model, inp, inp1)
-            assert torch.equal(PATHS["no_cache"](model, inp, inp1), greedy), "use_cache=False"
-            assert torch.equal(_seeded(lambda: model.generate(**inp, max_new_tokens=STEPS, do_sample=True, top_k=1)), greedy)
-            greedy1 = model.generate(**inp1, max_new_tokens=2 * STEPS, do_sample=False)
-            assert torch.equal(PATHS["prompt_lookup"](model, inp, inp1), greedy1), "prompt lookup"
-            by_hand = multi_turn_by_hand(model, inp)
-            assert same_answer(multi_turn(model, inp, "whole"), by_hand, model), "multi-turn, whole conversation"
-            assert same_answer(multi_turn(model, inp, "new"), by_hand, model), "multi-turn, new turn only"
+            got = wrapped_paths(model, inp, inp1, adapter)
+            first = model.generate(**inp, max_new_tokens=STEPS, do_sample=False)
             for name, copies in (("beams3", 3), ("return2", 2)):
-                out = PATHS[name](model, inp, inp1)
-                assert out.shape[0] == inp["input_ids"].shape[0] * (1 if name == "beams3" else 2)
+                PATHS[name](model, inp, inp1)
                 assert torch.equal(state.last_rows, rows.repeat_interleave(copies, 0)), name
                 assert state.last_stats["visual_tokens_out"] == [n for n in stats["visual_tokens_out"] for _ in range(copies)]
+            _assert_refusals(model, inp)
     finally:
         vlm_prune.unwrap(model)
+    build = llm_reference if in_llm else vision_reference
+    (ref_inp, hooks), (ref_inp1, hooks1) = build(model, inp, rec), build(model, inp1, rec1)
+    s, s1 = inp["input_ids"].shape[1], inp1["input_ids"].shape[1]
+    answer = first[:, s:]
+    with torch.no_grad():
+        ref = reference_paths(model, ref_inp, hooks, ref_inp1, hooks1, answer)
+    cut = 0 if in_llm else s  # generate() on inputs_embeds returns the new tokens only
+    for name in ("greedy", "sampling", "beams3", "return2", "no_cache"):
+        assert torch.equal(got[name][:, cut:], ref[name]), f"{name} differs from the reference"
+    cut1 = 0 if in_llm else s1
+    for name in ("greedy1", "prompt_lookup", "assistant"):
+        assert torch.equal(got[name][:, cut1:], ref[name]), f"{name} differs from the reference"
+    for name in ("turn_whole", "turn_new"):
+        assert same_answer(got[name], ref["turn"], model), f"multi-turn ({name}) differs from the reference"

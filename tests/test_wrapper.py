@@ -373,3 +373,85 @@ def test_sliding_window_language_models_are_refused_at_wrap_time():
     with pytest.raises(ValueError, match="sliding_attention.*use_sliding_window"):
         vlm_prune.wrap(model, "fastv", keep=0.5)
     assert getattr(model, "vlm_prune", None) is None
+
+
+# ---- images after a prefix already in the KV cache --------------------------------------------------
+def _prefix_case(p: int = 3):
+    """(inputs of one sample, its first p text tokens, the rest): a system prompt cached first."""
+    inputs = T.llava_inputs(batch=1)
+    ids = inputs["input_ids"]
+    assert not bool((ids[:, :p] == T.IMAGE_TOKEN).any())
+    prefix = {"input_ids": ids[:, :p], "attention_mask": torch.ones(1, p, dtype=torch.long)}
+    rest = {"input_ids": ids[:, p:], "attention_mask": torch.ones_like(ids), "pixel_values": inputs["pixel_values"]}
+    return inputs, prefix, rest
+
+
+def _cached(model, prefix):
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config.get_text_config())
+    with torch.no_grad():
+        model(**prefix, cache=cache)
+    return cache
+
+
+def test_images_after_a_cached_prefix_are_pruned_by_the_vision_stage():
+    """A system prompt cached first, then image + question continuing it: the vision stage prunes
+    the new image (last_stats says so); the kept rows' logits equal the unwrapped model given the
+    same cached prefix and only the kept rows at their original positions; generate() continuing
+    the cache equals generate() on the whole prompt (same kept set)."""
+    from reference import capture_lm_inputs
+
+    model = T.tiny_llava()
+    inputs, prefix, rest = _prefix_case()
+    p = prefix["input_ids"].shape[1]
+    vlm_prune.wrap(model, "random", keep=0.5)
+    try:
+        with torch.no_grad(), capture_lm_inputs(model) as seen:
+            logits = model(**rest, cache=_cached(model, prefix)).logits
+        rows, stats = model.vlm_prune.last_rows, model.vlm_prune.last_stats
+        with torch.no_grad():
+            whole = model.generate(**inputs, max_new_tokens=6, do_sample=False)
+            continued = model.generate(**inputs, cache=_cached(model, prefix), max_new_tokens=6, do_sample=False)
+            assert model.vlm_prune.last_stats["visual_tokens_out"] == [8]
+    finally:
+        vlm_prune.unwrap(model)
+    assert stats["visual_tokens_in"] == [16] and stats["visual_tokens_out"] == [8]
+    assert torch.equal(continued, whole)
+    kept = rows[0][rows[0] >= 0]
+    embeds = seen[-1]["inputs_embeds"][0, kept][None]
+    with torch.no_grad():
+        cache = _cached(model, prefix)
+        h = model.model.language_model(inputs_embeds=embeds, position_ids=(kept + p)[None], cache=cache,
+                                       attention_mask=torch.ones(1, p + kept.numel(), dtype=torch.long)).last_hidden_state
+        ref = model.lm_head(h)
+    torch.testing.assert_close(logits[0, rows[0] >= 0], ref[0], atol=1e-5, rtol=0)
+
+
+def test_llm_stage_after_a_cached_prefix_warns_once_and_reports_nothing_pruned():
+    """FastV cannot score images that follow a cached prefix (its scores would not see the cached
+    rows): a warning once, last_stats reports the tokens as kept with the llm stage skipped, and the
+    result is the unwrapped model's."""
+    from vlm_prune import engine
+
+    model = T.tiny_llava()
+    inputs, prefix, rest = _prefix_case()
+    with torch.no_grad():
+        ref = model(**rest, cache=_cached(model, prefix)).logits
+    vlm_prune.wrap(model, "fastv", keep=0.5)
+    engine._warn_once.cache_clear()
+    try:
+        with torch.no_grad():
+            with pytest.warns(UserWarning, match="fastv .llm stage. does not prune images that follow a prefix"):
+                logits = model(**rest, cache=_cached(model, prefix)).logits
+            stats = model.vlm_prune.last_stats
+            import warnings
+
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")  # once
+                model(**rest, cache=_cached(model, prefix))
+    finally:
+        vlm_prune.unwrap(model)
+    assert stats["visual_tokens_in"] == stats["visual_tokens_out"] == [16]
+    assert [(r["stage"], r.get("skipped")) for r in stats["stages"]] == [("llm", "after a cached prefix")]
+    torch.testing.assert_close(logits, ref, atol=1e-5, rtol=0)

@@ -26,6 +26,7 @@ from __future__ import annotations
 import functools
 import inspect
 import time
+import warnings
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
@@ -340,7 +341,12 @@ class PrunedDecoder:
         else:
             new_valid = torch.ones(b, s, dtype=torch.bool, device=device)
 
-        if segs is not None or past > 0:
+        if (segs is not None or past > 0) and self.pending is not None:  # a prompt after a cached prefix
+            if segs is None:
+                segs = self._foreign_segments(cache, attention_mask, b, past, position_ids, device)
+            pos = spec.default_positions(position_ids, b, s, None, device, segs)
+            hidden = self._prefill(inputs_embeds, pos, new_valid, cache, True, kwargs, prefix=segs)
+        elif segs is not None or past > 0:
             pos = spec.default_positions(position_ids, b, s, past if segs is None else None, device, segs)
             hidden = self._decode(inputs_embeds, pos, new_valid, cache, segs, kwargs)
         else:
@@ -365,7 +371,29 @@ class PrunedDecoder:
         )
         return out[0] if isinstance(out, tuple) else out
 
-    def _prefill(self, embeds: torch.Tensor, pos: torch.Tensor, valid: torch.Tensor, cache: Any, use_cache: bool, kwargs: dict) -> torch.Tensor:
+    def _foreign_segments(self, cache: Any, attention_mask: torch.Tensor | None, b: int, past: int,
+                          position_ids: torch.Tensor | None, device: torch.device) -> CacheSegments:
+        """Bookkeeping for a cache filled elsewhere (every layer saw every row; padding from the
+        2-D attention mask when it covers the cached columns)."""
+        n = len(self.spec.layers)
+        kv = [cache.get_seq_length(i) for i in range(n)]
+        valid = [torch.ones(b, k, dtype=torch.bool, device=device) for k in kv]
+        if attention_mask is not None and attention_mask.dim() == 2 and attention_mask.shape[1] >= past:
+            valid = [attention_mask[:, :k].bool().to(device) for k in kv]
+        nxt = self.spec.default_positions(position_ids, b, 1, past, device, None)[:, :, 0]
+        segs = CacheSegments(list(range(n)), valid, [torch.zeros(b, k, device=device) for k in kv],
+                             next_pos=nxt, seen=kv[0], prompt=kv[0])
+        install(cache, segs)
+        return segs
+
+    def _prefill(self, embeds: torch.Tensor, pos: torch.Tensor, valid: torch.Tensor, cache: Any, use_cache: bool,
+                 kwargs: dict, prefix: CacheSegments | None = None) -> torch.Tensor:
+        """A prompt's forward: the vision stage's removal before layer 0, the llm stage between layers.
+
+        ``prefix``: the bookkeeping of a cache that already holds earlier tokens (a system prompt, an
+        earlier turn): the new rows attend to its keys, the vision / frames stage prunes the new
+        images as usual; the llm stage does not run (its scores would not see the cached rows), which
+        is warned once and reported in the stage records."""
         spec, b, s = self.spec, embeds.shape[0], embeds.shape[1]
         pending = self.pending
         device = embeds.device
@@ -397,6 +425,8 @@ class PrunedDecoder:
                 vision_renumbered = True
             rows = kept
 
+        if prefix is not None:
+            return self._after_prefix(rows, pos, stats_in, records, prefix, cache, kwargs, vision_renumbered)
         points = self.prune_points()
         method = self.llm_method
         early = bool(getattr(method, "scores_from_previous_layer", False))
@@ -447,6 +477,46 @@ class PrunedDecoder:
         self.state.last_rows = rows.origin
         return rows.hidden
 
+    def _after_prefix(self, rows: Rows, pos: torch.Tensor, stats_in: list[int], records: list[dict[str, Any]],
+                      prefix: CacheSegments, cache: Any, kwargs: dict, renumbered_rows: bool) -> torch.Tensor:
+        """The rest of a prompt that continues a cached prefix: every layer attends to its segment's
+        cached keys and the (vision-reduced) new rows; the bookkeeping grows by the new rows.
+        ``renumbered_rows``: the vision stage renumbered the kept rows (decode continues after them)."""
+        method = self.llm_method
+        if method is not None and not self.bypass and (rows.visual & rows.valid).any():
+            _warn_once(f"vlm_prune: {method.name} (llm stage) does not prune images that follow a prefix already in the "
+                       "KV cache (its scores would not see the cached rows); the vision / frames stages do. Put the "
+                       "images in the first call's prompt to prune them in the LLM as well")
+            n = (rows.visual & rows.valid).sum(1).tolist()
+            records.append({"stage": "llm", "method": method.name, "skipped": "after a cached prefix",
+                            "tokens_in": n, "tokens_out": n, "seconds": 0.0})
+        s = pos.shape[-1]
+        bias = torch.log(rows.sizes.float()).masked_fill(~rows.valid, 0.0)
+        key_valid = [torch.cat([kv, rows.valid.to(kv.device)], 1) for kv in prefix.key_valid]
+        key_bias = [torch.cat([kb, bias.to(kb.device)], 1) for kb in prefix.key_bias]
+        masks = [self._mask(kv, kb, rows.valid, rows.hidden.dtype) for kv, kb in zip(key_valid, key_bias)]
+        if prefix.segment_next_pos is not None:  # the prefix was renumbered: continue each segment's count
+            ar = rows.pos - pos[:, :, :1]
+            seg_pos = [nxt[:, :, None] + ar for nxt in prefix.segment_next_pos]
+            prefix.segment_next_pos = [p + s for p in prefix.segment_next_pos]
+        else:
+            seg_pos = [rows.pos] * len(key_valid)
+        pes = [self.spec.lm.rotary_emb(rows.hidden, self.spec.rope_positions(p)) for p in seg_pos]
+        hidden = rows.hidden
+        layer_visual = []
+        for idx in range(len(self.spec.layers)):
+            seg = prefix.layer_segment[idx]
+            hidden = self._run_layer(idx, hidden, masks[seg], pes[seg], seg_pos[seg], cache, True, kwargs)
+            layer_visual.append((rows.visual & rows.valid).sum(1))
+        prefix.key_valid, prefix.key_bias = key_valid, key_bias
+        prefix.next_pos = (rows.pos if renumbered_rows else pos)[:, :, -1] + 1
+        prefix.seen += s
+        prefix.prompt = prefix.seen
+        rows = replace(rows, hidden=hidden)
+        self.state.last_stats = _stats(stats_in, rows, records, layer_visual, self.state)
+        self.state.last_rows = rows.origin
+        return hidden
+
     def _decode(self, embeds: torch.Tensor, pos: torch.Tensor, valid: torch.Tensor, cache: Any, segs: CacheSegments | None, kwargs: dict) -> torch.Tensor:
         spec = self.spec
         b, s = valid.shape
@@ -474,6 +544,11 @@ class PrunedDecoder:
             seg = segs.layer_segment[idx]
             hidden = self._run_layer(idx, hidden, masks[seg], pes[seg], seg_pos[seg], cache, True, kwargs)
         return hidden
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_once(message: str) -> None:
+    warnings.warn(message, stacklevel=4)
 
 
 def check_cache(cache: Any) -> None:
