@@ -1,0 +1,61 @@
+"""vlm_prune.vllm's configuration side (no vLLM needed): specs, hf_overrides, refusals."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import vlm_prune.vllm as vp
+from vlm_prune.vllm.config import build_method, mrope_rope_parameters
+from vlm_prune.vllm.tiny import LlavaShape, write_llava
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return write_llava(tmp_path_factory.mktemp("llava") / "tiny", LlavaShape())
+
+
+def test_engine_kwargs_carry_method_budget_and_positions(checkpoint):
+    kw = vp.engine_kwargs(str(checkpoint), "divprune", budget=4, seed=3, max_model_len=128)
+    over = kw["hf_overrides"]
+    assert over["architectures"] == ["VlmPruneLlavaForConditionalGeneration"]
+    assert over["vlm_prune"] == {"method": "divprune", "knobs": {}, "keep": None, "budget": 4, "seed": 3}
+    rope = over["text_config"]["rope_parameters"]
+    assert sum(rope["mrope_section"]) == 32 // 2  # head_dim 32: three sections cover every rotary pair
+    assert kw["max_model_len"] == 128 and kw["mm_processor_cache_gb"] == 0
+
+
+def test_method_objects_and_knobs_round_trip():
+    from vlm_prune.methods import VisionZip
+
+    spec = vp.method_spec(VisionZip(dominant_ratio=0.5, variant="slots"), keep=0.25)
+    assert spec["knobs"] == {"dominant_ratio": 0.5, "variant": "slots"}
+    m = build_method(json.loads(json.dumps(spec)))
+    assert (m.name, m.dominant_ratio, m.variant, m.keep) == ("visionzip", 0.5, "slots", 0.25)
+    assert m.n_keep(576) == 144  # the count wrap() keeps: floor(0.25 * 576)
+    assert json.loads(vp.request_kwargs("pool", budget=64)["vlm_prune"])["budget"] == 64
+
+
+@pytest.mark.parametrize("name", ["fastv", "pact", "adaptinfer"])
+def test_in_llm_methods_are_refused_with_the_reason(name):
+    with pytest.raises(ValueError, match=r"paged KV cache.*docs/vllm.md"):
+        vp.method_spec(name, keep=0.25)
+
+
+def test_other_refusals_name_the_fix(checkpoint, tmp_path):
+    with pytest.raises(ValueError, match="frames methods"):
+        vp.method_spec("uniform", keep=0.5)
+    with pytest.raises(ValueError, match="Did you mean 'divprune'"):
+        vp.method_spec("divprun", keep=0.5)
+    with pytest.raises(ValueError, match="either keep"):
+        vp.method_spec("pool", keep=0.5, budget=3)
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["Qwen2VLForConditionalGeneration"]}))
+    with pytest.raises(ValueError, match="not served by vlm_prune.vllm yet"):
+        vp.engine_kwargs(str(tmp_path), "pool", keep=0.5)
+    with pytest.raises(FileNotFoundError, match="local checkpoint folder"):
+        vp.engine_kwargs(str(tmp_path / "missing"), "pool", keep=0.5)
+
+
+def test_mrope_sections_cover_partial_rotary():
+    params = mrope_rope_parameters({"hidden_size": 4096, "num_attention_heads": 32, "rope_theta": 5e5})
+    assert params["mrope_section"] == [22, 21, 21] and params["rope_theta"] == 5e5

@@ -1,0 +1,54 @@
+"""Serve vlm_prune's vision-stage methods inside vLLM (offline ``LLM`` and the OpenAI server).
+
+    from vlm_prune.vllm import LLM
+    llm = LLM("path/to/llava-1.5", method="divprune", budget=64)   # a vllm.LLM
+    llm.generate({"prompt": ..., "multi_modal_data": {"image": image}}, sampling_params)
+
+``method`` / ``keep`` / ``budget`` / ``seed`` mean exactly what they mean for ``vlm_prune.wrap()``
+(visual tokens of each image that reach the language model). The plugin (entry point
+``vllm.general_plugins``) registers the model classes in every vLLM process; the configuration
+travels in ``hf_overrides`` (:func:`engine_kwargs`). See docs/vllm.md.
+"""
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from vlm_prune.vllm.config import SUPPORTED, hf_overrides, method_spec
+
+__all__ = ["LLM", "engine_kwargs", "request_kwargs", "SUPPORTED", "method_spec"]
+
+#: engine defaults the plugin needs: the processor cache off (the plugin adds per-prompt fields to
+#: each image after vLLM's processor has run), eager mode on CPU
+DEFAULTS: dict[str, Any] = {"mm_processor_cache_gb": 0}
+
+
+def engine_kwargs(model: str, method: Any, *, keep: float | None = None, budget: int | None = None,
+                  seed: int = 0, **kwargs: Any) -> dict[str, Any]:
+    """Keyword arguments of ``vllm.LLM`` / ``AsyncEngineArgs`` that serve ``model`` pruned.
+
+    Extra ``kwargs`` pass through to vLLM; a given ``hf_overrides`` dict is merged under ours."""
+    spec = method_spec(method, keep=keep, budget=budget, seed=seed)
+    overrides = dict(kwargs.pop("hf_overrides", None) or {})
+    overrides.update(hf_overrides(model, spec))
+    return {"model": str(model), **DEFAULTS, **kwargs, "hf_overrides": overrides}
+
+
+def LLM(model: str, method: Any, *, keep: float | None = None, budget: int | None = None, seed: int = 0,
+        **kwargs: Any) -> Any:
+    """A ``vllm.LLM`` serving ``model`` with ``method`` at ``keep`` / ``budget`` (as ``wrap()``)."""
+    import vllm
+
+    from vlm_prune.vllm.plugin import register
+
+    register()  # the entry point does this in vLLM's processes; here for an editable checkout without it
+    return vllm.LLM(**engine_kwargs(model, method, keep=keep, budget=budget, seed=seed, **kwargs))
+
+
+def request_kwargs(method: Any, *, keep: float | None = None, budget: int | None = None, seed: int = 0
+                   ) -> dict[str, Any]:
+    """``mm_processor_kwargs`` of one request that overrides the engine's method and budget:
+    ``llm.generate({"prompt": ..., "multi_modal_data": ..., "mm_processor_kwargs": request_kwargs("pool", keep=0.25)})``
+    (in the OpenAI server: the request body's ``mm_processor_kwargs``). Requests with different
+    settings share the engine, its batches and its KV cache."""
+    return {"vlm_prune": json.dumps(method_spec(method, keep=keep, budget=budget, seed=seed), sort_keys=True)}

@@ -1,0 +1,114 @@
+"""The pruning configuration vLLM carries to every process: a plain dict on the model's config.
+
+vLLM builds the processor (which fixes each image's placeholder count) and the model (which
+chooses the tokens that fill those slots) from the model's ``hf_config``, in the front end and in
+every worker. So the configuration travels as ``hf_overrides``: ``architectures`` names the plugin's
+model class, ``vlm_prune`` holds the method, its knobs and the budget, and the language model's
+``rope_parameters`` gain an ``mrope_section`` so that vLLM keeps one position per token that the
+plugin can set (kept tokens keep their original positions, as ``wrap()`` keeps them). Nothing here
+imports vLLM.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from vlm_prune.methods.base import Method
+
+#: model class of the checkpoint -> the plugin's class that serves it pruned
+ARCHITECTURES = {
+    "LlavaForConditionalGeneration": "VlmPruneLlavaForConditionalGeneration",
+}
+#: families whose vLLM support is not written yet, with what it needs
+PLANNED = {
+    "LlavaOnevisionForConditionalGeneration": "LLaVA-OneVision (anyres tiles + newline, video frames)",
+    "Qwen2VLForConditionalGeneration": "Qwen2-VL (M-RoPE positions of kept tokens)",
+    "Qwen2_5_VLForConditionalGeneration": "Qwen2.5-VL (M-RoPE positions of kept tokens)",
+}
+#: methods that run in vLLM (vision stage, a fixed count per image)
+SUPPORTED = ("random", "pool", "divprune", "cdpruner", "visionzip")
+
+IN_LLM_REFUSAL = (
+    "method {name!r} prunes inside the language model (stage 'llm'): it changes the number of cached keys from "
+    "one decoder layer to the next, which vLLM's paged KV cache (one block table per request, the same length in "
+    "every layer) cannot hold. In vLLM use a vision-stage method ({supported}) at the same budget, or run {name!r} "
+    "with vlm_prune.wrap() on the Hugging Face model; docs/vllm.md says what supporting it would take"
+)
+
+
+def method_spec(method: Any, keep: float | None = None, budget: int | None = None, seed: int = 0) -> dict[str, Any]:
+    """The JSON-able configuration of one method: {"method", "knobs", "keep", "budget", "seed"}.
+
+    ``method`` is a registered name or a configured object (``vlm_prune.methods.DivPrune()``), as
+    for ``wrap()``; keep / budget mean what they mean there (visual tokens of each image that reach
+    the language model). Validates now, so a wrong name or budget fails before vLLM starts.
+    """
+    m = build_method({"method": method if isinstance(method, str) else method, "keep": keep, "budget": budget})
+    knobs = {k: v for k, v in m.describe().items() if k not in ("method", "stage", "keep", "budget")}
+    return {"method": m.name, "knobs": knobs, "keep": m.keep, "budget": m.budget, "seed": int(seed)}
+
+
+def build_method(spec: dict[str, Any]) -> Method:
+    """The configured vision-stage method of a spec, through the same pipeline builder as wrap()."""
+    from vlm_prune.api import build_pipeline
+    from vlm_prune.registry import make_method
+
+    method = spec["method"]
+    if isinstance(method, str):
+        method = make_method(method, **spec.get("knobs", {}))
+    methods = build_pipeline(method, keep=spec.get("keep"), budget=spec.get("budget"))
+    stages = sorted(methods)
+    if stages != ["vision"]:
+        m = next(iter(methods.values()))
+        if m.stage == "llm":
+            raise ValueError(IN_LLM_REFUSAL.format(name=m.name, supported=", ".join(SUPPORTED)))
+        raise ValueError(
+            f"method {m.name!r} acts in the {m.stage!r} stage; vlm_prune.vllm runs the vision-stage methods "
+            f"{', '.join(SUPPORTED)} (frames methods and ViT-stage methods are not wired into vLLM yet)"
+        )
+    m = methods["vision"]
+    if m.name not in SUPPORTED:
+        raise ValueError(f"method {m.name!r} is not wired into vLLM yet; supported: {', '.join(SUPPORTED)}")
+    return m
+
+
+def read_config(model: str | Path) -> dict[str, Any]:
+    path = Path(model) / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"{path} not found: vlm_prune.vllm needs a local checkpoint folder (save_pretrained output) to read its "
+            "model class and rotary settings"
+        )
+    return json.loads(path.read_text())
+
+
+def mrope_rope_parameters(text_config: dict[str, Any]) -> dict[str, Any]:
+    """The language model's rope_parameters with an ``mrope_section`` covering the rotary half-dim:
+    three identical position rows then give exactly the model's 1-D RoPE."""
+    params = dict(text_config.get("rope_parameters") or {})
+    if not params:
+        params = {"rope_type": "default", "rope_theta": float(text_config.get("rope_theta", 10000.0))}
+    head_dim = text_config.get("head_dim") or text_config["hidden_size"] // text_config["num_attention_heads"]
+    half = int(head_dim * params.get("partial_rotary_factor", 1.0)) // 2
+    a = half // 3
+    params["mrope_section"] = [half - 2 * a, a, a]
+    return params
+
+
+def hf_overrides(model: str | Path, spec: dict[str, Any]) -> dict[str, Any]:
+    """``hf_overrides`` for vLLM that serve checkpoint ``model`` with the pruning ``spec``."""
+    cfg = read_config(model)
+    arch = (cfg.get("architectures") or [""])[0]
+    if arch in PLANNED:
+        raise ValueError(f"{PLANNED[arch]} is not served by vlm_prune.vllm yet; supported: {', '.join(ARCHITECTURES)}")
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"vlm_prune.vllm serves {', '.join(ARCHITECTURES)} checkpoints; {model} is {arch or 'unknown'}")
+    text = cfg.get("text_config") or {}
+    text.setdefault("hidden_size", 4096)
+    text.setdefault("num_attention_heads", 32)
+    return {
+        "architectures": [ARCHITECTURES[arch]],
+        "vlm_prune": spec,
+        "text_config": {"rope_parameters": mrope_rope_parameters(text)},
+    }

@@ -1,0 +1,336 @@
+"""LLaVA-1.5 served by vLLM with a vision-stage method of vlm_prune (out-of-tree model class).
+
+How a fixed budget fits vLLM (see docs/vllm.md):
+
+1. The processor gives every image ``method.n_keep(N)`` placeholder slots (N = the tower's
+   tokens per image), the count ``wrap()`` keeps, so the scheduler and the paged KV cache only
+   ever see kept tokens.
+2. ``embed_multimodal`` runs vLLM's own tower and projector, then the SAME method object
+   ``wrap()`` uses (``reduce_image`` with the same VisionContext: grid, seeded generator, question
+   embeddings, VisionZip's tower view); the kept features fill the slots in order.
+3. Kept tokens keep their ORIGINAL positions, as in ``wrap()``: the language model runs with
+   three identical M-RoPE rows (exactly its 1-D RoPE), text after an image continues from the
+   unpruned length (``get_mrope_input_positions``), and each kept token's offset from its slot
+   rides in three extra embedding channels from the encoder to ``embed_input_ids``, which drops
+   them and hands the offsets to the ``forward`` of the same step. (vLLM's own
+   ``SupportsMultiModalPruning.recompute_mrope_positions`` hook is not called by its CPU runner.)
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from vllm.config import VllmConfig
+from vllm.model_executor.models.interfaces import SupportsMRoPE
+from vllm.model_executor.models.llava import (
+    LlavaDummyInputsBuilder,
+    LlavaForConditionalGeneration,
+    LlavaMultiModalProcessor,
+    LlavaProcessingInfo,
+)
+from vllm.model_executor.models.utils import WeightsMapper
+from vllm.multimodal import MULTIMODAL_REGISTRY
+from vllm.multimodal.inputs import MultiModalBatchedField, MultiModalFeatureSpec, MultiModalFieldElem
+from vllm.multimodal.parse import ImageProcessorItems
+from vllm.multimodal.processing import PromptReplacement, PromptUpdate
+
+from vlm_prune.methods.base import Method, VisionContext
+from vlm_prune.methods.visionzip import TowerFeatures
+from vlm_prune.vllm.config import build_method
+
+#: extra embedding channels carrying each kept token's position offset (base-64 digits: exact in
+#: bfloat16 too, up to 64**3 positions)
+OFFSET_CHANNELS = 3
+QUERY_KEY = "vlm_prune_query"
+RANK_KEY = "vlm_prune_rank"
+
+
+def encode_offsets(offsets: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[k] non-negative ints -> [k, 3] base-64 digits."""
+    o = offsets.long()
+    return torch.stack([o % 64, (o // 64) % 64, o // 4096], dim=1).to(dtype)
+
+
+def decode_offsets(channels: torch.Tensor) -> torch.Tensor:
+    c = channels.float().round().long()
+    return c[:, 0] + 64 * c[:, 1] + 4096 * c[:, 2]
+
+
+SPEC_KEY = "vlm_prune_spec"
+
+
+def spec_of(hf_config: Any, mm_kwargs: Mapping[str, object] | None = None) -> dict[str, Any]:
+    """The request's spec (``mm_processor_kwargs={"vlm_prune": {...}}``) or the engine's."""
+    spec = (mm_kwargs or {}).get("vlm_prune")
+    if isinstance(spec, str):
+        spec = json.loads(spec)
+    if spec is None:
+        spec = getattr(hf_config, "vlm_prune", None)
+    if not spec:
+        raise ValueError(
+            "this model class needs hf_overrides={'vlm_prune': {...}}: build the engine with vlm_prune.vllm.LLM(...) "
+            "or vlm_prune.vllm.engine_kwargs(...), or serve it with `vlm-prune serve`"
+        )
+    return spec
+
+
+def method_of(spec: dict[str, Any]) -> Method:
+    """The configured method of a spec (built once per distinct spec)."""
+    key = json.dumps(spec, sort_keys=True)
+    cached = _METHODS.get(key)
+    if cached is None:
+        cached = _METHODS[key] = build_method(spec)
+    return cached
+
+
+_METHODS: dict[str, Method] = {}
+
+
+def question_ids(prompt: list[int], placeholder_ranges: list[tuple[int, int]], suffix: list[int]) -> list[int]:
+    """The prompt's text after its last image (the question), without the chat template's
+    assistant prefix ``suffix``: what ``wrap()`` embeds for query-aware methods (CDPruner)."""
+    end = max((o + n for o, n in placeholder_ranges), default=0)
+    q = prompt[end:]
+    if suffix and len(q) > len(suffix) and q[-len(suffix):] == suffix:
+        q = q[: -len(suffix)]
+    return q
+
+
+class PrunedLlavaProcessingInfo(LlavaProcessingInfo):
+    """Each image gets the method's kept count of placeholder slots."""
+
+    def method(self, mm_kwargs: Mapping[str, object] | None = None) -> Method:
+        return method_of(spec_of(self.get_hf_config(), mm_kwargs))
+
+    def unpruned_image_tokens(self, *, image_width: int, image_height: int) -> int:
+        return super().get_num_image_tokens(image_width=image_width, image_height=image_height)
+
+    def get_num_image_tokens(self, *, image_width: int, image_height: int,
+                             mm_kwargs: Mapping[str, object] | None = None) -> int:
+        n = self.unpruned_image_tokens(image_width=image_width, image_height=image_height)
+        return self.method(mm_kwargs).n_keep(n, 1)
+
+
+class PrunedLlavaMultiModalProcessor(LlavaMultiModalProcessor):
+    """LLaVA's processor, plus each image's question ids and rank within its prompt (kwargs of the
+    encoder, and part of its cache key when the method reads them)."""
+
+    def _template_suffix(self) -> list[int]:
+        tok = self.info.get_tokenizer()
+        template = getattr(tok, "chat_template", None)
+        if not template:
+            return []
+        mark = "QQQ"
+        try:
+            text = tok.apply_chat_template([{"role": "user", "content": [{"type": "text", "text": mark}]}],
+                                           add_generation_prompt=True, tokenize=False)
+        except Exception:  # a template that needs other fields: keep the text as it is
+            return []
+        if mark not in text:
+            return []
+        return tok(text[text.rindex(mark) + len(mark):], add_special_tokens=False).input_ids
+
+    def _call_hf_processor(self, hf_data: Mapping[str, object], hf_kwargs: Mapping[str, object]) -> Any:
+        return super()._call_hf_processor(hf_data, {k: v for k, v in hf_kwargs.items() if k != "vlm_prune"})
+
+    def _get_prompt_updates(self, mm_items: Any, hf_processor_mm_kwargs: Mapping[str, object], out_mm_kwargs: Any
+                            ) -> Sequence[PromptUpdate]:
+        image_token_id = self.info.get_hf_config().image_token_index
+
+        def replacement(item_idx: int) -> list[int]:
+            size = mm_items.get_items("image", ImageProcessorItems).get_image_size(item_idx)
+            n = self.info.get_num_image_tokens(image_width=size.width, image_height=size.height,
+                                               mm_kwargs=hf_processor_mm_kwargs)
+            return [image_token_id] * n
+
+        return [PromptReplacement(modality="image", target=[image_token_id], replacement=replacement)]
+
+    def apply(self, inputs: Any, timing_ctx: Any) -> Any:
+        spec = spec_of(self.info.get_hf_config(), inputs.hf_processor_mm_kwargs)
+        method = method_of(spec)
+        out = super().apply(inputs, timing_ctx)
+        spec_bytes = torch.tensor(list(json.dumps(spec, sort_keys=True).encode()), dtype=torch.uint8)
+        prompt = list(out["prompt_token_ids"])
+        ranges = [(r.offset, r.length) for rs in out["mm_placeholders"].values() for r in rs]
+        query = question_ids(prompt, ranges, self._template_suffix())
+        kwargs, hashes = out["mm_kwargs"], out["mm_hashes"]
+        for modality, items in kwargs.items():
+            for rank, item in enumerate(items):
+                if item is None:
+                    continue
+                item[QUERY_KEY] = MultiModalFieldElem(data=torch.tensor(query, dtype=torch.long),
+                                                      field=MultiModalBatchedField())
+                item[RANK_KEY] = MultiModalFieldElem(data=torch.tensor([rank]), field=MultiModalBatchedField())
+                item[SPEC_KEY] = MultiModalFieldElem(data=spec_bytes, field=MultiModalBatchedField())
+                extra = {}
+                if method.name == "cdpruner":
+                    extra["query"] = query
+                if method.name == "random":
+                    extra["rank"] = rank
+                if extra:
+                    digest = hashlib.sha256(json.dumps(extra).encode()).hexdigest()[:16]
+                    hashes[modality][rank] = f"{hashes[modality][rank]}-vlm_prune-{digest}"
+        return out
+
+
+@MULTIMODAL_REGISTRY.register_processor(
+    PrunedLlavaMultiModalProcessor, info=PrunedLlavaProcessingInfo, dummy_inputs=LlavaDummyInputsBuilder
+)
+class VlmPruneLlavaForConditionalGeneration(LlavaForConditionalGeneration, SupportsMRoPE):
+    """vLLM's LLaVA-1.5 with a vlm_prune vision-stage method (random, pool, divprune, cdpruner, visionzip)."""
+
+    hf_to_vllm_mapper = WeightsMapper(
+        orig_to_new_prefix={
+            "model.language_model.": "language_model.model.",
+            "model.vision_tower.vision_model.": "vision_tower.vision_model.",
+            "model.vision_tower.": "vision_tower.vision_model.",  # transformers 5 saves CLIP without vision_model.
+            "vision_tower.vision_model.": "vision_tower.vision_model.",
+            "vision_tower.": "vision_tower.vision_model.",
+            "model.multi_modal_projector.": "multi_modal_projector.",
+            "lm_head.": "language_model.lm_head.",
+        }
+    )
+
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
+        super().__init__(vllm_config=vllm_config, prefix=prefix)
+        self.method = method_of(spec_of(self.config))
+        vc = self.config.vision_config
+        self.side = vc.image_size // vc.patch_size
+        self.drop_cls = self.config.vision_feature_select_strategy == "default"
+        self.n_image = self.side * self.side + (0 if self.drop_cls else 1)
+        self._offsets: torch.Tensor | None = None
+        self._feature_input: torch.Tensor | None = None
+        self.vision_tower.vision_model.encoder.layers[-1].register_forward_pre_hook(self._keep_feature_input)
+
+    def _keep_feature_input(self, module: torch.nn.Module, args: tuple) -> None:
+        self._feature_input = args[0].detach()
+
+    # ---- encoder: the method picks what fills the slots -------------------------------------
+    def _parse_and_validate_image_input(self, **kwargs: object) -> Any:
+        self._query = kwargs.pop(QUERY_KEY, None)
+        self._rank = kwargs.pop(RANK_KEY, None)
+        self._spec = kwargs.pop(SPEC_KEY, None)
+        return super()._parse_and_validate_image_input(**kwargs)
+
+    def _process_image_input(self, image_input: Any) -> Any:
+        if image_input["type"] != "pixel_values":
+            raise ValueError("vlm_prune.vllm prunes images given as pixels; image_embeds inputs are not supported")
+        full = self.vision_tower(image_input["pixel_values"], feature_select_strategy="full")
+        feats = full[:, 1:] if self.drop_cls else full
+        projected = self.multi_modal_projector(feats)
+        out = []
+        for b in range(projected.shape[0]):
+            out.append(self._reduce(b, projected[b], full[b]))
+        return out
+
+    def _item(self, value: Any, b: int) -> torch.Tensor | None:
+        if value is None:
+            return None
+        return value[b] if isinstance(value, (list, tuple)) or value.dim() > 1 else value
+
+    def _reduce(self, b: int, features: torch.Tensor, tower_row: torch.Tensor) -> torch.Tensor:
+        n = features.shape[0]
+        query = self._item(self._query, b)
+        rank = self._item(self._rank, b)
+        raw = self._item(self._spec, b)
+        spec = json.loads(bytes(raw.reshape(-1).tolist()).decode()) if raw is not None else spec_of(self.config)
+        method = method_of(spec)
+        seed = int(spec.get("seed", 0))
+        gen = torch.Generator().manual_seed(seed * 1_000_003 + (int(rank.reshape(-1)[0]) if rank is not None else 0))
+        text = None
+        if query is not None:
+            text = self.language_model.model.embed_tokens(query.reshape(-1).to(features.device).long())
+        tower_attention = None
+        if method.name == "visionzip":
+            feature_input = self._feature_input[b]
+
+            def tower_attention() -> tuple:
+                attention, keys = self._attention_of(feature_input)
+                cls = tower_row[0] if self.drop_cls else None
+                body = tower_row[1:] if self.drop_cls else tower_row
+                return attention, keys, TowerFeatures(body, cls, self.multi_modal_projector)
+
+        side = self.side
+        ctx = VisionContext(features=features, n_keep=method.n_keep(n, 1), grid=(side, side) if side * side == n else None,
+                            text_embeds=text, tower_attention=tower_attention, generator=gen, image_index=b)
+        with torch.no_grad():
+            red = method.reduce_image(ctx)
+        if red.sizes is not None:
+            raise ValueError(f"method {method.name!r} merges tokens with sizes (proportional attention), which "
+                             "vLLM's attention cannot weight; use a method that keeps or replaces tokens")
+        idx = red.indices.to(features.device)
+        kept = features[idx] if red.features is None else red.features.to(features.dtype)
+        offsets = idx - torch.arange(idx.numel(), device=idx.device)
+        return torch.cat([kept, encode_offsets(offsets, kept.dtype)], dim=1)
+
+    def _attention_of(self, row: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """VisionZip's view of the feature layer (as vlm_prune's FeatureLayerTap on the HF tower):
+        attention of the CLS query (or the mean attention received, without CLS) and the keys,
+        averaged over heads."""
+        layer = self.vision_tower.vision_model.encoder.layers[-1]
+        attn = layer.self_attn
+        with torch.no_grad():
+            x = layer.layer_norm1(row[None])
+            qkv, _ = attn.qkv_proj(x)
+            h, d = attn.num_heads_per_partition, attn.head_dim
+            q, k, _ = qkv.split(h * d, dim=-1)
+            q = q.view(1, -1, h, d).transpose(1, 2)
+            k = k.view(1, -1, h, d).transpose(1, 2)
+            if self.drop_cls:
+                probs = torch.softmax((q[:, :, :1] @ k.transpose(-1, -2)).float() * attn.scale, dim=-1)
+                return probs[0, :, 0, 1:].mean(0), k[0, :, 1:].mean(0)
+            probs = torch.softmax((q @ k.transpose(-1, -2)).float() * attn.scale, dim=-1)
+            return probs[0].mean(0).mean(0), k[0].mean(0)
+
+    # ---- positions: kept tokens at their original positions ---------------------------------
+    def get_mrope_input_positions(self, input_tokens: list[int], mm_features: list[MultiModalFeatureSpec]
+                                  ) -> tuple[torch.Tensor, int]:
+        """Positions of the unpruned sequence: each image's k slots start where its N tokens
+        started (slot i at base + i; forward() moves each kept token to base + its index), and the
+        text after an image continues from base + N, decode steps from the unpruned length."""
+        n_tokens = len(input_tokens)
+        pos = torch.empty(n_tokens, dtype=torch.long)
+        shift, cursor = 0, 0
+        for f in sorted(mm_features, key=lambda f: f.mm_position.offset):
+            start, k = f.mm_position.offset, f.mm_position.length
+            pos[cursor:start] = torch.arange(cursor, start) + shift
+            pos[start:start + k] = torch.arange(start, start + k) + shift
+            shift += max(0, self.n_image - k)
+            cursor = start + k
+        pos[cursor:] = torch.arange(cursor, n_tokens) + shift
+        return pos[None].expand(3, -1).clone(), shift
+
+    def embed_input_ids(self, input_ids: torch.Tensor, multimodal_embeddings: Any = None, *,
+                        is_multimodal: torch.Tensor | None = None) -> torch.Tensor:
+        """Strip the offset channels off the image embeddings and remember, for the forward that
+        follows in the same step, how far each kept token moves from its slot's position."""
+        self._offsets = None
+        if multimodal_embeddings is not None and len(multimodal_embeddings) > 0 and is_multimodal is not None:
+            rows = torch.nonzero(is_multimodal).squeeze(1)
+            offsets = torch.cat([decode_offsets(e[:, -OFFSET_CHANNELS:]) for e in multimodal_embeddings])
+            if offsets.numel() != rows.numel():
+                raise RuntimeError(f"vlm_prune: {offsets.numel()} image embeddings for {rows.numel()} image rows")
+            moved = torch.zeros(is_multimodal.shape[0], dtype=torch.long, device=rows.device)
+            moved[rows] = offsets.to(rows.device)
+            self._offsets = moved
+            self._image_rows = rows
+            multimodal_embeddings = [e[:, :-OFFSET_CHANNELS] for e in multimodal_embeddings]
+        return super().embed_input_ids(input_ids, multimodal_embeddings, is_multimodal=is_multimodal)
+
+    def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor, intermediate_tensors: Any = None,
+                inputs_embeds: torch.Tensor | None = None, **kwargs: object) -> Any:
+        offsets, self._offsets = self._offsets, None
+        if offsets is not None and inputs_embeds is not None:
+            n = offsets.numel()
+            positions = positions.clone()
+            positions[..., :n] += offsets.to(positions.device)
+            #: positions of the image rows of the latest step that had any (tests, debugging)
+            self.last_image_positions = positions.reshape(-1, positions.shape[-1])[0, self._image_rows].tolist()
+        return super().forward(input_ids, positions, intermediate_tensors, inputs_embeds=inputs_embeds, **kwargs)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        return super().load_weights(weights)
