@@ -136,6 +136,15 @@ class DensityPeaks:
         if rest.numel() == 0:
             return
         rest = rest[torch.argsort(self.ranks[rest], descending=True)]
+        if self.dist is not None and self.dist.device.type == "cpu":
+            # only the greedy centres' rows are read: O(C |rest|), not |rest|^2
+            dist, cols = self.dist.numpy(), rest.numpy()
+            taken = np.zeros(cols.size, dtype=bool)
+            for i, point in enumerate(cols.tolist()):
+                if not taken[i]:
+                    centres.append(point)
+                    taken |= dist[point, cols] <= d_c
+            return
         if self.dist is None:
             near = cosine_distance(self.points[rest], self.points[rest]) <= d_c
         else:
