@@ -405,11 +405,14 @@ def test_images_after_a_cached_prefix_are_pruned_by_the_vision_stage():
     model = T.tiny_llava()
     inputs, prefix, rest = _prefix_case()
     p = prefix["input_ids"].shape[1]
+    foreign = _cached(model, prefix)  # filled before wrap(): no bookkeeping of the engine on it
     vlm_prune.wrap(model, "random", keep=0.5)
     try:
         with torch.no_grad(), capture_lm_inputs(model) as seen:
             logits = model(**rest, cache=_cached(model, prefix)).logits
         rows, stats = model.vlm_prune.last_rows, model.vlm_prune.last_stats
+        with torch.no_grad():
+            assert torch.equal(model(**rest, cache=foreign).logits, logits)
         with torch.no_grad():
             whole = model.generate(**inputs, max_new_tokens=6, do_sample=False)
             continued = model.generate(**inputs, cache=_cached(model, prefix), max_new_tokens=6, do_sample=False)
