@@ -70,6 +70,7 @@ def cosine_distance_chunked(x: torch.Tensor) -> torch.Tensor:
     """[N, N] :func:`cosine_distance_torch` of x with itself, ``CHUNK`` rows per product: the same
     blocks (so the same values) as :func:`density_torch` and :func:`nearest_denser_torch` compute."""
     n = x.shape[0]
+    x = x.detach()  # distances for selection only (matmul(out=) takes no autograd inputs)
     xn = F.normalize(x.float(), dim=1)
     out = torch.empty(n, n, device=x.device)
     for r0 in range(0, n, CHUNK):  # in place: 1 - cos, clamped, as cosine_distance_torch

@@ -111,3 +111,16 @@ def test_cdpruner_host_loop_compares_eps_as_float32() -> None:
 def test_conditional_kernel_in_place_equals_the_former_product() -> None:
     x, rel = low_rank_kernel_case(300, 48, 48, 7)
     assert torch.equal(conditional_kernel(x, rel), former.conditional_kernel(x, rel))
+
+
+def test_selections_take_inputs_that_require_grad() -> None:
+    """Outside the engine's no_grad (a direct call on trainable features) the fast paths select
+    as the former code instead of failing on in-place / out= products."""
+    x = clustered(120, 16, 9).requires_grad_()
+    rel = torch.rand(120).requires_grad_()
+    assert torch.equal(max_min_diverse(x, 30), former.max_min_diverse(x, 30))
+    assert torch.equal(dpp_greedy_map(KernelRows(features=x, rel=rel), 30),
+                       former.dpp_greedy_map(former.KernelRows(features=x, rel=rel), 30))
+    assert torch.equal(dpp_greedy_map(conditional_kernel(x, rel), 30),
+                       former.dpp_greedy_map(former.conditional_kernel(x, rel), 30))
+    assert same(dbdpc(x, 0.3, extra=x[:9]), former.dbdpc(x, 0.3, extra=x[:9]))

@@ -77,7 +77,8 @@ def dpp_greedy_map(kernel: torch.Tensor | KernelRows, k: int, eps: float = 1e-10
     n = diag.shape[0]
     k = max(0, min(int(k), n))
     if diag.device.type == "cpu":
-        return _dpp_greedy_map_host(rows, k, eps)
+        with torch.no_grad():  # indices only
+            return _dpp_greedy_map_host(rows, k, eps)
     cis = torch.zeros(k, n, device=diag.device)
     di2 = diag.clone()
     chosen = torch.zeros(k, dtype=torch.long, device=diag.device)

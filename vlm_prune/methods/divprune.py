@@ -29,7 +29,7 @@ def max_min_diverse(features: torch.Tensor, k: int, chunk: int = 1024) -> torch.
     device = features.device
     if k == 0 or n == 1:
         return torch.zeros(k, dtype=torch.long, device=device)
-    xn = F.normalize(features.float(), dim=1)
+    xn = F.normalize(features.detach().float(), dim=1)  # indices only: no autograd graph
     if n <= DENSE_MAX:
         # 1 - cos clamped at 0, in place; the diagonal set to inf: the nearest other row, and a
         # pick's own entry is overwritten with -inf right after it is read
