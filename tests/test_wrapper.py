@@ -458,3 +458,36 @@ def test_llm_stage_after_a_cached_prefix_warns_once_and_reports_nothing_pruned()
     assert stats["visual_tokens_in"] == stats["visual_tokens_out"] == [16]
     assert [(r["stage"], r.get("skipped")) for r in stats["stages"]] == [("llm", "after a cached prefix")]
     torch.testing.assert_close(logits, ref, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("family", list(LABEL_MODELS))
+def test_generate_after_a_cached_prefix_equals_the_whole_prompt(family):
+    """A cached text prefix, then generate() on the whole prompt with that cache: at keep=1.0 the
+    unwrapped model's answer, pruned (random, keep=0.5) the wrapped model's answer to the whole
+    prompt at once, with the image pruned as there (LLaVA and Qwen2-VL's M-RoPE)."""
+    make, inputs = LABEL_MODELS[family]
+    model = make()
+    inp = inputs(model, "left")
+    inp = {k: (v[:1] if k in ("input_ids", "attention_mask", "mm_token_type_ids", "image_grid_thw") else v) for k, v in inp.items()}
+    if family == "qwen2_vl":
+        inp["pixel_values"] = inp["pixel_values"][: int(inp["image_grid_thw"][0].prod())]
+    else:
+        inp["pixel_values"] = inp["pixel_values"][:1]
+    valid = inp["attention_mask"][0].bool()
+    inp = {k: (v[:, valid] if k in ("input_ids", "attention_mask", "mm_token_type_ids") else v) for k, v in inp.items()}
+    p = 3
+    assert not bool((inp["input_ids"][:, :p] == T.IMAGE_TOKEN).any())
+    prefix = {k: inp[k][:, :p] for k in ("input_ids", "attention_mask", "mm_token_type_ids") if k in inp}
+    with torch.no_grad():
+        unwrapped = model.generate(**inp, max_new_tokens=5, do_sample=False)
+    for keep in (1.0, 0.5):
+        vlm_prune.wrap(model, "random", keep=keep)
+        try:
+            with torch.no_grad():
+                whole = model.generate(**inp, max_new_tokens=5, do_sample=False)
+                continued = model.generate(**inp, cache=_cached(model, prefix), max_new_tokens=5, do_sample=False)
+                stats = model.vlm_prune.last_stats
+        finally:
+            vlm_prune.unwrap(model)
+        assert torch.equal(continued, unwrapped if keep == 1.0 else whole), keep
+        assert stats["visual_tokens_out"] == [16 if keep == 1.0 else 8]
