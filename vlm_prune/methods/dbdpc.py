@@ -56,7 +56,10 @@ class DensityPeaks:
     cutoffs (PACT with a token target tries up to 20, :func:`~vlm_prune.methods.pact.cluster_to_count`).
 
     Holds the density ranks, the first round's nearest-denser distances (all points unassigned:
-    the same for every cutoff) and, up to :data:`DENSE_MAX` points, the N x N cosine distances.
+    the same for every cutoff) and, up to :data:`DENSE_MAX` points, the N x N cosine distances
+    (rounds read rows of them; a product of a few columns can round a cosine one float32 ulp
+    apart from the same entry of the full product, so only a distance within one ulp of the
+    cutoff could be decided differently from computing each block afresh).
     ``ranks`` may be given (distinct, as :func:`~vlm_prune.kernels.density_rank` returns).
     """
 
