@@ -12,7 +12,8 @@ attention (VisionZip, AS-ViT) would rank by noise.
 AdamW with a one-cycle schedule (warm-up, cosine) over ``--steps``, or over ``--minutes`` of
 wall-clock time on a shared machine (then not step-reproducible). Saves float16 safetensors and the
 processor to eval/synthetic/models/<kind>[-seed<N>] every 250 steps and at the end, then
-``synthetic.json`` (the families to test on, the training settings, test accuracy per family).
+``synthetic.json``: the training settings, test accuracy and chance level per family, and the families
+to benchmark on (``eval_qtypes``: those answered better than chance, see ``learned_families``).
 """
 from __future__ import annotations
 
@@ -110,6 +111,23 @@ def one_cycle(progress: float, warmup: float = 0.1) -> float:
     return 0.5 * (1 + math.cos(math.pi * min(1.0, (progress - warmup) / (1 - warmup))))
 
 
+def learned_families(samples: list[Sample], accs: dict[str, float]) -> tuple[list[str], dict[str, float]]:
+    """The families a model answers better than chance (the 95% Wilson lower bound of its test
+    accuracy above the family's chance level, 1 / options), in generator order, and each chance level.
+
+    Only these are benchmarked: a family at chance ranks nothing and only adds noise to the mean."""
+    learned, chance = [], {}
+    for qtype in dict.fromkeys(s.qtype for s in samples):
+        family = [s for s in samples if s.qtype == qtype]
+        n, p = len(family), accs[qtype]
+        chance[qtype] = sum(1 / len(s.options) for s in family) / n
+        z = 1.96
+        lower = (p + z * z / (2 * n) - z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n))) / (1 + z * z / n)
+        if lower > chance[qtype]:
+            learned.append(qtype)
+    return learned, chance
+
+
 def write_card(out: Path, **record: Any) -> None:
     """``synthetic.json`` beside the weights: the families to test on and how the model was trained."""
     (out / "synthetic.json").write_text(json.dumps(record, indent=1) + "\n")
@@ -168,7 +186,8 @@ def train(kind: str, steps: int, batch_size: int, lr: float, seed: int, out: Pat
     test = make_dataset(kind, "test", test_samples)
     accs = accuracy_by_qtype(model, processor, test, 32)
     seconds = time.time() - start
-    write_card(out, kind=kind, seed=seed, eval_qtypes=list(DEFAULT_QTYPES[kind]), train_qtypes=list(TRAIN_QTYPES[kind]),
+    learned, chance = learned_families(test, accs)
+    write_card(out, kind=kind, seed=seed, eval_qtypes=learned, train_qtypes=list(TRAIN_QTYPES[kind]), chance=chance,
                steps=step + 1, batch_size=batch_size, lr=lr, minutes=minutes, threads=threads, device=device, seconds=round(seconds),
                test_samples=test_samples, test_accuracy=accs)
     print(f"trained {kind} in {seconds:.0f}s, {step + 1} steps; test accuracy (float16 weights) {accs}", flush=True)
