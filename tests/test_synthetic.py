@@ -227,7 +227,7 @@ def test_blind_pruning_hurts_the_shipped_model(shipped) -> None:
     accuracy = evaluate(model, processor, samples, batch_size=32)
     keep_all = masked_accuracy(model, processor, samples, random_tokens(1.0), batch_size=32)
     assert keep_all == accuracy  # the masking path is exact when nothing is dropped
-    blind = random_tokens(0.11) if kind == "image" else frames([0, 5, 10, 15])
+    blind = random_tokens(0.05) if kind == "image" else frames([0, 5, 10, 15])
     assert masked_accuracy(model, processor, samples, blind, batch_size=32) <= accuracy - 0.10
 
 
@@ -297,7 +297,8 @@ def test_training_writes_float16_weights_and_the_model_card(tmp_path) -> None:
     finally:
         torch.set_num_threads(threads)
     card = json.loads((tmp_path / "synthetic.json").read_text())
-    assert card["eval_qtypes"] == ["count", "binding", "relation", "global", "digit"] and card["steps"] == 2
+    # two steps learn nothing: no family is benchmarked, and each family's chance level is recorded
+    assert card["eval_qtypes"] == [] and card["steps"] == 2 and set(card["chance"]) <= {"count", "binding", "relation", "global", "digit"}
     assert card["seed"] == 3 and card["test_samples"] == 4 and set(card["test_accuracy"]) >= {"all", "count"}
     model = AutoModelForImageTextToText.from_pretrained(tmp_path, dtype=torch.float32)
     weights = next(model.parameters())
