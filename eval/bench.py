@@ -549,6 +549,11 @@ def meta(mode: str, argv_args: argparse.Namespace) -> dict[str, Any]:
 
 # ---- command --------------------------------------------------------------------------------------
 def run(args: argparse.Namespace) -> int:
+    if getattr(args, "serve", False):  # vLLM serving throughput (eval/bench_serve.py, issue 19)
+        from vlm_prune.eval import bench_serve
+
+        fresh_output(args.out, ["serve.json"], args.overwrite)
+        return bench_serve.run(args)
     fresh_output(args.out, ["speed.json" if args.speed else "bench.json"], args.overwrite)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -632,6 +637,8 @@ def add_parser(subparsers: Any) -> None:
                    help="torch CPU threads (default: torch's choice); 1 gives stable timings on a shared machine")
     s = p.add_argument_group("--speed: time-to-first-token on random models of real shapes")
     s.add_argument("--speed", action="store_true", help="time LLaVA-1.5-7B / OneVision-7B shapes instead")
+    s.add_argument("--serve", action="store_true",
+                   help="vLLM serving throughput with / without pruning (vLLM environment, docs/vllm.md; --limit = requests)")
     s.add_argument("--scale", type=_positive, default=8,
                    help="divide hidden sizes, heads and layers by S (default 8; 1 = the real 7B shapes)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",

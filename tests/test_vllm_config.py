@@ -29,7 +29,7 @@ def test_method_objects_and_knobs_round_trip():
     from vlm_prune.methods import VisionZip
 
     spec = vp.method_spec(VisionZip(dominant_ratio=0.5, variant="slots"), keep=0.25)
-    assert spec["knobs"] == {"dominant_ratio": 0.5, "variant": "slots"}
+    assert {k: spec["knobs"][k] for k in ("dominant_ratio", "variant")} == {"dominant_ratio": 0.5, "variant": "slots"}
     m = build_method(json.loads(json.dumps(spec)))
     assert (m.name, m.dominant_ratio, m.variant, m.keep) == ("visionzip", 0.5, "slots", 0.25)
     assert m.n_keep(576) == 144  # the count wrap() keeps: floor(0.25 * 576)
@@ -59,3 +59,22 @@ def test_other_refusals_name_the_fix(checkpoint, tmp_path):
 def test_mrope_sections_cover_partial_rotary():
     params = mrope_rope_parameters({"hidden_size": 4096, "num_attention_heads": 32, "rope_theta": 5e5})
     assert params["mrope_section"] == [22, 21, 21] and params["rope_theta"] == 5e5
+
+
+def test_serve_command_line(checkpoint, capsys):
+    """`vlm-prune serve` builds vLLM's OpenAI server command: the plugin's hf_overrides, the processor
+    cache off, the user's vLLM options last; refusals are usage errors (exit 2)."""
+    import shlex
+
+    from vlm_prune.cli import main
+
+    assert main(["serve", str(checkpoint), "--method", "pool", "--keep", "0.25", "--dry-run",
+                 "--vllm", "--port 8001 --data-parallel-size 2"]) == 0
+    argv = shlex.split(capsys.readouterr().out)
+    assert argv[1:5] == ["-m", "vllm.entrypoints.openai.api_server", "--model", str(checkpoint)]
+    over = json.loads(argv[argv.index("--hf-overrides") + 1])
+    assert over["vlm_prune"]["method"] == "pool" and over["vlm_prune"]["keep"] == 0.25
+    assert argv[argv.index("--mm-processor-cache-gb") + 1] == "0"
+    assert argv[-4:] == ["--port", "8001", "--data-parallel-size", "2"]
+    assert main(["serve", str(checkpoint), "--method", "pact", "--keep", "0.25", "--dry-run"]) == 2
+    assert "paged KV cache" in capsys.readouterr().err

@@ -23,6 +23,7 @@ SUBCOMMANDS = {
     "eval": ("vlm_prune.eval.cli", "evaluate a model and pruning methods on a video / image QA dataset"),
     "keyframes": ("vlm_prune.frames.cli", "choose keyframes of videos with KeyScore + STACFP (or uniformly)"),
     "demo": ("vlm_prune.demo.cli", "launch the Gradio demo: what a method prunes, and what it saves"),
+    "serve": ("vlm_prune.vllm.serve", "serve a VLM pruned inside vLLM's OpenAI-compatible server (docs/vllm.md)"),
 }
 EPILOG = "Run `vlm-prune COMMAND --help` for a command's options."
 
