@@ -491,3 +491,20 @@ def test_generate_after_a_cached_prefix_equals_the_whole_prompt(family):
             vlm_prune.unwrap(model)
         assert torch.equal(continued, unwrapped if keep == 1.0 else whole), keep
         assert stats["visual_tokens_out"] == [16 if keep == 1.0 else 8]
+
+
+@pytest.mark.parametrize("methods", [["fastv"], ["random", "fastv"], ["pool", "adaptinfer"]], ids="+".join)
+def test_use_cache_false_equals_the_cached_path_after_a_vision_stage(methods) -> None:
+    """Without a cache generate() re-runs the generated tokens with the prompt: the in-LLM method must
+    still choose from the prompt's rows, also when a vision stage has shortened them first."""
+    model, inp = T.tiny_llava(), T.llava_inputs(batch=2)
+    scores = {}
+    for use_cache in (True, False):
+        vlm_prune.wrap(model, methods, keep=0.5)
+        try:
+            out = model.generate(**inp, max_new_tokens=4, do_sample=False, use_cache=use_cache,
+                                 output_scores=True, return_dict_in_generate=True)
+        finally:
+            vlm_prune.unwrap(model)
+        scores[use_cache] = torch.stack(out.scores)
+    torch.testing.assert_close(scores[False], scores[True], atol=1e-5, rtol=1e-5)

@@ -282,8 +282,9 @@ class PrunedDecoder:
         t0, c0 = time.perf_counter(), time.process_time()
         pending = self.pending
         # tokens generated after the prompt (use_cache=False re-runs them) sit in the last rows of
-        # every sample: the method chooses from the prompt's rows, exactly as with a cache
-        extra = rows.valid.shape[1] - pending.prompt if pending is not None and pending.prompt is not None else 0
+        # every sample (a vision-stage removal left-pads, so they stay last): the method chooses from
+        # the prompt's rows, exactly as with a cache. Counted on the input's width, not the rows'
+        extra = pending.visual.shape[1] - pending.prompt if pending is not None and pending.prompt is not None else 0
         extra = max(0, min(extra, int(rows.valid.sum(1).min())))
         with torch.no_grad():
             if extra:
