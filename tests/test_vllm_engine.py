@@ -106,6 +106,18 @@ def image_positions(llm) -> list[int]:
     return llm.apply_model(lambda m: m.last_image_positions)[0]
 
 
+@pytest.mark.parametrize("key", ["vision_tower.vision_model.encoder.layers.0.mlp.fc1.weight",
+                                 "model.vision_tower.vision_model.encoder.layers.0.mlp.fc1.weight",
+                                 "vision_tower.encoder.layers.0.mlp.fc1.weight",
+                                 "model.vision_tower.encoder.layers.0.mlp.fc1.weight"])
+def test_checkpoint_namings_all_load(key):
+    """The hub's naming and transformers 5's (CLIP without vision_model.) map to the same weight."""
+    from vlm_prune.vllm.llava import VlmPruneLlavaForConditionalGeneration as M
+
+    assert M.hf_to_vllm_mapper._map_name(key) == "vision_tower.vision_model.encoder.layers.0.mlp.fc1.weight"
+    assert M.hf_to_vllm_mapper._map_name("model.language_model.norm.weight") == "language_model.model.norm.weight"
+
+
 def test_keep_all_equals_unwrapped_hf(llm, hf):
     tokens, logprobs = run_vllm(llm, None)
     ref_tokens, ref_logprobs, _ = run_hf(hf, None)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -184,15 +185,14 @@ class VlmPruneLlavaForConditionalGeneration(LlavaForConditionalGeneration, Suppo
     """vLLM's LLaVA-1.5 with a vlm_prune vision-stage method (random, pool, divprune, cdpruner, visionzip)."""
 
     hf_to_vllm_mapper = WeightsMapper(
+        # the CLIP tower in every naming: hub (vision_tower.vision_model.*), transformers 5
+        # (model.vision_tower.* without vision_model.), and the legacy ones
+        orig_to_new_regex={re.compile(r"^(?:model\.)?vision_tower\.(?:vision_model\.)?"): "vision_tower.vision_model."},
         orig_to_new_prefix={
             "model.language_model.": "language_model.model.",
-            "model.vision_tower.vision_model.": "vision_tower.vision_model.",
-            "model.vision_tower.": "vision_tower.vision_model.",  # transformers 5 saves CLIP without vision_model.
-            "vision_tower.vision_model.": "vision_tower.vision_model.",
-            "vision_tower.": "vision_tower.vision_model.",
             "model.multi_modal_projector.": "multi_modal_projector.",
             "lm_head.": "language_model.lm_head.",
-        }
+        },
     )
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
@@ -265,6 +265,8 @@ class VlmPruneLlavaForConditionalGeneration(LlavaForConditionalGeneration, Suppo
         idx = red.indices.to(features.device)
         kept = features[idx] if red.features is None else red.features.to(features.dtype)
         offsets = idx - torch.arange(idx.numel(), device=idx.device)
+        if getattr(method, "renumber_positions", False):  # the official code's shorter sequence (wrap() too)
+            offsets = torch.zeros_like(offsets)
         return torch.cat([kept, encode_offsets(offsets, kept.dtype)], dim=1)
 
     def _attention_of(self, row: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -291,7 +293,8 @@ class VlmPruneLlavaForConditionalGeneration(LlavaForConditionalGeneration, Suppo
                                   ) -> tuple[torch.Tensor, int]:
         """Positions of the unpruned sequence: each image's k slots start where its N tokens
         started (slot i at base + i; forward() moves each kept token to base + its index), and the
-        text after an image continues from base + N, decode steps from the unpruned length."""
+        text after an image continues from base + N, decode steps from the unpruned length. Methods
+        that renumber (VisionZip's official variant) keep vLLM's contiguous positions."""
         n_tokens = len(input_tokens)
         pos = torch.empty(n_tokens, dtype=torch.long)
         shift, cursor = 0, 0
@@ -299,10 +302,19 @@ class VlmPruneLlavaForConditionalGeneration(LlavaForConditionalGeneration, Suppo
             start, k = f.mm_position.offset, f.mm_position.length
             pos[cursor:start] = torch.arange(cursor, start) + shift
             pos[start:start + k] = torch.arange(start, start + k) + shift
-            shift += max(0, self.n_image - k)
+            if not self._renumbers(f):
+                shift += max(0, self.n_image - k)
             cursor = start + k
         pos[cursor:] = torch.arange(cursor, n_tokens) + shift
         return pos[None].expand(3, -1).clone(), shift
+
+    def _renumbers(self, feature: MultiModalFeatureSpec) -> bool:
+        """Whether the image's method renumbers positions (VisionZip's official variant feeds the
+        language model the shorter sequence, as wrap() does): then nothing is shifted."""
+        item = feature.data
+        elem = item.get(SPEC_KEY) if item is not None else None
+        spec = json.loads(bytes(elem.data.reshape(-1).tolist()).decode()) if elem is not None else spec_of(self.config)
+        return bool(getattr(method_of(spec), "renumber_positions", False))
 
     def embed_input_ids(self, input_ids: torch.Tensor, multimodal_embeddings: Any = None, *,
                         is_multimodal: torch.Tensor | None = None) -> torch.Tensor:
