@@ -275,6 +275,9 @@ class VlmPruneLlavaForConditionalGeneration(LlavaForConditionalGeneration, Suppo
         averaged over heads."""
         layer = self.vision_tower.vision_model.encoder.layers[-1]
         attn = layer.self_attn
+        if getattr(attn, "tp_size", 1) > 1:  # this rank holds only its share of the heads
+            raise ValueError("visionzip under tensor parallelism needs the whole vision tower on every rank: "
+                             "start vLLM with mm_encoder_tp_mode='data' (--mm-encoder-tp-mode data)")
         with torch.no_grad():
             x = layer.layer_norm1(row[None])
             qkv, _ = attn.qkv_proj(x)
