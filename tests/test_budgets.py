@@ -257,12 +257,7 @@ def test_llava_next_vit_budget_is_per_image_split_over_its_tiles(name):
                                          ("budget", 30, 30, 30), ("keep", 0.11, 5, 6)):
         with pytest.warns(BudgetWarning, match="ceil\\(target / tiles\\)"):
             vlm_prune.wrap(model, name, **{kind: value})
-        try:
-            with torch.no_grad():
-                model(**inp)
-            stats = model.vlm_prune.last_stats
-        finally:
-            vlm_prune.unwrap(model)
+        stats = T.forward_stats(model, inp)
         assert stats["visual_tokens_in"] == [48, 48]
         assert stats["stages"][0]["targets"] == [target, target], (kind, value)
         assert stats["visual_tokens_out"] == [reached, reached], (kind, value)
@@ -290,11 +285,6 @@ def test_llava_next_vit_budget_counts_the_unpadded_tokens():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", BudgetWarning)
         vlm_prune.wrap(model, "asvit", keep=0.5)
-    try:
-        with torch.no_grad():
-            model(**inp)
-        stats = model.vlm_prune.last_stats
-    finally:
-        vlm_prune.unwrap(model)
+    stats = T.forward_stats(model, inp)
     assert stats["visual_tokens_in"] == [40, 40] and stats["stages"][0]["targets"] == [20, 20]
     assert all(14 <= n <= 22 for n in stats["visual_tokens_out"]), stats["visual_tokens_out"]

@@ -328,12 +328,7 @@ def test_adaptinfer_average_64_is_the_published_schedule_and_budget_64_the_final
 
     def stages(method, **kw):
         vlm_prune.wrap(model, method, **kw)
-        try:
-            with torch.no_grad():
-                model(**inp)
-            stats = model.vlm_prune.last_stats
-        finally:
-            vlm_prune.unwrap(model)
+        stats = T.forward_stats(model, inp)
         assert stats["visual_tokens_in"] == [576]
         return [(s["layer"], s["tokens_out"][0]) for s in stats["stages"]], stats["visual_tokens_out"][0]
 

@@ -8,6 +8,18 @@ VIDEO_TOKEN = 91
 VOCAB = 96
 
 
+def forward_stats(model, inp: dict) -> dict:
+    """One no-grad forward of a wrapped model and its ``last_stats``; unwraps it even when the forward fails."""
+    import vlm_prune
+
+    try:
+        with torch.no_grad():
+            model(**inp)
+        return model.vlm_prune.last_stats
+    finally:
+        vlm_prune.unwrap(model)
+
+
 def _llama(**kw):
     from transformers import LlamaConfig
 
