@@ -19,12 +19,28 @@ from vlm_prune.methods.base import Method
 #: model class of the checkpoint -> the plugin's class that serves it pruned
 ARCHITECTURES = {
     "LlavaForConditionalGeneration": "VlmPruneLlavaForConditionalGeneration",
+    "Qwen2VLForConditionalGeneration": "VlmPruneQwen2VLForConditionalGeneration",
+    "Qwen2_5_VLForConditionalGeneration": "VlmPruneQwen2_5_VLForConditionalGeneration",
+}
+#: the plugin's model class -> its module in vlm_prune.vllm
+MODULES = {
+    "VlmPruneLlavaForConditionalGeneration": "llava",
+    "VlmPruneQwen2VLForConditionalGeneration": "qwen2_vl",
+    "VlmPruneQwen2_5_VLForConditionalGeneration": "qwen2_vl",
+}
+#: checkpoints whose language model has M-RoPE of its own (no mrope_section override)
+NATIVE_MROPE = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration")
+#: method -> (checkpoint classes that cannot run it, the reason wrap() gives)
+REFUSALS = {
+    "visionzip": (NATIVE_MROPE, (
+        "visionzip needs the vision tower's attention and keys (VisionContext.tower_attention), which this model's "
+        "adapter does not provide for this input: VisionZip runs on LLaVA-1.5 images and LLaVA-OneVision videos "
+        "(not OneVision's anyres image tiles, not Qwen2-VL's tower, which has no CLS token); use divprune, cdpruner, "
+        "pool or random")),
 }
 #: families whose vLLM support is not written yet, with what it needs
 PLANNED = {
     "LlavaOnevisionForConditionalGeneration": "LLaVA-OneVision (anyres tiles + newline, video frames)",
-    "Qwen2VLForConditionalGeneration": "Qwen2-VL (M-RoPE positions of kept tokens)",
-    "Qwen2_5_VLForConditionalGeneration": "Qwen2.5-VL (M-RoPE positions of kept tokens)",
 }
 #: methods that run in vLLM (vision stage, a fixed count per image)
 SUPPORTED = ("random", "pool", "divprune", "cdpruner", "visionzip")
@@ -73,6 +89,12 @@ def build_method(spec: dict[str, Any]) -> Method:
     return m
 
 
+def refusal(arch: str, method: str) -> str | None:
+    """Why checkpoint class ``arch`` (or the plugin's class serving it) cannot run ``method``, or None."""
+    archs, reason = REFUSALS.get(method, ((), ""))
+    return reason if arch in archs or arch in {ARCHITECTURES[a] for a in archs} else None
+
+
 def read_config(model: str | Path) -> dict[str, Any]:
     path = Path(model) / "config.json"
     if not path.is_file():
@@ -104,11 +126,13 @@ def hf_overrides(model: str | Path, spec: dict[str, Any]) -> dict[str, Any]:
         raise ValueError(f"{PLANNED[arch]} is not served by vlm_prune.vllm yet; supported: {', '.join(ARCHITECTURES)}")
     if arch not in ARCHITECTURES:
         raise ValueError(f"vlm_prune.vllm serves {', '.join(ARCHITECTURES)} checkpoints; {model} is {arch or 'unknown'}")
-    text = cfg.get("text_config") or {}
-    text.setdefault("hidden_size", 4096)
-    text.setdefault("num_attention_heads", 32)
-    return {
-        "architectures": [ARCHITECTURES[arch]],
-        "vlm_prune": spec,
-        "text_config": {"rope_parameters": mrope_rope_parameters(text)},
-    }
+    reason = refusal(arch, spec["method"])
+    if reason:
+        raise ValueError(reason)
+    overrides = {"architectures": [ARCHITECTURES[arch]], "vlm_prune": spec}
+    if arch not in NATIVE_MROPE:  # one position row per token that the plugin can set
+        text = cfg.get("text_config") or {}
+        text.setdefault("hidden_size", 4096)
+        text.setdefault("num_attention_heads", 32)
+        overrides["text_config"] = {"rope_parameters": mrope_rope_parameters(text)}
+    return overrides

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 
 def register() -> None:
+    import importlib
+
     from vllm import ModelRegistry
 
-    from vlm_prune.vllm.config import ARCHITECTURES
+    from vlm_prune.vllm.config import ARCHITECTURES, MODULES
 
     for name in ARCHITECTURES.values():
         if name not in ModelRegistry.get_supported_archs():
-            from vlm_prune.vllm import llava
-
-            ModelRegistry.register_model(name, getattr(llava, name))
+            module = importlib.import_module(f"vlm_prune.vllm.{MODULES[name]}")
+            ModelRegistry.register_model(name, getattr(module, name))

@@ -1,10 +1,11 @@
-"""Small LLaVA-1.5-layout checkpoints in the hub's naming, written to a folder vLLM can load.
+"""Small LLaVA-1.5-, Qwen2-VL- and Qwen2.5-VL-layout checkpoints in the hub's naming, written to a
+folder vLLM can load.
 
 No hub here: tests and ``vlm-prune bench --serve`` build randomly initialised models from the real
 transformers config classes and save them with ``save_pretrained`` (keys
 ``model.vision_tower.vision_model.*`` as on the hub), with a word-level tokenizer whose vocabulary
 covers every id of the model (``w<i>`` words, ``<image>`` at the image token id) and a real
-``LlavaProcessor``.
+``LlavaProcessor`` (``Qwen2VLProcessor`` / ``Qwen2_5_VLProcessor`` with Qwen's vision tokens).
 """
 from __future__ import annotations
 
@@ -110,5 +111,115 @@ def write_llava(folder: str | Path, shape: LlavaShape = LlavaShape(), seed: int 
         tokenizer=build_tokenizer(shape), patch_size=shape.patch, vision_feature_select_strategy="default",
         num_additional_image_tokens=1, chat_template=CHAT_TEMPLATE,
     )
+    proc.save_pretrained(folder)
+    return folder
+
+
+# ---- Qwen2-VL / Qwen2.5-VL ------------------------------------------------------------------------
+QWEN_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}{{ message['role'] }} :"
+    "{% if message['content'] is string %} {{ message['content'] }}{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' %} <|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif part['type'] == 'video' %} <|vision_start|><|video_pad|><|vision_end|>"
+    "{% elif part['type'] == 'text' %} {{ part['text'] }}{% endif %}"
+    "{% endfor %}{% endif %} {% endfor %}{% if add_generation_prompt %}assistant :{% endif %}"
+)
+QWEN_SPECIAL = ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>")
+
+
+@dataclass(frozen=True)
+class QwenShape:
+    """Sizes of a Qwen2-VL / Qwen2.5-VL-layout model (ViT with a 2 x 2 merger + Qwen2). ``patch`` px
+    patches, so an image of H x W px gives (H / 2 patch) x (W / 2 patch) tokens."""
+
+    hidden: int = 64
+    intermediate: int = 128
+    layers: int = 4
+    heads: int = 2  # head_dim 32 (vLLM's CPU attention has no kernel for 16); M-RoPE sections 4 / 6 / 6
+    kv_heads: int = 1
+    vocab: int = 96
+    vision_hidden: int = 32
+    vision_layers: int = 2
+    vision_heads: int = 2
+    patch: int = 4
+    max_positions: int = 1024
+    v25: bool = False  # Qwen2.5-VL (RMSNorm SwiGLU tower with window attention) instead of Qwen2-VL
+
+
+def qwen_token_ids(shape: QwenShape) -> dict[str, int]:
+    """Ids of the special tokens: the last ids of the vocabulary."""
+    return {tok: shape.vocab - 7 + i for i, tok in enumerate(QWEN_SPECIAL)}
+
+
+def build_qwen_tokenizer(shape: QwenShape):
+    """Word-level tokenizer: ``<pad> <s> </s>``, words ``w3 ...``, ``user assistant :`` and Qwen's
+    vision tokens as added special tokens (the processor writes ``<|image_pad|>`` N times unspaced)."""
+    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    special = qwen_token_ids(shape)
+    names = ["<pad>", "<s>", "</s>"] + [f"w{i}" for i in range(3, shape.vocab)]
+    for tok, i in special.items():
+        names[i] = tok
+    names[shape.vocab - 3], names[shape.vocab - 2], names[shape.vocab - 1] = "user", "assistant", ":"
+    core = Tokenizer(models.WordLevel(vocab={t: i for i, t in enumerate(names)}, unk_token="<pad>"))
+    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    core.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in QWEN_SPECIAL])
+    return PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", bos_token="<s>", eos_token="</s>",
+                                   unk_token="<pad>", chat_template=QWEN_CHAT_TEMPLATE,
+                                   extra_special_tokens={"image_token": "<|image_pad|>", "video_token": "<|video_pad|>"})
+
+
+def build_qwen_model(shape: QwenShape, seed: int = 0):
+    """A randomly initialised ``Qwen2VLForConditionalGeneration`` (or 2.5) of ``shape`` (float32, eval)."""
+    torch.manual_seed(seed)
+    if shape.v25:
+        from transformers import Qwen2_5_VLConfig as Config, Qwen2_5_VLForConditionalGeneration as Model
+
+        vision = dict(depth=shape.vision_layers, hidden_size=shape.vision_hidden, intermediate_size=2 * shape.vision_hidden,
+                      num_heads=shape.vision_heads, out_hidden_size=shape.hidden, patch_size=shape.patch,
+                      temporal_patch_size=2, spatial_merge_size=2, window_size=4 * shape.patch,
+                      fullatt_block_indexes=[shape.vision_layers - 1], tokens_per_second=2)
+    else:
+        from transformers import Qwen2VLConfig as Config, Qwen2VLForConditionalGeneration as Model
+
+        vision = dict(depth=shape.vision_layers, embed_dim=shape.vision_hidden, hidden_size=shape.hidden,
+                      num_heads=shape.vision_heads, mlp_ratio=2, patch_size=shape.patch, temporal_patch_size=2,
+                      spatial_merge_size=2)
+    half = shape.hidden // shape.heads // 2
+    a = half * 3 // 8
+    text = dict(hidden_size=shape.hidden, intermediate_size=shape.intermediate, num_hidden_layers=shape.layers,
+                num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads, vocab_size=shape.vocab,
+                max_position_embeddings=shape.max_positions, tie_word_embeddings=False, pad_token_id=0, bos_token_id=1,
+                eos_token_id=2,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [half - 2 * a, a, a]})
+    ids = qwen_token_ids(shape)
+    cfg = Config(text_config=text, vision_config=vision, image_token_id=ids["<|image_pad|>"],
+                 video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
+                 vision_end_token_id=ids["<|vision_end|>"], pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                 tie_word_embeddings=False)
+    model = Model(cfg).eval()
+    with torch.no_grad():  # as build_model: vision features that matter, peaked next-token distributions
+        for p in model.model.visual.merger.parameters():
+            p.mul_(4.0)
+        model.lm_head.weight.mul_(16.0)
+    return model
+
+
+def write_qwen2_vl(folder: str | Path, shape: QwenShape = QwenShape(), seed: int = 0) -> Path:
+    """Save a random Qwen2-VL (``shape.v25``: Qwen2.5-VL) model with tokenizer and processor to ``folder``."""
+    from transformers import Qwen2VLImageProcessor, Qwen2VLVideoProcessor
+
+    if shape.v25:
+        from transformers import Qwen2_5_VLProcessor as Processor
+    else:
+        from transformers import Qwen2VLProcessor as Processor
+    folder = Path(folder)
+    build_qwen_model(shape, seed).save_pretrained(folder)
+    unit = shape.patch * 2
+    sizes = dict(size={"shortest_edge": unit * unit, "longest_edge": 64 * unit * unit}, patch_size=shape.patch,
+                 temporal_patch_size=2, merge_size=2)
+    proc = Processor(image_processor=Qwen2VLImageProcessor(**sizes), video_processor=Qwen2VLVideoProcessor(**sizes),
+                     tokenizer=build_qwen_tokenizer(shape), chat_template=QWEN_CHAT_TEMPLATE)
     proc.save_pretrained(folder)
     return folder

@@ -1,0 +1,148 @@
+"""vlm_prune inside vLLM on Qwen2-VL and Qwen2.5-VL (issue 19): one vLLM engine per architecture on a
+tiny random checkpoint, shared by the tests of that architecture; each request picks its method and
+budget (``mm_processor_kwargs``). Kept tokens must sit at their original M-RoPE (t, h, w) positions.
+
+Needs vLLM: CI runs this module in the vLLM environment (.ci/run); elsewhere it is skipped.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("vllm", reason="vLLM is installed only in the vLLM test environment (.ci/run builds it)")
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine in this process: apply_model, fast start
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+
+import numpy as np  # noqa: E402
+from PIL import Image  # noqa: E402
+
+import vlm_prune  # noqa: E402
+import vlm_prune.vllm as vp  # noqa: E402
+from vlm_prune.vllm.tiny import QwenShape, write_qwen2_vl  # noqa: E402
+
+pytestmark = pytest.mark.timeout(900)
+STEPS = 6
+IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
+# the image at different offsets; 32 x 32 px (4 x 4 tokens) and 48 x 32 px (4 rows x 6 columns)
+PROMPTS = [f"<s> user : {IMAGE} w5 w6 w7 w8 assistant :", f"<s> user : w9 w10 {IMAGE} w11 w12 w13 assistant :"]
+SIZES = [(32, 32), (48, 32)]  # (width, height)
+CASES = [("random", {"keep": 0.5}), ("random", {"budget": 3}), ("pool", {"keep": 0.25}), ("divprune", {"keep": 0.5}),
+         ("divprune", {"budget": 5}), ("cdpruner", {"keep": 0.5}), ("cdpruner", {"budget": 6})]
+#: Qwen2.5-VL shares every line of the plugin with Qwen2-VL; its engine checks keep-all and one method
+#: of each kind (selection, replacement) against its own tower (window attention) and processor class
+CASES_25 = [("divprune", {"keep": 0.5}), ("pool", {"keep": 0.25})]
+
+
+def _images() -> list[Image.Image]:
+    rng = np.random.RandomState(0)
+    return [Image.fromarray((rng.rand(h, w, 3) * 255).astype("uint8")) for w, h in SIZES]
+
+
+@pytest.fixture(scope="module", params=[False, True], ids=["qwen2-vl", "qwen2.5-vl"])
+def arch(request, tmp_path_factory):
+    """(checkpoint folder, v25) of one architecture; its engine and HF model live while its tests run."""
+    v25 = request.param
+    return write_qwen2_vl(tmp_path_factory.mktemp("qwen") / "tiny", QwenShape(v25=v25), seed=0), v25
+
+
+@pytest.fixture(scope="module")
+def llm(arch):
+    engine = vp.LLM(str(arch[0]), "random", keep=1.0, enforce_eager=True, dtype="float32", max_model_len=256,
+                    max_num_seqs=4, seed=0, limit_mm_per_prompt={"image": 1, "video": 0})
+    yield engine
+    del engine
+
+
+@pytest.fixture(scope="module")
+def hf(arch):
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    torch.set_num_threads(1)
+    model = AutoModelForImageTextToText.from_pretrained(arch[0], dtype=torch.float32).eval()
+    model.set_attn_implementation("sdpa")
+    return model, AutoProcessor.from_pretrained(arch[0])
+
+
+def run_vllm(llm, method: str | None, **budget):
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=STEPS, min_tokens=STEPS, logprobs=0)
+    requests = []
+    for prompt, image in zip(PROMPTS, _images()):
+        req = {"prompt": prompt, "multi_modal_data": {"image": image}}
+        if method is not None:
+            req["mm_processor_kwargs"] = vp.request_kwargs(method, **budget)
+        requests.append(req)
+    outs = llm.generate(requests, params, use_tqdm=False)
+    tokens = [list(o.outputs[0].token_ids) for o in outs]
+    logprobs = [[step[t].logprob for step, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)] for o in outs]
+    return tokens, logprobs
+
+
+def run_hf(hf, method: str | None, **budget):
+    """Greedy tokens, their log-probabilities and the (t, h, w) positions of the kept image rows
+    of the wrapped HF model (its M-RoPE positions of the unpruned prompt at ``last_rows``)."""
+    model, proc = hf
+    if method is not None:
+        vlm_prune.wrap(model, method, processor=proc, **budget)
+    try:
+        tokens, logprobs, kept = [], [], []
+        for prompt, image in zip(PROMPTS, _images()):
+            inputs = proc(images=image, text=prompt, return_tensors="pt")
+            with torch.no_grad():
+                out = model.generate(**inputs, max_new_tokens=STEPS, do_sample=False, output_logits=True,
+                                     return_dict_in_generate=True, min_new_tokens=STEPS)
+            new = out.sequences[0, inputs["input_ids"].shape[1]:]
+            tokens.append(new.tolist())
+            logprobs.append([torch.log_softmax(s[0].float(), -1)[t].item() for s, t in zip(out.logits, new)])
+            if method is not None:
+                ids = inputs["input_ids"][0]
+                rows = [int(r) for r in model.vlm_prune.last_rows[0] if r >= 0 and ids[r] == model.config.image_token_id]
+                pos, _ = model.model.get_rope_index(inputs["input_ids"], inputs["mm_token_type_ids"],
+                                                    image_grid_thw=inputs["image_grid_thw"],
+                                                    attention_mask=inputs["attention_mask"])
+                kept.append(pos[:, 0, rows].tolist())
+        return tokens, logprobs, kept
+    finally:
+        if method is not None:
+            vlm_prune.unwrap(model)
+
+
+def image_positions(llm) -> list[list[int]]:
+    """[3][k] (t, h, w) positions of the image rows in the engine's latest prefill."""
+    return llm.apply_model(lambda m: m.last_image_positions)[0]
+
+
+def test_keep_all_equals_unwrapped_hf(llm, hf):
+    tokens, logprobs = run_vllm(llm, None)
+    ref_tokens, ref_logprobs, _ = run_hf(hf, None)
+    assert tokens == ref_tokens
+    np.testing.assert_allclose(logprobs, ref_logprobs, atol=2e-4)
+
+
+@pytest.mark.parametrize("method,budget", CASES, ids=[f"{m}-{'-'.join(f'{k}{v}' for k, v in b.items())}" for m, b in CASES])
+def test_method_equals_wrapped_hf(arch, llm, hf, method, budget):
+    """Same greedy tokens and log-probabilities as wrap(same method, same budget), and the same kept
+    tokens at the same (t, h, w) positions (the original ones)."""
+    if arch[1] and (method, budget) not in CASES_25:
+        pytest.skip("CASES_25 covers Qwen2.5-VL: the plugin runs the same code on both (see CASES_25)")
+    ref_tokens, ref_logprobs, ref_kept = run_hf(hf, method, **budget)
+    tokens, logprobs = run_vllm(llm, method, **budget)
+    assert tokens == ref_tokens
+    np.testing.assert_allclose(logprobs, ref_logprobs, atol=2e-4)
+    from vllm import SamplingParams
+
+    for i, (prompt, image) in enumerate(zip(PROMPTS, _images())):
+        llm.generate({"prompt": prompt, "multi_modal_data": {"image": image},
+                      "mm_processor_kwargs": vp.request_kwargs(method, **budget)},
+                     SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)
+        assert image_positions(llm) == ref_kept[i]
+
+
+def test_visionzip_is_refused_per_request(llm):
+    with pytest.raises(ValueError, match="visionzip needs the vision tower's attention"):
+        run_vllm(llm, "visionzip", keep=0.5)

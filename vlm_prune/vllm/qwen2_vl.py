@@ -1,0 +1,312 @@
+"""Qwen2-VL and Qwen2.5-VL served by vLLM with a vision-stage method of vlm_prune.
+
+The same three steps as the LLaVA-1.5 class (vlm_prune/vllm/llava.py, docs/vllm.md), on vLLM's own
+Qwen classes:
+
+1. Slots: each image gets ``method.n_keep(N)`` placeholders, N = its tokens after the 2 x 2 merger
+   ((H / 28) x (W / 28) at Qwen's 14 px patches); a video gets that count per temporal slice (two
+   frames), as ``wrap()`` budgets each slice of a Qwen video.
+2. Choice: ``embed_multimodal`` runs vLLM's tower and merger, then the method object's
+   ``reduce_image`` per image / slice with the VisionContext ``wrap()`` builds (the merged grid, a
+   generator seeded ``seed * 1_000_003 + rank``, the question's input embeddings).
+3. Positions: Qwen's M-RoPE gives every visual token a (t, h, w) position; ``wrap()`` keeps each
+   kept token's original one, the text after an item continues from the unpruned item's largest
+   position + 1, and decoding from there. ``get_mrope_input_positions`` lays the prompt out that
+   way with every slot of an item at the item's first position; the encoder sends each kept
+   token's (t, h, w) offset from it in 9 extra embedding channels (three base-64 digits per axis),
+   which ``embed_input_ids`` strips and ``forward`` adds to the positions of the same step.
+
+VisionZip is refused: it reads the CLS attention of a CLIP-like tower's feature layer, which
+Qwen's tower (no CLS token, window attention in 2.5) does not have; ``wrap()`` refuses it too.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping, Sequence
+from functools import partial
+from typing import Any
+
+import torch
+
+from vllm.config import VllmConfig
+from vllm.model_executor.models.qwen2_5_vl import (
+    Qwen2_5_VLDummyInputsBuilder,
+    Qwen2_5_VLForConditionalGeneration,
+    Qwen2_5_VLMultiModalProcessor,
+    Qwen2_5_VLProcessingInfo,
+)
+from vllm.model_executor.models.qwen2_vl import (
+    Qwen2VLDummyInputsBuilder,
+    Qwen2VLForConditionalGeneration,
+    Qwen2VLMultiModalProcessor,
+    Qwen2VLProcessingInfo,
+)
+from vllm.multimodal import MULTIMODAL_REGISTRY
+from vllm.multimodal.inputs import MultiModalBatchedField, MultiModalFeatureSpec, MultiModalFieldElem
+from vllm.multimodal.processing import PromptReplacement, PromptUpdate
+
+from vlm_prune.methods.base import Method, VisionContext
+from vlm_prune.vllm.config import refusal
+from vlm_prune.vllm.llava import (
+    QUERY_KEY,
+    RANK_KEY,
+    SPEC_KEY,
+    PrunedLlavaMultiModalProcessor,
+    decode_offsets,
+    encode_offsets,
+    method_of,
+    question_ids,
+    spec_of,
+)
+
+#: extra embedding channels: three base-64 digits for each of the t, h, w position offsets
+OFFSET_CHANNELS = 9
+
+
+def encode_positions(offsets: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[3, k] non-negative (t, h, w) offsets -> [k, 9] channels."""
+    return torch.cat([encode_offsets(offsets[a], dtype) for a in range(3)], dim=1)
+
+
+def decode_positions(channels: torch.Tensor) -> torch.Tensor:
+    """[k, 9] channels -> [3, k] offsets."""
+    return torch.stack([decode_offsets(channels[:, 3 * a : 3 * a + 3]) for a in range(3)])
+
+
+def _without_spec(kwargs: Mapping[str, object]) -> dict[str, object]:
+    return {k: v for k, v in kwargs.items() if k != "vlm_prune"}
+
+
+def _check(method: Method, arch: str) -> Method:
+    reason = refusal(arch, method.name)
+    if reason:
+        raise ValueError(reason)
+    return method
+
+
+class _PrunedInfo:
+    """Processing info: the request's method; the spec never reaches Hugging Face's processor."""
+
+    def method(self, mm_kwargs: Mapping[str, object] | None = None) -> Method:
+        cfg = self.get_hf_config()
+        return _check(method_of(spec_of(cfg, mm_kwargs)), cfg.architectures[0])
+
+    def get_hf_processor(self, **kwargs: object) -> Any:
+        return super().get_hf_processor(**_without_spec(kwargs))
+
+    def get_image_processor(self, **kwargs: object) -> Any:
+        return super().get_image_processor(**_without_spec(kwargs))
+
+
+class _PrunedProcessor:
+    """Qwen's processor with ``method.n_keep`` slots per image / temporal slice, plus each item's
+    question ids, rank within its prompt and spec (encoder kwargs and, where the method reads
+    them, part of its cache key), as for LLaVA."""
+
+    _template_suffix = PrunedLlavaMultiModalProcessor._template_suffix
+
+    def _call_hf_processor(self, hf_data: Mapping[str, object], hf_kwargs: Mapping[str, object]) -> Any:
+        return super()._call_hf_processor(hf_data, _without_spec(hf_kwargs))
+
+    def _get_prompt_updates(self, mm_items: Any, hf_processor_mm_kwargs: Mapping[str, object], out_mm_kwargs: Any
+                            ) -> Sequence[PromptUpdate]:
+        method = self.info.method(hf_processor_mm_kwargs)
+        updates = super()._get_prompt_updates(mm_items, _without_spec(hf_processor_mm_kwargs), out_mm_kwargs)
+
+        def pruned(item_idx: int, modality: str, full: Any) -> list[int]:
+            ids = full(item_idx)
+            t = int(out_mm_kwargs[modality][item_idx][f"{modality}_grid_thw"].data[0])
+            return ids[:1] * (t * method.n_keep(len(ids) // t, 1))
+
+        return [PromptReplacement(modality=u.modality, target=u.target,
+                                  replacement=partial(pruned, modality=u.modality, full=u.replacement))
+                for u in updates]
+
+    def apply(self, inputs: Any, timing_ctx: Any) -> Any:
+        spec = spec_of(self.info.get_hf_config(), inputs.hf_processor_mm_kwargs)
+        method = self.info.method(inputs.hf_processor_mm_kwargs)
+        out = super().apply(inputs, timing_ctx)
+        spec_bytes = torch.tensor(list(json.dumps(spec, sort_keys=True).encode()), dtype=torch.uint8)
+        prompt = list(out["prompt_token_ids"])
+        ranges = [(r.offset, r.length) for rs in out["mm_placeholders"].values() for r in rs]
+        query = question_ids(prompt, ranges, self._template_suffix())
+        kwargs, hashes = out["mm_kwargs"], out["mm_hashes"]
+        for modality, items in kwargs.items():
+            for rank, item in enumerate(items):
+                if item is None:
+                    continue
+                item[QUERY_KEY] = MultiModalFieldElem(data=torch.tensor(query, dtype=torch.long),
+                                                      field=MultiModalBatchedField())
+                item[RANK_KEY] = MultiModalFieldElem(data=torch.tensor([rank]), field=MultiModalBatchedField())
+                item[SPEC_KEY] = MultiModalFieldElem(data=spec_bytes, field=MultiModalBatchedField())
+                extra = {}
+                if method.name == "cdpruner":
+                    extra["query"] = query
+                if method.name == "random":
+                    extra["rank"] = rank
+                if extra:
+                    digest = hashlib.sha256(json.dumps(extra).encode()).hexdigest()[:16]
+                    hashes[modality][rank] = f"{hashes[modality][rank]}-vlm_prune-{digest}"
+        return out
+
+
+def _item(value: Any, b: int) -> torch.Tensor | None:
+    if value is None:
+        return None
+    return value[b] if isinstance(value, (list, tuple)) or value.dim() > 1 else value
+
+
+class _PrunedQwen:
+    """The model side: the method fills the slots, kept tokens keep their (t, h, w) positions."""
+
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
+        super().__init__(vllm_config=vllm_config, prefix=prefix)
+        mm = vllm_config.model_config.get_multimodal_config()
+        if getattr(mm, "video_pruning_rate", None):
+            raise ValueError("vlm_prune.vllm prunes with its own method: leave vLLM's --video-pruning-rate (EVS) unset")
+        if getattr(vllm_config.compilation_config, "cudagraph_mm_encoder", False):
+            raise ValueError("vlm_prune.vllm runs the method after the vision tower, which vLLM's encoder CUDA graphs "
+                             "skip: turn off compilation_config.cudagraph_mm_encoder")
+        _check(method_of(spec_of(self.config)), self.config.architectures[0])
+        self._offsets: torch.Tensor | None = None
+
+    # ---- encoder: the method picks what fills the slots -------------------------------------
+    def embed_multimodal(self, **kwargs: object) -> Any:
+        query, rank, spec = kwargs.pop(QUERY_KEY, None), kwargs.pop(RANK_KEY, None), kwargs.pop(SPEC_KEY, None)
+        if kwargs.get("image_embeds") is not None or kwargs.get("video_embeds") is not None:
+            raise ValueError("vlm_prune.vllm prunes images and videos given as pixels; embeddings inputs are not supported")
+        video = kwargs.get("pixel_values_videos") is not None
+        if video and kwargs.get("pixel_values") is not None:
+            raise RuntimeError("vlm_prune: one encoder call with images and videos (vLLM groups them by modality)")
+        grids = kwargs.get("video_grid_thw" if video else "image_grid_thw")
+        seconds = kwargs.get("second_per_grid_ts") if video else None
+        items = super().embed_multimodal(**kwargs)
+        if not items:
+            return items
+        grids = torch.as_tensor(grids).reshape(-1, 3) if not isinstance(grids, (list, tuple)) else torch.stack(
+            [torch.as_tensor(g).reshape(3) for g in grids])
+        out = []
+        for b, feats in enumerate(items):
+            t_factor = 1.0
+            if video:
+                s = _item(seconds, b)
+                per_second = getattr(self.config.vision_config, "tokens_per_second", 1.0)
+                t_factor = (float(s.reshape(-1)[0]) if s is not None else 1.0) * per_second
+            raw = _item(spec, b)
+            item_spec = json.loads(bytes(raw.reshape(-1).tolist()).decode()) if raw is not None else spec_of(self.config)
+            out.append(self._reduce(b, feats, [int(x) for x in grids[b]], t_factor, item_spec,
+                                    _item(query, b), _item(rank, b)))
+        return out
+
+    def _reduce(self, b: int, features: torch.Tensor, grid: list[int], t_factor: float, spec: dict[str, Any],
+                query: torch.Tensor | None, rank: torch.Tensor | None) -> torch.Tensor:
+        """One image / video: the method on each temporal slice (as wrap() on Qwen), the kept
+        features followed by their (t, h, w) offsets from the item's first position."""
+        m = self.config.vision_config.spatial_merge_size
+        t, rows, cols = grid[0], grid[1] // m, grid[2] // m
+        n = rows * cols
+        method = _check(method_of(spec), self.config.architectures[0])
+        seed = int(spec.get("seed", 0))
+        gen = torch.Generator().manual_seed(seed * 1_000_003 + (int(rank.reshape(-1)[0]) if rank is not None else 0))
+        text = None
+        if query is not None:
+            text = self.language_model.model.embed_tokens(query.reshape(-1).to(features.device).long())
+        kept, index = [], []
+        with torch.no_grad():
+            for s in range(t):
+                frame = features[s * n : (s + 1) * n]
+                ctx = VisionContext(features=frame, n_keep=method.n_keep(n, 1), grid=(rows, cols), text_embeds=text,
+                                    generator=gen, image_index=b)
+                red = method.reduce_image(ctx)
+                if red.sizes is not None:
+                    raise ValueError(f"method {method.name!r} merges tokens with sizes (proportional attention), which "
+                                     "vLLM's attention cannot weight; use a method that keeps or replaces tokens")
+                idx = red.indices.to(features.device)
+                feats = frame[idx] if red.features is None else red.features.to(features.dtype)
+                order = torch.argsort(idx)
+                kept.append(feats[order])
+                index.append(idx[order] + s * n)
+        idx = torch.cat(index)
+        t_pos = idx // n
+        if t_factor != 1.0:  # Qwen2.5-VL videos: a slice's position is its time in tokens_per_second units
+            t_pos = (t_pos.double() * t_factor).long()
+        offsets = torch.stack([t_pos, (idx % n) // cols, idx % cols])
+        return torch.cat([torch.cat(kept), encode_positions(offsets, features.dtype)], dim=1)
+
+    # ---- positions: kept tokens at their original (t, h, w) positions -----------------------
+    def get_mrope_input_positions(self, input_tokens: list[int], mm_features: list[MultiModalFeatureSpec]
+                                  ) -> tuple[torch.Tensor, int]:
+        """The unpruned prompt's positions: text as Qwen lays it out, every slot of an item at the
+        item's first position (forward() adds each kept token's offset), the text after an item
+        from the unpruned item's largest position + 1; decoding continues from there."""
+        n_tokens = len(input_tokens)
+        pos = torch.empty(3, n_tokens, dtype=torch.long)
+        features = sorted(mm_features, key=lambda f: f.mm_position.offset)
+        cursor, nxt = 0, 0
+        for f, (offset, t, h, w, t_factor) in zip(features, self.iter_mm_grid_thw(features)):
+            pos[:, cursor:offset] = torch.arange(offset - cursor) + nxt
+            base = nxt + offset - cursor
+            k = f.mm_position.length
+            pos[:, offset : offset + k] = base
+            t_last = int((t - 1) * t_factor) if t_factor != 1.0 else t - 1
+            nxt = base + max(t_last, h - 1, w - 1) + 1
+            cursor = offset + k
+        pos[:, cursor:] = torch.arange(n_tokens - cursor) + nxt
+        return pos, nxt + (n_tokens - cursor) - n_tokens
+
+    def embed_input_ids(self, input_ids: torch.Tensor, multimodal_embeddings: Any = None, *,
+                        is_multimodal: torch.Tensor | None = None) -> torch.Tensor:
+        """Strip the offset channels and remember them for the forward of the same step."""
+        self._offsets = None
+        if multimodal_embeddings is not None and len(multimodal_embeddings) > 0 and is_multimodal is not None:
+            rows = torch.nonzero(is_multimodal).squeeze(1)
+            offsets = torch.cat([decode_positions(e[:, -OFFSET_CHANNELS:]) for e in multimodal_embeddings], dim=1)
+            if offsets.shape[1] != rows.numel():
+                raise RuntimeError(f"vlm_prune: {offsets.shape[1]} image embeddings for {rows.numel()} image rows")
+            moved = torch.zeros(3, is_multimodal.shape[0], dtype=torch.long, device=rows.device)
+            moved[:, rows] = offsets.to(rows.device)
+            self._offsets, self._image_rows = moved, rows
+            multimodal_embeddings = [e[:, :-OFFSET_CHANNELS] for e in multimodal_embeddings]
+        return super().embed_input_ids(input_ids, multimodal_embeddings, is_multimodal=is_multimodal)
+
+    def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor, intermediate_tensors: Any = None,
+                inputs_embeds: torch.Tensor | None = None, **kwargs: object) -> Any:
+        offsets, self._offsets = self._offsets, None
+        if offsets is not None and inputs_embeds is not None:
+            n = offsets.shape[1]
+            positions = positions.clone()
+            positions[:, :n] += offsets.to(positions.device)
+            #: [3][k] (t, h, w) positions of the image rows of the latest step that had any (tests)
+            self.last_image_positions = positions[:, self._image_rows].tolist()
+        return super().forward(input_ids, positions, intermediate_tensors, inputs_embeds=inputs_embeds, **kwargs)
+
+
+class PrunedQwen2VLProcessingInfo(_PrunedInfo, Qwen2VLProcessingInfo):
+    pass
+
+
+class PrunedQwen2VLMultiModalProcessor(_PrunedProcessor, Qwen2VLMultiModalProcessor):
+    pass
+
+
+@MULTIMODAL_REGISTRY.register_processor(
+    PrunedQwen2VLMultiModalProcessor, info=PrunedQwen2VLProcessingInfo, dummy_inputs=Qwen2VLDummyInputsBuilder
+)
+class VlmPruneQwen2VLForConditionalGeneration(_PrunedQwen, Qwen2VLForConditionalGeneration):
+    """vLLM's Qwen2-VL with a vlm_prune vision-stage method (random, pool, divprune, cdpruner)."""
+
+
+class PrunedQwen2_5_VLProcessingInfo(_PrunedInfo, Qwen2_5_VLProcessingInfo):
+    pass
+
+
+class PrunedQwen2_5_VLMultiModalProcessor(_PrunedProcessor, Qwen2_5_VLMultiModalProcessor):
+    pass
+
+
+@MULTIMODAL_REGISTRY.register_processor(
+    PrunedQwen2_5_VLMultiModalProcessor, info=PrunedQwen2_5_VLProcessingInfo, dummy_inputs=Qwen2_5_VLDummyInputsBuilder
+)
+class VlmPruneQwen2_5_VLForConditionalGeneration(_PrunedQwen, Qwen2_5_VLForConditionalGeneration):
+    """vLLM's Qwen2.5-VL with a vlm_prune vision-stage method (random, pool, divprune, cdpruner)."""
