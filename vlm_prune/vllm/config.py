@@ -21,29 +21,39 @@ ARCHITECTURES = {
     "LlavaForConditionalGeneration": "VlmPruneLlavaForConditionalGeneration",
     "Qwen2VLForConditionalGeneration": "VlmPruneQwen2VLForConditionalGeneration",
     "Qwen2_5_VLForConditionalGeneration": "VlmPruneQwen2_5_VLForConditionalGeneration",
+    "LlavaOnevisionForConditionalGeneration": "VlmPruneLlavaOnevisionForConditionalGeneration",
 }
 #: the plugin's model class -> its module in vlm_prune.vllm
 MODULES = {
     "VlmPruneLlavaForConditionalGeneration": "llava",
     "VlmPruneQwen2VLForConditionalGeneration": "qwen2_vl",
     "VlmPruneQwen2_5_VLForConditionalGeneration": "qwen2_vl",
+    "VlmPruneLlavaOnevisionForConditionalGeneration": "onevision",
 }
 #: checkpoints whose language model has M-RoPE of its own (no mrope_section override)
 NATIVE_MROPE = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration")
-#: method -> (checkpoint classes that cannot run it, the reason wrap() gives)
+ONEVISION_VISIONZIP_REFUSAL = (
+    "visionzip is not served on LLaVA-OneVision by vlm_prune.vllm: wrap() runs it on OneVision video only (its "
+    "anyres image tiles have no per-token tower row), and the plugin does not tap vLLM's SigLIP tower for video yet; "
+    "use divprune, cdpruner, pool or random"
+)
+#: method -> [(checkpoint classes that cannot run it, the reason)]
 REFUSALS = {
-    "visionzip": (NATIVE_MROPE, (
+    "visionzip": [(NATIVE_MROPE, (
         "visionzip needs the vision tower's attention and keys (VisionContext.tower_attention), which this model's "
         "adapter does not provide for this input: VisionZip runs on LLaVA-1.5 images and LLaVA-OneVision videos "
         "(not OneVision's anyres image tiles, not Qwen2-VL's tower, which has no CLS token); use divprune, cdpruner, "
         "pool or random")),
+        (("LlavaOnevisionForConditionalGeneration",), ONEVISION_VISIONZIP_REFUSAL)],
 }
 #: families whose vLLM support is not written yet, with what it needs
-PLANNED = {
-    "LlavaOnevisionForConditionalGeneration": "LLaVA-OneVision (anyres tiles + newline, video frames)",
-}
+PLANNED: dict[str, str] = {}
 #: methods that run in vLLM (vision stage, a fixed count per image)
 SUPPORTED = ("random", "pool", "divprune", "cdpruner", "visionzip")
+#: frames methods that run in vLLM (video models; a count per video fixed by the budget): vllm/frames.py
+FRAMES_SUPPORTED = ("uniform", "keyscore")
+#: checkpoint classes that take video (the frames methods need one)
+VIDEO_ARCHITECTURES = ("LlavaOnevisionForConditionalGeneration",)
 
 IN_LLM_REFUSAL = (
     "method {name!r} prunes inside the language model (stage 'llm'): it changes the number of cached keys from "
@@ -75,13 +85,19 @@ def build_method(spec: dict[str, Any]) -> Method:
         method = make_method(method, **spec.get("knobs", {}))
     methods = build_pipeline(method, keep=spec.get("keep"), budget=spec.get("budget"))
     stages = sorted(methods)
+    if stages == ["frames"]:
+        from vlm_prune.vllm.frames import check_frames_method
+
+        check_frames_method(methods["frames"])
+        return methods["frames"]
     if stages != ["vision"]:
         m = next(iter(methods.values()))
         if m.stage == "llm":
             raise ValueError(IN_LLM_REFUSAL.format(name=m.name, supported=", ".join(SUPPORTED)))
         raise ValueError(
             f"method {m.name!r} acts in the {m.stage!r} stage; vlm_prune.vllm runs the vision-stage methods "
-            f"{', '.join(SUPPORTED)} (frames methods and ViT-stage methods are not wired into vLLM yet)"
+            f"{', '.join(SUPPORTED)} and the frames methods {', '.join(FRAMES_SUPPORTED)} (ViT-stage methods and "
+            "pipelines of several stages are not wired into vLLM yet)"
         )
     m = methods["vision"]
     if m.name not in SUPPORTED:
@@ -91,8 +107,14 @@ def build_method(spec: dict[str, Any]) -> Method:
 
 def refusal(arch: str, method: str) -> str | None:
     """Why checkpoint class ``arch`` (or the plugin's class serving it) cannot run ``method``, or None."""
-    archs, reason = REFUSALS.get(method, ((), ""))
-    return reason if arch in archs or arch in {ARCHITECTURES[a] for a in archs} else None
+    for archs, reason in REFUSALS.get(method, []):
+        if arch in archs or arch in {ARCHITECTURES[a] for a in archs}:
+            return reason
+    checkpoint = {v: k for k, v in ARCHITECTURES.items()}.get(arch, arch)
+    if method in FRAMES_SUPPORTED and checkpoint in ARCHITECTURES and checkpoint not in VIDEO_ARCHITECTURES:
+        return (f"frames method {method!r} chooses video frames; {arch} takes no video in vlm_prune.vllm (video "
+                f"models: {', '.join(VIDEO_ARCHITECTURES)})")
+    return None
 
 
 def read_config(model: str | Path) -> dict[str, Any]:

@@ -223,3 +223,104 @@ def write_qwen2_vl(folder: str | Path, shape: QwenShape = QwenShape(), seed: int
                      tokenizer=build_qwen_tokenizer(shape), chat_template=QWEN_CHAT_TEMPLATE)
     proc.save_pretrained(folder)
     return folder
+
+
+# ---- LLaVA-OneVision ------------------------------------------------------------------------------
+ONEVISION_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}{{ message['role'] }} :"
+    "{% if message['content'] is string %} {{ message['content'] }}{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' %} <image>{% elif part['type'] == 'video' %} <video>"
+    "{% elif part['type'] == 'text' %} {{ part['text'] }}{% endif %}"
+    "{% endfor %}{% endif %} {% endfor %}{% if add_generation_prompt %}assistant :{% endif %}"
+)
+
+
+@dataclass(frozen=True)
+class OnevisionShape:
+    """Sizes of a LLaVA-OneVision-layout model (SigLIP tower, anyres images, pooled video frames, Qwen2)."""
+
+    hidden: int = 64
+    intermediate: int = 128
+    layers: int = 4
+    heads: int = 2  # head_dim 32
+    kv_heads: int = 1
+    vocab: int = 96
+    vision_hidden: int = 32
+    vision_intermediate: int = 64
+    vision_layers: int = 2
+    vision_heads: int = 2
+    image_size: int = 32
+    patch: int = 4  # 8 x 8 tokens per tile, 4 x 4 per video frame
+    max_positions: int = 2048
+
+    @property
+    def pinpoints(self) -> list[list[int]]:
+        s = self.image_size
+        return [[s, s], [s, 2 * s], [2 * s, s]]
+
+
+def video_token_id(shape: OnevisionShape) -> int:
+    return shape.vocab - 7
+
+
+def build_onevision_tokenizer(shape: OnevisionShape):
+    """The LLaVA-1.5 word-level tokenizer plus ``<video>`` at :func:`video_token_id`."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    image_id = image_token_id(shape)
+    names = ["<pad>", "<s>", "</s>"] + [f"w{i}" for i in range(3, shape.vocab)]
+    names[video_token_id(shape)] = "<video>"
+    names[image_id] = "<image>"
+    names[image_id + 1] = "user"
+    names[image_id + 2] = "assistant"
+    names[image_id + 3] = ":"
+    core = Tokenizer(models.WordLevel(vocab={t: i for i, t in enumerate(names)}, unk_token="<pad>"))
+    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", bos_token="<s>", eos_token="</s>",
+                                   unk_token="<pad>",
+                                   extra_special_tokens={"image_token": "<image>", "video_token": "<video>"},
+                                   chat_template=ONEVISION_TEMPLATE)
+
+
+def build_onevision_model(shape: OnevisionShape, seed: int = 0):
+    """A randomly initialised ``LlavaOnevisionForConditionalGeneration`` of ``shape`` (float32, eval)."""
+    from transformers import (LlavaOnevisionConfig, LlavaOnevisionForConditionalGeneration, Qwen2Config,
+                              SiglipVisionConfig)
+
+    torch.manual_seed(seed)
+    text = Qwen2Config(hidden_size=shape.hidden, intermediate_size=shape.intermediate,
+                       num_hidden_layers=shape.layers, num_attention_heads=shape.heads,
+                       num_key_value_heads=shape.kv_heads, vocab_size=shape.vocab,
+                       max_position_embeddings=shape.max_positions, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    vision = SiglipVisionConfig(hidden_size=shape.vision_hidden, intermediate_size=shape.vision_intermediate,
+                                num_hidden_layers=shape.vision_layers, num_attention_heads=shape.vision_heads,
+                                image_size=shape.image_size, patch_size=shape.patch)
+    cfg = LlavaOnevisionConfig(vision_config=vision, text_config=text, image_token_id=image_token_id(shape),
+                               video_token_id=video_token_id(shape), image_grid_pinpoints=shape.pinpoints,
+                               vision_feature_layer=-1, vision_feature_select_strategy="full")
+    model = LlavaOnevisionForConditionalGeneration(cfg).eval()
+    with torch.no_grad():  # as build_model: features that matter, peaked next-token distributions
+        for p in model.model.multi_modal_projector.parameters():
+            p.mul_(4.0)
+        model.model.image_newline.normal_()
+        model.lm_head.weight.mul_(16.0)
+    return model
+
+
+def write_onevision(folder: str | Path, shape: OnevisionShape = OnevisionShape(), seed: int = 0) -> Path:
+    """Save a random LLaVA-OneVision-layout model of ``shape`` with tokenizer and processor to ``folder``."""
+    from transformers import LlavaOnevisionImageProcessor, LlavaOnevisionProcessor, LlavaOnevisionVideoProcessor
+
+    folder = Path(folder)
+    model = build_onevision_model(shape, seed)
+    model.save_pretrained(folder)
+    size = {"height": shape.image_size, "width": shape.image_size}
+    proc = LlavaOnevisionProcessor(
+        image_processor=LlavaOnevisionImageProcessor(size=size, image_grid_pinpoints=shape.pinpoints),
+        video_processor=LlavaOnevisionVideoProcessor(size=size),
+        tokenizer=build_onevision_tokenizer(shape), num_image_tokens=(shape.image_size // shape.patch) ** 2,
+        vision_feature_select_strategy="full", chat_template=ONEVISION_TEMPLATE,
+    )
+    proc.save_pretrained(folder)
+    return folder

@@ -1,0 +1,421 @@
+"""LLaVA-OneVision served by vLLM with a vision-stage or frames-stage method of vlm_prune.
+
+The LLaVA-1.5 pattern (vlm_prune/vllm/llava.py, docs/vllm.md), with OneVision's two kinds of items:
+
+- **Images** (anyres: the base tile's tokens, then the unpadded tiles with one ``image_newline``
+  token ending each row). As in ``wrap()`` (adapters/llava_onevision.py) the newline rows are not
+  visual tokens: the method sees the image's other tokens as one sequence (no grid), keeps
+  ``method.n_keep(visual)`` of them, and every newline stays. Slots per image: that count plus
+  the image's newlines, both known from the image size in the processor.
+- **Video** (T frames of a pooled ceil(h/2) x ceil(w/2) grid, then one newline): a vision method
+  reduces each frame on its grid (one generator over the frames, as wrap()); a frames method
+  (``uniform``, ``keyscore``: vlm_prune/vllm/frames.py) keeps whole frames. Slots per video:
+  the kept tokens plus the newline. ``uniform`` subsamples the frames in the processor, so the
+  tower only encodes the frames it keeps.
+
+Kept rows keep their original positions (offsets in extra embedding channels, the text after an
+item continues from its unpruned length), as llava.py does.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from transformers.models.llava_onevision.modeling_llava_onevision import get_anyres_image_grid_shape
+from vllm.config import VllmConfig
+from vllm.model_executor.models.interfaces import SupportsMRoPE
+from vllm.model_executor.models.llava_onevision import (
+    LlavaOnevisionDummyInputsBuilder,
+    LlavaOnevisionForConditionalGeneration,
+    LlavaOnevisionMultiModalProcessor,
+    LlavaOnevisionProcessingInfo,
+)
+from vllm.model_executor.models.utils import WeightsMapper
+from vllm.multimodal import MULTIMODAL_REGISTRY
+from vllm.multimodal.inputs import MultiModalBatchedField, MultiModalFeatureSpec, MultiModalFieldElem
+from vllm.multimodal.parse import ImageProcessorItems, VideoProcessorItems
+from vllm.multimodal.processing import PromptReplacement, PromptUpdate
+
+from vlm_prune.methods.base import Method, Reduction, VisionContext
+from vlm_prune.vllm.config import ONEVISION_VISIONZIP_REFUSAL
+from vlm_prune.vllm.frames import frames_reduction, frames_slots, is_frames, uniform_frames
+from vlm_prune.vllm.llava import (
+    OFFSET_CHANNELS,
+    QUERY_KEY,
+    RANK_KEY,
+    SPEC_KEY,
+    decode_offsets,
+    encode_offsets,
+    method_of,
+    question_ids,
+    spec_of,
+)
+
+#: each item's unpruned placeholder count (where the text after it continues)
+FULL_KEY = "vlm_prune_full"
+
+
+
+def vision_slots(method: Method, n: int, grid: tuple[int, int] | None) -> int:
+    """Tokens a vision method keeps of one image / frame of n tokens (``pool`` on a grid keeps the
+    largest pooled grid within the budget, as in wrap())."""
+    k = method.n_keep(n, 1)
+    if method.name == "pool" and grid is not None and grid[0] * grid[1] == n and k < n:
+        from vlm_prune.methods.simple import pooled_grid
+
+        r, c = pooled_grid(grid[0], grid[1], k)
+        return r * c
+    return k
+
+
+def _spec_bytes(spec: dict[str, Any]) -> torch.Tensor:
+    return torch.tensor(list(json.dumps(spec, sort_keys=True).encode()), dtype=torch.uint8)
+
+
+def _spec_from(raw: Any, default: dict[str, Any]) -> dict[str, Any]:
+    return json.loads(bytes(raw.reshape(-1).tolist()).decode()) if raw is not None else default
+
+
+class PrunedOnevisionProcessingInfo(LlavaOnevisionProcessingInfo):
+    """Each image / video gets the count of placeholder slots ``wrap()`` keeps for it."""
+
+    def method(self, mm_kwargs: Mapping[str, object] | None = None) -> Method:
+        m = method_of(spec_of(self.get_hf_config(), mm_kwargs))
+        if m.name == "visionzip":
+            raise ValueError(ONEVISION_VISIONZIP_REFUSAL)
+        return m
+
+    def image_newlines(self, *, image_width: int, image_height: int) -> int:
+        """The image's ``image_newline`` rows (one per row of its unpadded tiles)."""
+        cfg = self.get_hf_config()
+        enc = self.get_vision_encoder_info()
+        rows, cols = get_anyres_image_grid_shape((image_height, image_width), cfg.image_grid_pinpoints,
+                                                 enc.get_image_size())
+        _, newlines = self._get_num_unpadded_features(original_height=image_height, original_width=image_width,
+                                                      npatches=enc.get_patch_grid_length(), num_patch_height=rows,
+                                                      num_patch_width=cols)
+        return newlines
+
+    def get_num_image_tokens(self, *, image_width: int, image_height: int,
+                             mm_kwargs: Mapping[str, object] | None = None) -> int:
+        n = super().get_num_image_tokens(image_width=image_width, image_height=image_height)
+        m = self.method(mm_kwargs)
+        if is_frames(m):
+            return n  # a frames method leaves images alone (as wrap(frames=...))
+        newlines = self.image_newlines(image_width=image_width, image_height=image_height)
+        return vision_slots(m, n - newlines, None) + newlines
+
+    def frame_grid(self) -> tuple[int, int]:
+        side = math.isqrt(self._get_num_frame_tokens(image_width=0, image_height=0))
+        return side, side
+
+    def get_num_video_tokens(self, *, image_width: int, image_height: int, num_frames: int,
+                             mm_kwargs: Mapping[str, object] | None = None) -> int:
+        per_frame = self._get_num_frame_tokens(image_width=image_width, image_height=image_height)
+        if mm_kwargs is None and not getattr(self.get_hf_config(), "vlm_prune", None):
+            return per_frame * num_frames + 1
+        m = self.method(mm_kwargs)
+        if is_frames(m):
+            return frames_slots(m, num_frames, per_frame) + 1
+        return vision_slots(m, per_frame, self.frame_grid()) * num_frames + 1
+
+
+class PrunedOnevisionMultiModalProcessor(LlavaOnevisionMultiModalProcessor):
+    """OneVision's processor with pruned slot counts, each item's question ids, rank, spec and
+    unpruned length attached; uniform decodes only its kept frames."""
+
+    def _template_suffix(self) -> list[int]:
+        tok = self.info.get_tokenizer()
+        template = getattr(tok, "chat_template", None)
+        if not template:
+            return []
+        mark = "QQQ"
+        try:
+            text = tok.apply_chat_template([{"role": "user", "content": [{"type": "text", "text": mark}]}],
+                                           add_generation_prompt=True, tokenize=False)
+        except Exception:  # a template that needs other fields: keep the text as it is
+            return []
+        if mark not in text:
+            return []
+        return tok(text[text.rindex(mark) + len(mark):], add_special_tokens=False).input_ids
+
+    def _get_hf_mm_inputs(self, mm_items: Any, hf_kwargs: Mapping[str, object]) -> Any:
+        spec = spec_of(self.info.get_hf_config(), hf_kwargs)
+        hf_data, kwargs, passthrough = super()._get_hf_mm_inputs(
+            mm_items, {k: v for k, v in hf_kwargs.items() if k != "vlm_prune"})
+        method = method_of(spec)
+        videos = hf_data.get("videos")
+        if method.name == "uniform" and videos:
+            per_frame = self.info._get_num_frame_tokens(image_width=0, image_height=0)
+            hf_data["videos"] = [_subsample(v, uniform_frames(method, _num_frames(v), per_frame)) for v in videos]
+        return hf_data, kwargs, passthrough
+
+    def _get_prompt_updates(self, mm_items: Any, hf_processor_mm_kwargs: Mapping[str, object], out_mm_kwargs: Any
+                            ) -> Sequence[PromptUpdate]:
+        cfg = self.info.get_hf_config()
+
+        def image(item_idx: int) -> list[int]:
+            size = mm_items.get_items("image", ImageProcessorItems).get_image_size(item_idx)
+            n = self.info.get_num_image_tokens(image_width=size.width, image_height=size.height,
+                                               mm_kwargs=hf_processor_mm_kwargs)
+            return [cfg.image_token_index] * n
+
+        def video(item_idx: int) -> list[int]:
+            videos = mm_items.get_items("video", VideoProcessorItems)
+            size = videos.get_frame_size(item_idx)
+            n = self.info.get_num_video_tokens(image_width=size.width, image_height=size.height,
+                                               num_frames=videos.get_num_frames(item_idx),
+                                               mm_kwargs=hf_processor_mm_kwargs)
+            return [cfg.video_token_index] * n
+
+        return [PromptReplacement(modality="image", target=[cfg.image_token_index], replacement=image),
+                PromptReplacement(modality="video", target=[cfg.video_token_index], replacement=video)]
+
+    def _unpruned(self, mm_items: Any, modality: str, idx: int) -> int:
+        if modality == "image":
+            size = mm_items.get_items("image", ImageProcessorItems).get_image_size(idx)
+            return LlavaOnevisionProcessingInfo.get_num_image_tokens(self.info, image_width=size.width,
+                                                                      image_height=size.height)
+        videos = mm_items.get_items("video", VideoProcessorItems)
+        per_frame = self.info._get_num_frame_tokens(image_width=0, image_height=0)
+        return per_frame * videos.get_num_frames(idx) + 1
+
+    def apply(self, inputs: Any, timing_ctx: Any) -> Any:
+        spec = spec_of(self.info.get_hf_config(), inputs.hf_processor_mm_kwargs)
+        method = self.info.method(inputs.hf_processor_mm_kwargs)
+        out = super().apply(inputs, timing_ctx)
+        prompt = list(out["prompt_token_ids"])
+        ranges = [(r.offset, r.length) for rs in out["mm_placeholders"].values() for r in rs]
+        query = question_ids(prompt, ranges, self._template_suffix())
+        kwargs, hashes = out["mm_kwargs"], out["mm_hashes"]
+        for modality, items in kwargs.items():
+            for rank, item in enumerate(items):
+                if item is None:
+                    continue
+                full = self._unpruned(inputs.mm_data_items, modality, rank)
+                for key, value in ((QUERY_KEY, torch.tensor(query, dtype=torch.long)), (RANK_KEY, torch.tensor([rank])),
+                                   (SPEC_KEY, _spec_bytes(spec)), (FULL_KEY, torch.tensor([full]))):
+                    item[key] = MultiModalFieldElem(data=value, field=MultiModalBatchedField())
+                extra: dict[str, Any] = {"full": full}
+                if method.name in ("cdpruner", "keyscore"):
+                    extra["query"] = query
+                if method.name == "random":
+                    extra["rank"] = rank
+                digest = hashlib.sha256(json.dumps(extra).encode()).hexdigest()[:16]
+                hashes[modality][rank] = f"{hashes[modality][rank]}-vlm_prune-{digest}"
+        return out
+
+
+def _num_frames(video: Any) -> int:
+    frames = video[0] if isinstance(video, tuple) else video
+    return len(frames)
+
+
+def _subsample(video: Any, keep: list[int] | None) -> Any:
+    """The video with only frames ``keep`` (None: all)."""
+    if keep is None:
+        return video
+    if isinstance(video, tuple):
+        frames, meta = video
+        return _subsample(frames, keep), meta
+    if isinstance(video, (np.ndarray, torch.Tensor)):
+        return video[keep]
+    return [video[i] for i in keep]
+
+
+@MULTIMODAL_REGISTRY.register_processor(PrunedOnevisionMultiModalProcessor, info=PrunedOnevisionProcessingInfo,
+                                        dummy_inputs=LlavaOnevisionDummyInputsBuilder)
+class VlmPruneLlavaOnevisionForConditionalGeneration(LlavaOnevisionForConditionalGeneration, SupportsMRoPE):
+    """vLLM's LLaVA-OneVision with a vlm_prune method (random, pool, divprune, cdpruner; uniform, keyscore)."""
+
+    hf_to_vllm_mapper = WeightsMapper(
+        orig_to_new_regex={re.compile(r"^(?:model\.)?vision_tower\.(?:vision_model\.)?"): "vision_tower.vision_model."},
+        orig_to_new_prefix={
+            "model.language_model.": "language_model.model.",
+            "model.multi_modal_projector.": "multi_modal_projector.",
+            "model.image_newline": "image_newline",
+            "lm_head.": "language_model.lm_head.",
+        },
+    )
+
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
+        super().__init__(vllm_config=vllm_config, prefix=prefix)
+        self._offsets: torch.Tensor | None = None
+        vc = self.config.vision_config
+        side = math.ceil((vc.image_size // vc.patch_size) / 2)
+        self.frame_grid = (side, side)
+
+    # ---- encoder ------------------------------------------------------------------------------
+    def embed_multimodal(self, **kwargs: object) -> Any:
+        extras = {k: kwargs.pop(k, None) for k in (QUERY_KEY, RANK_KEY, SPEC_KEY, FULL_KEY)}
+        by_modality = self._parse_and_validate_multimodal_inputs(**kwargs)
+        out: list[torch.Tensor] = []
+        for modality, inputs in by_modality.items():
+            if modality == "image":
+                if inputs["type"] != "pixel_values":
+                    raise ValueError("vlm_prune.vllm prunes images given as pixels; image_embeds inputs are not supported")
+                embeds = list(self._process_image_input(inputs))
+                pixels = None
+            else:
+                embeds = [e.reshape(-1, e.shape[-1]) for e in self._process_video_pixels(inputs)]
+                pixels = inputs["pixel_values_videos"]
+            for b, e in enumerate(embeds):
+                item = {k: _item(v, b) for k, v in extras.items()}
+                out.append(self._reduce(modality, e, item, None if pixels is None else pixels[b]))
+        return out
+
+    def _reduce(self, modality: str, feats: torch.Tensor, item: dict[str, Any], pixels: torch.Tensor | None
+                ) -> torch.Tensor:
+        """One item's kept rows (in order) with their offsets from their slots in three extra channels."""
+        spec = _spec_from(item[SPEC_KEY], spec_of(self.config))
+        method = method_of(spec)
+        rank = int(item[RANK_KEY].reshape(-1)[0]) if item[RANK_KEY] is not None else 0
+        gen = torch.Generator().manual_seed(int(spec.get("seed", 0)) * 1_000_003 + rank)
+        query = item[QUERY_KEY]
+        text = None
+        if query is not None:
+            text = self.language_model.model.embed_tokens(query.reshape(-1).to(feats.device).long())
+        full = int(item[FULL_KEY].reshape(-1)[0]) if item[FULL_KEY] is not None else feats.shape[0]
+        with torch.no_grad():
+            if modality == "image":
+                keep, new = self._reduce_image(method, feats, text, gen)
+            else:
+                keep, new = self._reduce_video(method, feats, text, gen, full, pixels)
+        kept_rows = torch.nonzero(keep).squeeze(1)
+        kept = new[kept_rows]
+        origin = self._origin(method, modality, feats.shape[0], full)
+        offsets = origin[kept_rows] - torch.arange(kept_rows.numel(), device=kept_rows.device)
+        return torch.cat([kept, encode_offsets(offsets, kept.dtype)], dim=1)
+
+    def _origin(self, method: Method, modality: str, rows: int, full: int) -> torch.Tensor:
+        """Each encoded row's position in the unpruned item (its row, unless uniform decoded only
+        its kept frames: then frame j of the encoded video is the j-th kept frame)."""
+        ar = torch.arange(rows)
+        if modality != "video" or method.name != "uniform" or rows == full:
+            return ar
+        n = self.frame_grid[0] * self.frame_grid[1]
+        frames = uniform_frames(method, (full - 1) // n, n)
+        starts = torch.tensor(frames + [(full - 1) // n]) * n  # the newline follows the last frame
+        j = ar // n
+        return starts[j] + (ar - j * n)
+
+    def _reduce_image(self, method: Method, feats: torch.Tensor, text: torch.Tensor | None,
+                      gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        """keep [N] and the rows [N, D] after the method (wrap(): newlines kept, unseen and uncounted)."""
+        if is_frames(method):
+            return torch.ones(feats.shape[0], dtype=torch.bool, device=feats.device), feats
+        newline = (feats == self.image_newline.to(feats.dtype)).all(-1)
+        rows = torch.nonzero(~newline).squeeze(1)
+        visual = feats[rows]
+        ctx = VisionContext(features=visual, n_keep=method.n_keep(visual.shape[0], 1), grid=None, text_embeds=text,
+                            generator=gen)
+        red = method.reduce_image(ctx)
+        return _scatter(feats, rows, red, always=newline)
+
+    def _reduce_video(self, method: Method, feats: torch.Tensor, text: torch.Tensor | None, gen: torch.Generator,
+                      full: int, pixels: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        n = self.frame_grid[0] * self.frame_grid[1]
+        body = feats.shape[0] - 1
+        t = body // n
+        tail = torch.zeros(feats.shape[0], dtype=torch.bool, device=feats.device)
+        tail[body:] = True
+        rows = torch.arange(body, device=feats.device)
+        #: frames the tower encoded for the latest video (uniform: only the kept ones)
+        self.last_encoded_frames = t
+        if is_frames(method):
+            if method.name == "uniform" and feats.shape[0] != full:  # the processor decoded only the kept frames
+                return torch.ones(feats.shape[0], dtype=torch.bool, device=feats.device), feats
+            red = frames_reduction(method, feats[:body].reshape(t, n, -1), self.frame_grid, text_features=text,
+                                   pixels=pixels)
+            return _scatter(feats, rows, red, always=tail)
+        parts = []
+        for f in range(t):
+            ctx = VisionContext(features=feats[f * n:(f + 1) * n], n_keep=method.n_keep(n, 1), grid=self.frame_grid,
+                                text_embeds=text, generator=gen)
+            r = method.reduce_image(ctx)
+            if r.sizes is not None:
+                raise ValueError(f"method {method.name!r} merges tokens with sizes, which vLLM's attention cannot weight")
+            parts.append(Reduction(r.indices.to(feats.device) + f * n,
+                                   feats[f * n:(f + 1) * n][r.indices] if r.features is None else r.features))
+        red = Reduction(torch.cat([p.indices for p in parts]), torch.cat([p.features for p in parts]))
+        return _scatter(feats, rows, red, always=tail)
+
+    # ---- positions: kept tokens at their original positions -----------------------------------
+    def get_mrope_input_positions(self, input_tokens: list[int], mm_features: list[MultiModalFeatureSpec]
+                                  ) -> tuple[torch.Tensor, int]:
+        """Positions of the unpruned sequence: each item's k slots start where its unpruned rows
+        started (forward() moves each kept row to its own), and the text after it continues from
+        the unpruned length; decode steps from the unpruned total."""
+        n_tokens = len(input_tokens)
+        pos = torch.empty(n_tokens, dtype=torch.long)
+        shift, cursor = 0, 0
+        for f in sorted(mm_features, key=lambda f: f.mm_position.offset):
+            start, k = f.mm_position.offset, f.mm_position.length
+            pos[cursor:start] = torch.arange(cursor, start) + shift
+            pos[start:start + k] = torch.arange(start, start + k) + shift
+            elem = f.data.get(FULL_KEY) if f.data is not None else None
+            full = int(elem.data.reshape(-1)[0]) if elem is not None else k
+            shift += max(0, full - k)
+            cursor = start + k
+        pos[cursor:] = torch.arange(cursor, n_tokens) + shift
+        return pos[None].expand(3, -1).clone(), shift
+
+    def embed_input_ids(self, input_ids: torch.Tensor, multimodal_embeddings: Any = None, *,
+                        is_multimodal: torch.Tensor | None = None) -> torch.Tensor:
+        """Strip the offset channels and remember them for the forward of the same step."""
+        self._offsets = None
+        if multimodal_embeddings is not None and len(multimodal_embeddings) > 0 and is_multimodal is not None:
+            rows = torch.nonzero(is_multimodal).squeeze(1)
+            offsets = torch.cat([decode_offsets(e[:, -OFFSET_CHANNELS:]) for e in multimodal_embeddings])
+            if offsets.numel() != rows.numel():
+                raise RuntimeError(f"vlm_prune: {offsets.numel()} embeddings for {rows.numel()} image / video rows")
+            moved = torch.zeros(is_multimodal.shape[0], dtype=torch.long, device=rows.device)
+            moved[rows] = offsets.to(rows.device)
+            self._offsets = moved
+            self._mm_rows = rows
+            multimodal_embeddings = [e[:, :-OFFSET_CHANNELS] for e in multimodal_embeddings]
+        return super().embed_input_ids(input_ids, multimodal_embeddings, is_multimodal=is_multimodal)
+
+    def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor, intermediate_tensors: Any = None,
+                inputs_embeds: torch.Tensor | None = None, **kwargs: object) -> Any:
+        offsets, self._offsets = self._offsets, None
+        if offsets is not None and inputs_embeds is not None:
+            n = offsets.numel()
+            positions = positions.clone()
+            positions[..., :n] += offsets.to(positions.device)
+            #: positions of the image / video rows of the latest step that had any (tests, debugging)
+            self.last_image_positions = positions.reshape(-1, positions.shape[-1])[0, self._mm_rows].tolist()
+        return super().forward(input_ids, positions, intermediate_tensors, inputs_embeds=inputs_embeds, **kwargs)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        return super().load_weights((n, w) for n, w in weights if not re.search(r"vision_tower\.(vision_model\.)?head\.", n))
+
+
+def _item(value: Any, b: int) -> torch.Tensor | None:
+    if value is None:
+        return None
+    return value[b] if isinstance(value, (list, tuple)) or value.dim() > 1 else value
+
+
+def _scatter(feats: torch.Tensor, rows: torch.Tensor, red: Reduction, always: torch.Tensor
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """keep [N] and rows [N, D] after a reduction over ``feats[rows]`` (wrap()'s scatter_reduction):
+    the kept rows at their slots, replaced features written there, ``always`` rows kept too."""
+    if red.sizes is not None:
+        raise ValueError("this method merges tokens with sizes (proportional attention), which vLLM's attention "
+                         "cannot weight; use a method that keeps or replaces tokens")
+    idx = rows[red.indices.to(rows.device)]
+    keep = always.clone()
+    keep[idx] = True
+    new = feats
+    if red.features is not None:
+        new = feats.clone()
+        new[idx] = red.features.to(feats.dtype)
+    return keep, new
