@@ -138,8 +138,10 @@ def run_hf(hf, method: str | None, budget: dict, prompts=PROMPTS):
             ids = inputs["input_ids"][0]
             media_ids = (model.config.image_token_id, model.config.video_token_id)
             if method is not None:
-                rows = model.vlm_prune.last_rows[0]
-                kept.append([int(r) for r in rows if r >= 0 and int(ids[r]) in media_ids])
+                rows = [int(r) for r in model.vlm_prune.last_rows[0] if r >= 0]
+                # a method that renumbers (VisionZip official) gives the kept rows positions 0, 1, ... in order
+                renumber = getattr(model.vlm_prune.methods.get("vision"), "renumber_positions", False)
+                kept.append([j if renumber else r for j, r in enumerate(rows) if int(ids[r]) in media_ids])
         return tokens, logprobs, kept
     finally:
         if method is not None:
@@ -150,12 +152,12 @@ def media_positions(llm) -> list[int]:
     return llm.apply_model(lambda m: m.last_image_positions)[0]
 
 
-def check_equal(llm, hf, method, budget):
-    ref_tokens, ref_logprobs, ref_kept = run_hf(hf, method, budget)
-    tokens, logprobs = run_vllm(llm, method, budget)
+def check_equal(llm, hf, method, budget, prompts=PROMPTS):
+    ref_tokens, ref_logprobs, ref_kept = run_hf(hf, method, budget, prompts)
+    tokens, logprobs = run_vllm(llm, method, budget, prompts)
     assert tokens == ref_tokens
     np.testing.assert_allclose(logprobs, ref_logprobs, atol=2e-4)
-    for i, prompt in enumerate(PROMPTS):  # one request at a time: where the language model saw the kept rows
+    for i, prompt in enumerate(prompts):  # one request at a time: where the language model saw the kept rows
         run_vllm(llm, method, budget, prompts=[prompt])
         assert media_positions(llm) == ref_kept[i], prompt
 
@@ -188,8 +190,27 @@ def test_frames_method_equals_wrapped_hf(llm, hf, method, budget):
     assert encoded == (whole if whole >= 1 else FRAMES)
 
 
-def test_visionzip_and_quota_refused(checkpoint):
+VISIONZIP_CASES = [({}, {"keep": 0.5}), ({}, {"budget": 6}), ({"positions": "keep"}, {"keep": 0.5})]
+
+
+@pytest.mark.parametrize("knobs,budget", VISIONZIP_CASES, ids=["keep0.5", "budget6", "positions-keep"])
+def test_visionzip_video_equals_wrapped_hf(llm, hf, knobs, budget):
+    """VisionZip on video (wrap() runs it on OneVision video only): each frame's SigLIP attention and keys
+    pooled to the frame grid; the official variant renumbers positions (the shorter sequence), "keep" keeps them."""
+    from vlm_prune.methods import VisionZip
+
+    check_equal(llm, hf, VisionZip(**knobs), budget, prompts=[PROMPTS[1]])
+
+
+def test_refusals(llm, checkpoint):
+    """QuoTA before the engine starts; VisionZip on a request with an image, as wrap() refuses it."""
+    from vllm import SamplingParams
+
     with pytest.raises(ValueError, match="QuoTA's token count"):
         vp.engine_kwargs(str(checkpoint), "quota", keep=0.5)
     with pytest.raises(ValueError, match="anyres image tiles have no per-token tower row"):
-        vp.engine_kwargs(str(checkpoint), "visionzip", keep=0.5)
+        llm.generate({"prompt": PROMPTS[0][0], "multi_modal_data": _media("image"),
+                      "mm_processor_kwargs": vp.request_kwargs("visionzip", keep=0.5)},
+                     SamplingParams(max_tokens=1), use_tqdm=False)
+    tokens, _ = run_vllm(llm, "divprune", {"keep": 0.5}, prompts=[PROMPTS[0]])  # the engine serves on
+    assert len(tokens[0]) == STEPS

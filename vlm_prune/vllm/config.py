@@ -32,10 +32,10 @@ MODULES = {
 }
 #: checkpoints whose language model has M-RoPE of its own (no mrope_section override)
 NATIVE_MROPE = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration")
+#: VisionZip on a LLaVA-OneVision image request (its video runs VisionZip)
 ONEVISION_VISIONZIP_REFUSAL = (
-    "visionzip is not served on LLaVA-OneVision by vlm_prune.vllm: wrap() runs it on OneVision video only (its "
-    "anyres image tiles have no per-token tower row), and the plugin does not tap vLLM's SigLIP tower for video yet; "
-    "use divprune, cdpruner, pool or random"
+    "visionzip runs on LLaVA-OneVision video only, as in wrap(): OneVision's anyres image tiles have no per-token "
+    "tower row; use divprune, cdpruner, pool or random for requests with images"
 )
 #: method -> [(checkpoint classes that cannot run it, the reason)]
 REFUSALS = {
@@ -43,8 +43,7 @@ REFUSALS = {
         "visionzip needs the vision tower's attention and keys (VisionContext.tower_attention), which this model's "
         "adapter does not provide for this input: VisionZip runs on LLaVA-1.5 images and LLaVA-OneVision videos "
         "(not OneVision's anyres image tiles, not Qwen2-VL's tower, which has no CLS token); use divprune, cdpruner, "
-        "pool or random")),
-        (("LlavaOnevisionForConditionalGeneration",), ONEVISION_VISIONZIP_REFUSAL)],
+        "pool or random"))],
 }
 #: families whose vLLM support is not written yet, with what it needs
 PLANNED: dict[str, str] = {}

@@ -8,7 +8,8 @@ The LLaVA-1.5 pattern (vlm_prune/vllm/llava.py, docs/vllm.md), with OneVision's 
   ``method.n_keep(visual)`` of them, and every newline stays. Slots per image: that count plus
   the image's newlines, both known from the image size in the processor.
 - **Video** (T frames of a pooled ceil(h/2) x ceil(w/2) grid, then one newline): a vision method
-  reduces each frame on its grid (one generator over the frames, as wrap()); a frames method
+  reduces each frame on its grid (one generator over the frames, as wrap(); VisionZip reads each
+  frame's SigLIP feature-layer attention pooled to that grid, video only, as wrap()); a frames method
   (``uniform``, ``keyscore``: vlm_prune/vllm/frames.py) keeps whole frames. Slots per video:
   the kept tokens plus the newline. ``uniform`` subsamples the frames in the processor, so the
   tower only encodes the frames it keeps.
@@ -87,10 +88,7 @@ class PrunedOnevisionProcessingInfo(LlavaOnevisionProcessingInfo):
     """Each image / video gets the count of placeholder slots ``wrap()`` keeps for it."""
 
     def method(self, mm_kwargs: Mapping[str, object] | None = None) -> Method:
-        m = method_of(spec_of(self.get_hf_config(), mm_kwargs))
-        if m.name == "visionzip":
-            raise ValueError(ONEVISION_VISIONZIP_REFUSAL)
-        return m
+        return method_of(spec_of(self.get_hf_config(), mm_kwargs))
 
     def image_newlines(self, *, image_width: int, image_height: int) -> int:
         """The image's ``image_newline`` rows (one per row of its unpadded tiles)."""
@@ -109,6 +107,10 @@ class PrunedOnevisionProcessingInfo(LlavaOnevisionProcessingInfo):
         m = self.method(mm_kwargs)
         if is_frames(m):
             return n  # a frames method leaves images alone (as wrap(frames=...))
+        if m.name == "visionzip":
+            if mm_kwargs is None:  # vLLM's profiling asks for the most tokens an image can take
+                return n
+            raise ValueError(ONEVISION_VISIONZIP_REFUSAL)
         newlines = self.image_newlines(image_width=image_width, image_height=image_height)
         return vision_slots(m, n - newlines, None) + newlines
 
@@ -119,8 +121,6 @@ class PrunedOnevisionProcessingInfo(LlavaOnevisionProcessingInfo):
     def get_num_video_tokens(self, *, image_width: int, image_height: int, num_frames: int,
                              mm_kwargs: Mapping[str, object] | None = None) -> int:
         per_frame = self._get_num_frame_tokens(image_width=image_width, image_height=image_height)
-        if mm_kwargs is None and not getattr(self.get_hf_config(), "vlm_prune", None):
-            return per_frame * num_frames + 1
         m = self.method(mm_kwargs)
         if is_frames(m):
             return frames_slots(m, num_frames, per_frame) + 1
@@ -233,7 +233,8 @@ def _subsample(video: Any, keep: list[int] | None) -> Any:
 @MULTIMODAL_REGISTRY.register_processor(PrunedOnevisionMultiModalProcessor, info=PrunedOnevisionProcessingInfo,
                                         dummy_inputs=LlavaOnevisionDummyInputsBuilder)
 class VlmPruneLlavaOnevisionForConditionalGeneration(LlavaOnevisionForConditionalGeneration, SupportsMRoPE):
-    """vLLM's LLaVA-OneVision with a vlm_prune method (random, pool, divprune, cdpruner; uniform, keyscore)."""
+    """vLLM's LLaVA-OneVision with a vlm_prune method (random, pool, divprune, cdpruner, visionzip on video;
+    the frames methods uniform, keyscore)."""
 
     hf_to_vllm_mapper = WeightsMapper(
         orig_to_new_regex={re.compile(r"^(?:model\.)?vision_tower\.(?:vision_model\.)?"): "vision_tower.vision_model."},
@@ -251,7 +252,12 @@ class VlmPruneLlavaOnevisionForConditionalGeneration(LlavaOnevisionForConditiona
         vc = self.config.vision_config
         side = math.ceil((vc.image_size // vc.patch_size) / 2)
         self.frame_grid = (side, side)
+        self.tower_grid = (vc.image_size // vc.patch_size,) * 2
+        self._feature_input: torch.Tensor | None = None
+        self.vision_tower.vision_model.encoder.layers[-1].register_forward_pre_hook(self._keep_feature_input)
 
+    def _keep_feature_input(self, module: torch.nn.Module, args: tuple) -> None:
+        self._feature_input = args[0].detach()
     # ---- encoder ------------------------------------------------------------------------------
     def embed_multimodal(self, **kwargs: object) -> Any:
         extras = {k: kwargs.pop(k, None) for k in (QUERY_KEY, RANK_KEY, SPEC_KEY, FULL_KEY)}
@@ -266,13 +272,15 @@ class VlmPruneLlavaOnevisionForConditionalGeneration(LlavaOnevisionForConditiona
             else:
                 embeds = [e.reshape(-1, e.shape[-1]) for e in self._process_video_pixels(inputs)]
                 pixels = inputs["pixel_values_videos"]
+            first_frame = 0  # the video's first row in the tower's batch (VisionZip's attention)
             for b, e in enumerate(embeds):
                 item = {k: _item(v, b) for k, v in extras.items()}
-                out.append(self._reduce(modality, e, item, None if pixels is None else pixels[b]))
+                out.append(self._reduce(modality, e, item, None if pixels is None else pixels[b], first_frame))
+                first_frame += 0 if pixels is None else len(pixels[b])
         return out
 
-    def _reduce(self, modality: str, feats: torch.Tensor, item: dict[str, Any], pixels: torch.Tensor | None
-                ) -> torch.Tensor:
+    def _reduce(self, modality: str, feats: torch.Tensor, item: dict[str, Any], pixels: torch.Tensor | None,
+                first_frame: int = 0) -> torch.Tensor:
         """One item's kept rows (in order) with their offsets from their slots in three extra channels."""
         spec = _spec_from(item[SPEC_KEY], spec_of(self.config))
         method = method_of(spec)
@@ -287,11 +295,13 @@ class VlmPruneLlavaOnevisionForConditionalGeneration(LlavaOnevisionForConditiona
             if modality == "image":
                 keep, new = self._reduce_image(method, feats, text, gen)
             else:
-                keep, new = self._reduce_video(method, feats, text, gen, full, pixels)
+                keep, new = self._reduce_video(method, feats, text, gen, full, pixels, first_frame)
         kept_rows = torch.nonzero(keep).squeeze(1)
         kept = new[kept_rows]
         origin = self._origin(method, modality, feats.shape[0], full)
         offsets = origin[kept_rows] - torch.arange(kept_rows.numel(), device=kept_rows.device)
+        if getattr(method, "renumber_positions", False):  # VisionZip's official shorter sequence (wrap() too)
+            offsets = torch.zeros_like(offsets)
         return torch.cat([kept, encode_offsets(offsets, kept.dtype)], dim=1)
 
     def _origin(self, method: Method, modality: str, rows: int, full: int) -> torch.Tensor:
@@ -320,7 +330,7 @@ class VlmPruneLlavaOnevisionForConditionalGeneration(LlavaOnevisionForConditiona
         return _scatter(feats, rows, red, always=newline)
 
     def _reduce_video(self, method: Method, feats: torch.Tensor, text: torch.Tensor | None, gen: torch.Generator,
-                      full: int, pixels: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+                      full: int, pixels: torch.Tensor | None, first_frame: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         n = self.frame_grid[0] * self.frame_grid[1]
         body = feats.shape[0] - 1
         t = body // n
@@ -337,8 +347,11 @@ class VlmPruneLlavaOnevisionForConditionalGeneration(LlavaOnevisionForConditiona
             return _scatter(feats, rows, red, always=tail)
         parts = []
         for f in range(t):
+            tower = None
+            if method.name == "visionzip":
+                tower = (lambda row=first_frame + f: self._frame_attention(row))
             ctx = VisionContext(features=feats[f * n:(f + 1) * n], n_keep=method.n_keep(n, 1), grid=self.frame_grid,
-                                text_embeds=text, generator=gen)
+                                text_embeds=text, tower_attention=tower, generator=gen)
             r = method.reduce_image(ctx)
             if r.sizes is not None:
                 raise ValueError(f"method {method.name!r} merges tokens with sizes, which vLLM's attention cannot weight")
@@ -346,6 +359,27 @@ class VlmPruneLlavaOnevisionForConditionalGeneration(LlavaOnevisionForConditiona
                                    feats[f * n:(f + 1) * n][r.indices] if r.features is None else r.features))
         red = Reduction(torch.cat([p.indices for p in parts]), torch.cat([p.features for p in parts]))
         return _scatter(feats, rows, red, always=tail)
+
+    def _frame_attention(self, row: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """VisionZip's view of one video frame (as wrap()'s FeatureLayerTap on SigLIP, no CLS): the mean
+        attention each token of the feature layer receives and its keys (mean over heads), bilinearly
+        pooled to the frame's token grid as the model pools its features."""
+        from vlm_prune.adapters.vision_towers import pool_grid
+
+        layer = self.vision_tower.vision_model.encoder.layers[-1]
+        attn = layer.self_attn
+        if getattr(attn, "tp_size", 1) > 1:  # this rank holds only its share of the heads
+            raise ValueError("visionzip under tensor parallelism needs the whole vision tower on every rank: "
+                             "start vLLM with mm_encoder_tp_mode='data' (--mm-encoder-tp-mode data)")
+        x = layer.layer_norm1(self._feature_input[row][None])
+        qkv, _ = attn.qkv_proj(x)
+        h, d = attn.num_heads_per_partition, attn.head_dim
+        q, k, _ = qkv.split(h * d, dim=-1)
+        q = q.view(1, -1, h, d).transpose(1, 2)
+        k = k.view(1, -1, h, d).transpose(1, 2)
+        probs = torch.softmax((q @ k.transpose(-1, -2)).float() * attn.scale, dim=-1)
+        received, keys = probs[0].mean(0).mean(0), k[0].mean(0)
+        return pool_grid(received, self.tower_grid, self.frame_grid), pool_grid(keys, self.tower_grid, self.frame_grid)
 
     # ---- positions: kept tokens at their original positions -----------------------------------
     def get_mrope_input_positions(self, input_tokens: list[int], mm_features: list[MultiModalFeatureSpec]
@@ -362,7 +396,10 @@ class VlmPruneLlavaOnevisionForConditionalGeneration(LlavaOnevisionForConditiona
             pos[start:start + k] = torch.arange(start, start + k) + shift
             elem = f.data.get(FULL_KEY) if f.data is not None else None
             full = int(elem.data.reshape(-1)[0]) if elem is not None else k
-            shift += max(0, full - k)
+            spec_elem = f.data.get(SPEC_KEY) if f.data is not None else None
+            spec = _spec_from(spec_elem.data if spec_elem is not None else None, spec_of(self.config))
+            if not getattr(method_of(spec), "renumber_positions", False):  # VisionZip official: the shorter sequence
+                shift += max(0, full - k)
             cursor = start + k
         pos[cursor:] = torch.arange(cursor, n_tokens) + shift
         return pos[None].expand(3, -1).clone(), shift
