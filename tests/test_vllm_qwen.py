@@ -27,19 +27,40 @@ from vlm_prune.vllm.tiny import QwenShape, write_qwen2_vl  # noqa: E402
 pytestmark = pytest.mark.timeout(900)
 STEPS = 6
 IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
-# the image at different offsets; 32 x 32 px (4 x 4 tokens) and 48 x 32 px (4 rows x 6 columns)
-PROMPTS = [f"<s> user : {IMAGE} w5 w6 w7 w8 assistant :", f"<s> user : w9 w10 {IMAGE} w11 w12 w13 assistant :"]
+VIDEO = "<|vision_start|><|video_pad|><|vision_end|>"
+#: two prompts per kind, the media at different offsets. Images: 32 x 32 px (4 x 4 merged tokens) and
+#: 48 x 32 px (4 rows x 6 columns). Videos: 4 frames (2 temporal slices) of 48 x 32 px, the first
+#: prompt with an image before its video (ranks per modality, two encoder calls, one question)
+PROMPTS = {
+    "image": [f"<s> user : {IMAGE} w5 w6 w7 w8 assistant :", f"<s> user : w9 w10 {IMAGE} w11 w12 w13 assistant :"],
+    "video": [f"<s> user : {IMAGE} w5 {VIDEO} w6 w7 assistant :", f"<s> user : w9 w10 w11 {VIDEO} w12 assistant :"],
+}
 SIZES = [(32, 32), (48, 32)]  # (width, height)
-CASES = [("random", {"keep": 0.5}), ("random", {"budget": 3}), ("pool", {"keep": 0.25}), ("divprune", {"keep": 0.5}),
-         ("divprune", {"budget": 5}), ("cdpruner", {"keep": 0.5}), ("cdpruner", {"budget": 6})]
+#: the frames vLLM's Qwen processors take with a video: 2 fps, no resampling (HF gets the same)
+META = {"fps": 2.0, "total_num_frames": 4, "frames_indices": [0, 1, 2, 3], "duration": 2.0, "video_backend": "opencv",
+        "do_sample_frames": False}
+CASES = [("image", "random", {"keep": 0.5}), ("image", "random", {"budget": 3}), ("image", "pool", {"keep": 0.25}),
+         ("image", "divprune", {"keep": 0.5}), ("image", "divprune", {"budget": 5}), ("image", "cdpruner", {"keep": 0.5}),
+         ("image", "cdpruner", {"budget": 6}), ("video", "random", {"keep": 0.5}), ("video", "pool", {"keep": 0.25}),
+         ("video", "divprune", {"budget": 5}), ("video", "cdpruner", {"keep": 0.5})]
 #: Qwen2.5-VL shares every line of the plugin with Qwen2-VL; its engine checks keep-all and one method
-#: of each kind (selection, replacement) against its own tower (window attention) and processor class
-CASES_25 = [("divprune", {"keep": 0.5}), ("pool", {"keep": 0.25})]
+#: of each kind (selection, replacement) against its own tower (window attention) and processor class,
+#: and a video, whose temporal positions step by second_per_grid_ts * tokens_per_second on 2.5
+CASES_25 = [("image", "divprune", {"keep": 0.5}), ("image", "pool", {"keep": 0.25}), ("video", "divprune", {"budget": 5})]
 
 
-def _images() -> list[Image.Image]:
+def _media(kind: str) -> list[dict]:
+    """Per prompt of ``kind``: {"image": PIL image} and / or {"video": frames [4, H, W, 3] uint8}."""
     rng = np.random.RandomState(0)
-    return [Image.fromarray((rng.rand(h, w, 3) * 255).astype("uint8")) for w, h in SIZES]
+    images = [Image.fromarray((rng.rand(h, w, 3) * 255).astype("uint8")) for w, h in SIZES]
+    if kind == "image":
+        return [{"image": im} for im in images]
+    video = (rng.rand(4, 32, 48, 3) * 255).astype("uint8")
+    return [{"image": images[0], "video": video}, {"video": video[::-1].copy()}]
+
+
+def _case_id(kind: str, method: str, budget: dict) -> str:
+    return f"{kind}-{method}-{'-'.join(f'{k}{v}' for k, v in budget.items())}"
 
 
 @pytest.fixture(scope="module", params=[False, True], ids=["qwen2-vl", "qwen2.5-vl"])
@@ -52,7 +73,7 @@ def arch(request, tmp_path_factory):
 @pytest.fixture(scope="module")
 def llm(arch):
     engine = vp.LLM(str(arch[0]), "random", keep=1.0, enforce_eager=True, dtype="float32", max_model_len=256,
-                    max_num_seqs=4, seed=0, limit_mm_per_prompt={"image": 1, "video": 0})
+                    max_num_seqs=4, seed=0, limit_mm_per_prompt={"image": 1, "video": 1})
     yield engine
     del engine
 
@@ -67,32 +88,43 @@ def hf(arch):
     return model, AutoProcessor.from_pretrained(arch[0])
 
 
-def run_vllm(llm, method: str | None, **budget):
+def run_vllm(llm, kind: str, method: str | None, **budget):
     from vllm import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=STEPS, min_tokens=STEPS, logprobs=0)
-    requests = []
-    for prompt, image in zip(PROMPTS, _images()):
-        req = {"prompt": prompt, "multi_modal_data": {"image": image}}
-        if method is not None:
-            req["mm_processor_kwargs"] = vp.request_kwargs(method, **budget)
-        requests.append(req)
+    requests = [vllm_request(prompt, media, method, **budget) for prompt, media in zip(PROMPTS[kind], _media(kind))]
     outs = llm.generate(requests, params, use_tqdm=False)
     tokens = [list(o.outputs[0].token_ids) for o in outs]
     logprobs = [[step[t].logprob for step, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)] for o in outs]
     return tokens, logprobs
 
 
-def run_hf(hf, method: str | None, **budget):
-    """Greedy tokens, their log-probabilities and the (t, h, w) positions of the kept image rows
+def vllm_request(prompt: str, media: dict, method: str | None, **budget) -> dict:
+    data = dict(media)
+    if "video" in data:
+        data["video"] = (data["video"], META)
+    req = {"prompt": prompt, "multi_modal_data": data}
+    if method is not None:
+        req["mm_processor_kwargs"] = vp.request_kwargs(method, **budget)
+    return req
+
+
+def run_hf(hf, kind: str, method: str | None, **budget):
+    """Greedy tokens, their log-probabilities and the (t, h, w) positions of the kept visual rows
     of the wrapped HF model (its M-RoPE positions of the unpruned prompt at ``last_rows``)."""
+    from transformers.video_utils import VideoMetadata
+
     model, proc = hf
     if method is not None:
         vlm_prune.wrap(model, method, processor=proc, **budget)
     try:
         tokens, logprobs, kept = [], [], []
-        for prompt, image in zip(PROMPTS, _images()):
-            inputs = proc(images=image, text=prompt, return_tensors="pt")
+        for prompt, media in zip(PROMPTS[kind], _media(kind)):
+            extra = {}
+            if "video" in media:
+                meta = VideoMetadata(**{k: v for k, v in META.items() if k != "do_sample_frames"})
+                extra = {"videos": [media["video"]], "video_metadata": [meta], "do_sample_frames": False}
+            inputs = proc(images=media.get("image"), text=prompt, return_tensors="pt", **extra)
             with torch.no_grad():
                 out = model.generate(**inputs, max_new_tokens=STEPS, do_sample=False, output_logits=True,
                                      return_dict_in_generate=True, min_new_tokens=STEPS)
@@ -101,10 +133,11 @@ def run_hf(hf, method: str | None, **budget):
             logprobs.append([torch.log_softmax(s[0].float(), -1)[t].item() for s, t in zip(out.logits, new)])
             if method is not None:
                 ids = inputs["input_ids"][0]
-                rows = [int(r) for r in model.vlm_prune.last_rows[0] if r >= 0 and ids[r] == model.config.image_token_id]
+                visual = (model.config.image_token_id, model.config.video_token_id)
+                rows = [int(r) for r in model.vlm_prune.last_rows[0] if r >= 0 and int(ids[r]) in visual]
+                grids = {k: inputs[k] for k in ("image_grid_thw", "video_grid_thw", "second_per_grid_ts") if k in inputs}
                 pos, _ = model.model.get_rope_index(inputs["input_ids"], inputs["mm_token_type_ids"],
-                                                    image_grid_thw=inputs["image_grid_thw"],
-                                                    attention_mask=inputs["attention_mask"])
+                                                    attention_mask=inputs["attention_mask"], **grids)
                 kept.append(pos[:, 0, rows].tolist())
         return tokens, logprobs, kept
     finally:
@@ -113,36 +146,36 @@ def run_hf(hf, method: str | None, **budget):
 
 
 def image_positions(llm) -> list[list[int]]:
-    """[3][k] (t, h, w) positions of the image rows in the engine's latest prefill."""
+    """[3][k] (t, h, w) positions of the visual rows (in prompt order) of the engine's latest prefill."""
     return llm.apply_model(lambda m: m.last_image_positions)[0]
 
 
-def test_keep_all_equals_unwrapped_hf(llm, hf):
-    tokens, logprobs = run_vllm(llm, None)
-    ref_tokens, ref_logprobs, _ = run_hf(hf, None)
+@pytest.mark.parametrize("kind", ["image", "video"])
+def test_keep_all_equals_unwrapped_hf(llm, hf, kind):
+    tokens, logprobs = run_vllm(llm, kind, None)
+    ref_tokens, ref_logprobs, _ = run_hf(hf, kind, None)
     assert tokens == ref_tokens
     np.testing.assert_allclose(logprobs, ref_logprobs, atol=2e-4)
 
 
-@pytest.mark.parametrize("method,budget", CASES, ids=[f"{m}-{'-'.join(f'{k}{v}' for k, v in b.items())}" for m, b in CASES])
-def test_method_equals_wrapped_hf(arch, llm, hf, method, budget):
+@pytest.mark.parametrize("kind,method,budget", CASES, ids=[_case_id(*c) for c in CASES])
+def test_method_equals_wrapped_hf(arch, llm, hf, kind, method, budget):
     """Same greedy tokens and log-probabilities as wrap(same method, same budget), and the same kept
     tokens at the same (t, h, w) positions (the original ones)."""
-    if arch[1] and (method, budget) not in CASES_25:
+    if arch[1] and (kind, method, budget) not in CASES_25:
         pytest.skip("CASES_25 covers Qwen2.5-VL: the plugin runs the same code on both (see CASES_25)")
-    ref_tokens, ref_logprobs, ref_kept = run_hf(hf, method, **budget)
-    tokens, logprobs = run_vllm(llm, method, **budget)
+    ref_tokens, ref_logprobs, ref_kept = run_hf(hf, kind, method, **budget)
+    tokens, logprobs = run_vllm(llm, kind, method, **budget)
     assert tokens == ref_tokens
     np.testing.assert_allclose(logprobs, ref_logprobs, atol=2e-4)
     from vllm import SamplingParams
 
-    for i, (prompt, image) in enumerate(zip(PROMPTS, _images())):
-        llm.generate({"prompt": prompt, "multi_modal_data": {"image": image},
-                      "mm_processor_kwargs": vp.request_kwargs(method, **budget)},
-                     SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)
+    for i, (prompt, media) in enumerate(zip(PROMPTS[kind], _media(kind))):
+        llm.generate(vllm_request(prompt, media, method, **budget), SamplingParams(temperature=0.0, max_tokens=1),
+                     use_tqdm=False)
         assert image_positions(llm) == ref_kept[i]
 
 
 def test_visionzip_is_refused_per_request(llm):
     with pytest.raises(ValueError, match="visionzip needs the vision tower's attention"):
-        run_vllm(llm, "visionzip", keep=0.5)
+        run_vllm(llm, "image", "visionzip", keep=0.5)
