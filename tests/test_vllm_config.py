@@ -43,7 +43,7 @@ def test_in_llm_methods_are_refused_with_the_reason(name):
 
 
 def test_other_refusals_name_the_fix(checkpoint, tmp_path):
-    with pytest.raises(ValueError, match="takes no video"):
+    with pytest.raises(ValueError, match="runs the frames methods on the video of LlavaOnevision"):
         vp.engine_kwargs(str(checkpoint), "uniform", keep=0.5)
     with pytest.raises(ValueError, match="QuoTA's token count per video follows its frame scores"):
         vp.method_spec("quota", keep=0.5)

@@ -111,8 +111,8 @@ def refusal(arch: str, method: str) -> str | None:
             return reason
     checkpoint = {v: k for k, v in ARCHITECTURES.items()}.get(arch, arch)
     if method in FRAMES_SUPPORTED and checkpoint in ARCHITECTURES and checkpoint not in VIDEO_ARCHITECTURES:
-        return (f"frames method {method!r} chooses video frames; {arch} takes no video in vlm_prune.vllm (video "
-                f"models: {', '.join(VIDEO_ARCHITECTURES)})")
+        return (f"frames method {method!r} chooses video frames; vlm_prune.vllm runs the frames methods on the video "
+                f"of {', '.join(VIDEO_ARCHITECTURES)}, not of {arch} (use a vision-stage method there)")
     return None
 
 
