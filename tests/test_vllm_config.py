@@ -46,7 +46,7 @@ def test_other_refusals_name_the_fix(checkpoint, tmp_path):
     with pytest.raises(ValueError, match="runs the frames methods on the video of LlavaOnevision"):
         vp.engine_kwargs(str(checkpoint), "uniform", keep=0.5)
     with pytest.raises(ValueError, match="QuoTA's token count per video follows its frame scores"):
-        vp.method_spec("quota", keep=0.5)
+        vp.engine_kwargs(str(checkpoint), "quota", keep=0.5)  # per request only, through vp.quota_request
     with pytest.raises(ValueError, match="frames methods uniform, keyscore"):
         vp.method_spec(["uniform", "pool"], keep=0.5)
     with pytest.raises(ValueError, match="Did you mean 'divprune'"):

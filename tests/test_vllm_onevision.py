@@ -8,6 +8,7 @@ Needs vLLM: CI runs this module in the vLLM environment (.ci/run); elsewhere it 
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 
 import pytest
@@ -105,7 +106,10 @@ def run_vllm(llm, method: str | None, budget: dict, prompts=PROMPTS):
         req = {"prompt": prompt, "multi_modal_data": _media(kind)}
         if method is not None:
             m, b = _knobs(method, budget)
-            req["mm_processor_kwargs"] = vp.request_kwargs(m, **b)
+            if getattr(m, "name", m) == "quota":  # pass 1 (frame scores) through the same engine
+                req = vp.quota_request(llm, req, m, **b)
+            else:
+                req["mm_processor_kwargs"] = vp.request_kwargs(m, **b)
         requests.append(req)
     outs = llm.generate(requests, params, use_tqdm=False)
     tokens = [list(o.outputs[0].token_ids) for o in outs]
@@ -202,12 +206,44 @@ def test_visionzip_video_equals_wrapped_hf(llm, hf, knobs, budget):
     check_equal(llm, hf, VisionZip(**knobs), budget, prompts=[PROMPTS[1]])
 
 
+QUOTA_CASES = [({"decouple": False}, {"keep": 0.5}), ({"decouple": False, "score_grid": (2, 2)}, {"budget": 50}),
+               ({"decouple": False, "variant": "v2"}, {"keep": 0.3})]
+
+
+@pytest.mark.parametrize("knobs,budget", QUOTA_CASES, ids=["v1-keep0.5", "v1-grid2-budget50", "v2-keep0.3"])
+def test_quota_two_pass_equals_wrapped_hf(llm, hf, knobs, budget):
+    """QuoTA through vp.quota_request: pass 1 scores each frame in the same engine (one-frame video
+    requests, maps fitted into score_grid, P("A") from the prompt log-probabilities), pass 2 serves the
+    plan (per-frame counts from the scores, v1 / v2 on the unpooled 8 x 8 maps): the same frame scores,
+    tokens, log-probabilities and kept rows as wrap(model, QuoTA(...)) with the model as its scorer."""
+    from vlm_prune.frames import QuoTA
+
+    model, proc = hf
+    prompts = [PROMPTS[1]]
+    check_equal(llm, hf, QuoTA(**knobs), budget, prompts=prompts)
+    req = vp.quota_request(llm, {"prompt": prompts[0][0], "multi_modal_data": _media("video")}, QuoTA(**knobs), **budget)
+    scores = json.loads(req["mm_processor_kwargs"]["vlm_prune"])["quota"]["scores"]
+    vlm_prune.wrap(model, QuoTA(**knobs), processor=proc, **budget)
+    try:
+        with torch.no_grad():
+            model(**proc(text=prompts[0][0], videos=[_media("video")["video"]], return_tensors="pt"))
+        record = model.vlm_prune.last_stats["stages"][0]["videos"][0]
+    finally:
+        vlm_prune.unwrap(model)
+    np.testing.assert_allclose(scores, record["frame_scores"], rtol=1e-4)
+    assert len(set(record["tokens_per_frame"])) > 1  # the scores made a difference
+
+
 def test_refusals(llm, checkpoint):
     """QuoTA before the engine starts; VisionZip on a request with an image, as wrap() refuses it."""
     from vllm import SamplingParams
 
     with pytest.raises(ValueError, match="QuoTA's token count"):
         vp.engine_kwargs(str(checkpoint), "quota", keep=0.5)
+    with pytest.raises(ValueError, match="through vlm_prune.vllm.quota_request"):  # a bare request: no scores
+        llm.generate({"prompt": PROMPTS[1][0], "multi_modal_data": _media("video"),
+                      "mm_processor_kwargs": vp.request_kwargs("quota", keep=0.5)},
+                     SamplingParams(max_tokens=1), use_tqdm=False)
     with pytest.raises(ValueError, match="anyres image tiles have no per-token tower row"):
         llm.generate({"prompt": PROMPTS[0][0], "multi_modal_data": _media("image"),
                       "mm_processor_kwargs": vp.request_kwargs("visionzip", keep=0.5)},

@@ -16,7 +16,7 @@ from typing import Any
 
 from vlm_prune.vllm.config import SUPPORTED, hf_overrides, method_spec
 
-__all__ = ["LLM", "engine_kwargs", "request_kwargs", "SUPPORTED", "method_spec"]
+__all__ = ["LLM", "engine_kwargs", "request_kwargs", "quota_request", "SUPPORTED", "method_spec"]
 
 #: engine defaults the plugin needs: the processor cache off (the plugin adds per-prompt fields to
 #: each image after vLLM's processor has run), eager mode on CPU
@@ -52,3 +52,12 @@ def request_kwargs(method: Any, *, keep: float | None = None, budget: int | None
     (in the OpenAI server: the request body's ``mm_processor_kwargs``). Requests with different
     settings share the engine, its batches and its KV cache."""
     return {"vlm_prune": json.dumps(method_spec(method, keep=keep, budget=budget, seed=seed), sort_keys=True)}
+
+
+def quota_request(llm: Any, request: dict[str, Any], method: Any = "quota", *, keep: float | None = None,
+                  budget: int | None = None, seed: int = 0, processor: Any = None) -> dict[str, Any]:
+    """QuoTA's pass 1 through ``llm`` (frame scores from the served model); returns the request to
+    generate (pass 2). See :func:`vlm_prune.vllm.frames.quota_request` and docs/vllm.md."""
+    from vlm_prune.vllm.frames import quota_request as run
+
+    return run(llm, request, method, keep=keep, budget=budget, seed=seed, processor=processor)

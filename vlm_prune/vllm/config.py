@@ -109,6 +109,10 @@ def refusal(arch: str, method: str) -> str | None:
     for archs, reason in REFUSALS.get(method, []):
         if arch in archs or arch in {ARCHITECTURES[a] for a in archs}:
             return reason
+    if method == "quota":  # per request only, after its pass 1 (vlm_prune.vllm.quota_request)
+        from vlm_prune.vllm.frames import QUOTA_REFUSAL
+
+        return QUOTA_REFUSAL
     checkpoint = {v: k for k, v in ARCHITECTURES.items()}.get(arch, arch)
     if method in FRAMES_SUPPORTED and checkpoint in ARCHITECTURES and checkpoint not in VIDEO_ARCHITECTURES:
         return (f"frames method {method!r} chooses video frames; vlm_prune.vllm runs the frames methods on the video "

@@ -12,34 +12,44 @@ by the budget alone, fit that as the vision methods do (docs/vllm.md, "Frames me
 - :func:`uniform_frames` (processor): uniform needs no features, so the plugin decodes only the
   kept frames (the tower never sees the others); :func:`uniform_frames` names them.
 
-QuoTA's count depends on its frame scores (truncated per-frame shares, capped maps), which the
-unpruned model computes from the video: it cannot be fixed before the encoder, and is refused
-(:data:`QUOTA_REFUSAL`).
+QuoTA's count depends on its frame scores (each frame's share of the budget truncated, maps capped),
+which the unpruned model computes from the video, so it runs as a two-pass request through the same
+engine (:func:`quota_request`): pass 1 asks the engine, unpruned, QuoTA's question about each frame
+(a one-frame video request whose frame map the encoder resizes to ``score_grid`` as wrap()'s scorer
+does; P(answer) read from the prompt log-probabilities), optionally after the query decoupling
+(greedy, text only); pass 2 is the user's request with the scores in its spec, from which the
+processor computes the slot count and the encoder the plan (``quota_plan`` on the unpooled maps).
 """
 from __future__ import annotations
 
+import json
+import math
 from typing import Any
 
 import torch
 
 from vlm_prune.methods.base import FramesContext, Method, Reduction
 
-#: frames methods whose kept count is fixed by the budget (the plugin serves them)
+#: frames methods whose kept count is fixed by the budget (the plugin serves them in one pass)
 FRAMES_SUPPORTED = ("uniform", "keyscore")
+#: the spec's key for QuoTA's passes: {"phase": "score", "grid": [r, c]} or {"scores": [p_t, ...]}
+QUOTA_KEY = "quota"
 
 QUOTA_REFUSAL = (
-    "frames method 'quota' is not served by vlm_prune.vllm: QuoTA's token count per video follows its frame "
-    "scores (each frame's share of the budget truncated, maps capped), which the unpruned model computes from the "
-    "video itself, while vLLM fixes the video's placeholder count before the encoder runs. Use 'uniform' or "
-    "'keyscore' (same budget), or run QuoTA with vlm_prune.wrap() on the Hugging Face model; docs/vllm.md says "
-    "what serving it would take"
+    "QuoTA's token count per video follows its frame scores, which the unpruned model computes from the video "
+    "before vLLM can fix the video's placeholder count: send each QuoTA request through "
+    "vlm_prune.vllm.quota_request(llm, request, method, keep=...) (pass 1 scores the frames in the same engine, "
+    "the request it returns carries the scores), not as the engine's default method or a bare request_kwargs"
 )
 
 
 def check_frames_method(method: Method) -> None:
-    """Refuse frames methods whose kept count is not known before the encoder."""
+    """Refuse frames methods the plugin cannot serve (QuoTA passes through :func:`quota_request`)."""
     if method.name == "quota":
-        raise ValueError(QUOTA_REFUSAL)
+        if getattr(method, "_scorer", None) is not None:
+            raise ValueError("QuoTA with a custom scorer is not served by vlm_prune.vllm (it needs the processor's "
+                             "pixels on the client); its default scorer, the served model itself, is")
+        return
     if method.name not in FRAMES_SUPPORTED:
         raise ValueError(f"frames method {method.name!r} is not wired into vLLM; supported: {', '.join(FRAMES_SUPPORTED)}")
     if method.name == "keyscore" and getattr(method, "_encoder", None) is not None:
@@ -47,10 +57,27 @@ def check_frames_method(method: Method) -> None:
                          "travel to vLLM's processes); use its default in-model embeddings (encoder=None)")
 
 
-def frames_slots(method: Method, frames: int, per_frame: int) -> int:
-    """Visual tokens a frames method keeps of a ``frames`` x ``per_frame`` video (what wrap() keeps)."""
+def frames_slots(method: Method, frames: int, per_frame: int, spec: dict[str, Any] | None = None,
+                 unpooled_grid: tuple[int, int] | None = None) -> int:
+    """Visual tokens a frames method keeps of a ``frames`` x ``per_frame`` video (what wrap() keeps).
+    QuoTA: from the frame scores in ``spec`` (pass 2 of :func:`quota_request`)."""
     check_frames_method(method)
     n_total = method.n_keep(frames * per_frame, 1)
+    if method.name == "quota":
+        if n_total >= frames * per_frame:  # keep=1.0: nothing scored, nothing changed (as allocate)
+            return frames * per_frame
+        scores = (spec or {}).get(QUOTA_KEY, {}).get("scores")
+        if scores is None:
+            raise ValueError(QUOTA_REFUSAL)
+        grid = unpooled_grid if method.wants_unpooled and unpooled_grid is not None else None
+        m = grid[0] * grid[1] if grid is not None else per_frame
+        from vlm_prune.frames.quota import quota_plan
+
+        side = math.isqrt(per_frame)
+        plan = quota_plan(torch.zeros(frames, m, 1), grid or (side, per_frame // side), n_total,
+                          torch.tensor(scores, dtype=torch.float32), method.variant, method.weight_scale,
+                          method.weight_power, slots=frames * per_frame)
+        return plan.reduction.indices.numel()
     whole = min(frames, n_total // per_frame)
     return whole * per_frame if whole >= 1 else n_total
 
@@ -66,17 +93,29 @@ def uniform_frames(method: Method, frames: int, per_frame: int) -> list[int] | N
 
 
 def frames_reduction(method: Method, features: torch.Tensor, grid: tuple[int, int], *,
-                     text_features: torch.Tensor | None = None, pixels: torch.Tensor | None = None) -> Reduction:
+                     text_features: torch.Tensor | None = None, pixels: torch.Tensor | None = None,
+                     spec: dict[str, Any] | None = None, unpooled: torch.Tensor | None = None,
+                     unpooled_grid: tuple[int, int] | None = None) -> Reduction:
     """The method's reduction of one video's [T, N, D] frame maps (indices into its T * N rows),
     from the same FramesContext wrap() builds (features, grid, the video budget, the question's
-    input embeddings, the processor's pixels); its size must equal :func:`frames_slots`."""
+    input embeddings, the processor's pixels); its size must equal :func:`frames_slots`.
+    QuoTA: ``quota_plan`` with the scores of pass 1 on the unpooled maps [T, M, D] (v1/v2/v3/v5) or
+    the frame maps (v4), as QuoTA.allocate."""
     t, n, _ = features.shape
-    ctx = FramesContext(features=features, grid=grid, n_total=method.n_keep(t * n, 1), text_features=text_features,
-                        pixels=pixels)
+    n_total = method.n_keep(t * n, 1)
     with torch.no_grad():
-        plan = method.allocate(ctx)
+        if method.name == "quota" and n_total < t * n:
+            from vlm_prune.frames.quota import quota_plan
+
+            scores = torch.tensor((spec or {}).get(QUOTA_KEY, {}).get("scores"), dtype=torch.float32)
+            feats, g = (unpooled, unpooled_grid) if method.wants_unpooled and unpooled is not None else (features, grid)
+            plan = quota_plan(feats, g, n_total, scores, method.variant, method.weight_scale, method.weight_power,
+                              slots=t * n)
+        else:
+            ctx = FramesContext(features=features, grid=grid, n_total=n_total, text_features=text_features, pixels=pixels)
+            plan = method.allocate(ctx)
     red = plan.reduction
-    want = frames_slots(method, t, n)
+    want = frames_slots(method, t, n, spec, unpooled_grid)
     if red.indices.numel() != want:
         raise RuntimeError(f"vlm_prune: {method.name} kept {red.indices.numel()} tokens of the video, its slots are {want}")
     if red.sizes is not None:
@@ -86,3 +125,148 @@ def frames_reduction(method: Method, features: torch.Tensor, grid: tuple[int, in
 
 def is_frames(method: Any) -> bool:
     return getattr(method, "stage", None) == "frames"
+
+
+def quota_phase(spec: dict[str, Any] | None) -> str | None:
+    """"score" for pass 1's frame requests, "plan" for pass 2, None otherwise."""
+    q = (spec or {}).get(QUOTA_KEY) or {}
+    return "score" if q.get("phase") == "score" else "plan" if "scores" in q else None
+
+
+def strip_quota(spec: dict[str, Any]) -> dict[str, Any]:
+    """The spec without QuoTA's per-request data (the method object is built once per configuration)."""
+    return {k: v for k, v in spec.items() if k != QUOTA_KEY}
+
+
+# ---- QuoTA: pass 1 through the same engine -----------------------------------------------------------
+def quota_request(llm: Any, request: dict[str, Any], method: Any = "quota", *, keep: float | None = None,
+                  budget: int | None = None, seed: int = 0, processor: Any = None) -> dict[str, Any]:
+    """Pass 1 of QuoTA (arXiv 2503.08689) for one video request, through ``llm`` itself; returns the
+    request for pass 2 (``llm.generate(returned_request, params)``), whose spec carries the scores.
+
+    As wrap()'s QuoTA with its default scorer (the served model, unpruned): the question is the
+    prompt's text after its last image / video (chat template's assistant prefix dropped); with
+    ``decouple`` the model first answers the decoupling prompt (greedy, text only, cut where the
+    answer first parses, at most min(4096, room) new tokens); then each frame is asked the frame
+    prompt as a one-frame video request whose map the encoder resizes to at most ``score_grid``,
+    and the frame's score is P(answer) (P(answer) / (P(answer) + P(versus)) with two tokens), read
+    as the log-probability of the answer token appended to the prompt. ``method``: "quota" or a
+    configured ``QuoTA`` (its ``objects`` callable and ``prompts`` act here, on the client).
+    ``processor``: the checkpoint's processor (chat template); loaded from the model folder if None.
+    """
+    from vllm import SamplingParams
+
+    from vlm_prune.frames.quota import DECOUPLE_MAX_NEW_TOKENS, QuoTA
+    from vlm_prune.frames.scorers import vocab_id
+    from vlm_prune.vllm.config import build_method, method_spec
+
+    spec = method_spec(method, keep=keep, budget=budget, seed=seed)
+    q = build_method({**spec, "method": method}) if isinstance(method, QuoTA) else build_method(spec)
+    if not isinstance(q, QuoTA):
+        raise ValueError(f"quota_request serves QuoTA; got {spec['method']!r} (send other methods directly)")
+    video = (request.get("multi_modal_data") or {}).get("video")
+    if video is None:
+        raise ValueError("quota_request needs a request with one video in multi_modal_data['video']")
+    model_config = llm.llm_engine.model_config
+    info = VIDEO_MODELS.get(model_config.hf_config.architectures[0])
+    if info is None:
+        raise ValueError(f"quota_request serves the video models {', '.join(VIDEO_MODELS)}")
+    if processor is None:
+        from transformers import AutoProcessor
+
+        processor = AutoProcessor.from_pretrained(model_config.model)
+    tok = getattr(processor, "tokenizer", processor)
+    frames = video[0] if isinstance(video, tuple) else video
+    t, per_frame = len(frames), info["frame_tokens"](model_config.hf_config)
+    out = dict(request)
+
+    def with_spec(extra: dict[str, Any] | None) -> dict[str, Any]:
+        return {"vlm_prune": json.dumps({**spec, **({QUOTA_KEY: extra} if extra else {})}, sort_keys=True)}
+
+    if q.n_keep(t * per_frame, 1) >= t * per_frame:
+        out["mm_processor_kwargs"] = with_spec(None)
+        return out
+    query = _question_text(request, tok, processor, model_config.hf_config)
+    if not query:
+        scores = [1.0] * t  # no question: every frame alike (as QuoTA.frame_scores)
+    else:
+        room = getattr(model_config.hf_config.get_text_config(), "max_position_embeddings", None)
+
+        def generate_text(prompt: str, done: Any = None, max_new_tokens: int = DECOUPLE_MAX_NEW_TOKENS) -> str:
+            ids = _chat_ids(processor, tok, prompt, None)
+            limit = max(1, min(max_new_tokens, room - len(ids))) if room else max_new_tokens
+            res = llm.generate({"prompt_token_ids": ids}, SamplingParams(temperature=0.0, max_tokens=limit),
+                               use_tqdm=False)[0].outputs[0].token_ids
+            for k in range(1, len(res) + 1):  # generate() stops at the first step where the answer parses
+                text = tok.decode(res[:k], skip_special_tokens=True)
+                if done is not None and done(text):
+                    return text
+            return tok.decode(res, skip_special_tokens=True)
+
+        ctx = FramesContext(features=torch.zeros(t, 1, 1), grid=(1, 1), n_total=1, query=query,
+                            generate_text=generate_text)
+        prompt = q.scoring_prompt(ctx)
+        ids = _chat_ids(processor, tok, prompt, info["placeholder"](processor))
+        targets = [vocab_id(tok, w) for w in q._prompts.tokens]
+        grid = list(q.score_grid) if q.score_grid is not None else None
+        kwargs = with_spec({"phase": "score", "grid": grid})
+        reqs = [{"prompt_token_ids": ids + [target], "multi_modal_data": {"video": _frames(video, [f])},
+                 "mm_processor_kwargs": kwargs} for f in range(t) for target in targets]
+        res = llm.generate(reqs, SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0), use_tqdm=False)
+        probs = torch.tensor([math.exp(r.prompt_logprobs[-1][r.prompt_token_ids[-1]].logprob) for r in res],
+                             dtype=torch.float32).reshape(t, len(targets))
+        scores = q._prompts.score(probs).tolist()
+    out["mm_processor_kwargs"] = with_spec({"scores": scores})
+    return out
+
+
+def _frames(video: Any, keep: list[int]) -> Any:
+    if isinstance(video, tuple):
+        return _frames(video[0], keep), video[1]
+    return video[keep] if hasattr(video, "shape") else [video[i] for i in keep]
+
+
+def _chat_ids(processor: Any, tok: Any, prompt: str, placeholder: str | None) -> list[int]:
+    """One user turn in the processor's chat template ending with the assistant prefix (as wrap()'s
+    chat_ids), the media as one placeholder token (vLLM expands it)."""
+    content = ([{"type": "video"}] if placeholder else []) + [{"type": "text", "text": prompt}]
+    text = processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
+                                         tokenize=False)
+    return tok(text, add_special_tokens=False).input_ids
+
+
+def _question_text(request: dict[str, Any], tok: Any, processor: Any, hf_config: Any) -> str:
+    """The prompt's text after its last image / video, without the chat template's assistant prefix,
+    decoded as wrap() decodes it for QuoTA."""
+    from vlm_prune.vllm.llava import question_ids
+
+    ids = request.get("prompt_token_ids")
+    if ids is None:
+        ids = tok(request["prompt"]).input_ids
+    media = {getattr(hf_config, k, None) for k in ("image_token_index", "video_token_index", "image_token_id",
+                                                 "video_token_id")} - {None}
+    last = max((i for i, x in enumerate(ids) if x in media), default=-1)
+    suffix: list[int] = []
+    mark = "QQQ"
+    try:
+        text = processor.apply_chat_template([{"role": "user", "content": [{"type": "text", "text": mark}]}],
+                                             add_generation_prompt=True, tokenize=False)
+        if mark in text:
+            suffix = tok(text[text.rindex(mark) + len(mark):], add_special_tokens=False).input_ids
+    except Exception:  # a template that needs other fields: keep the text as it is
+        pass
+    return tok.decode(question_ids(list(ids), [(last, 1)], suffix), skip_special_tokens=True).strip()
+
+
+def _onevision_frame_tokens(hf_config: Any) -> int:
+    vc = hf_config.vision_config
+    return math.ceil((vc.image_size // vc.patch_size) / 2) ** 2
+
+
+#: video models quota_request knows: tokens per frame, the video placeholder text
+VIDEO_MODELS: dict[str, dict[str, Any]] = {
+    "VlmPruneLlavaOnevisionForConditionalGeneration": {
+        "frame_tokens": _onevision_frame_tokens,
+        "placeholder": lambda processor: getattr(processor, "video_token", "<video>"),
+    },
+}

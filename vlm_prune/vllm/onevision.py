@@ -10,9 +10,10 @@ The LLaVA-1.5 pattern (vlm_prune/vllm/llava.py, docs/vllm.md), with OneVision's 
 - **Video** (T frames of a pooled ceil(h/2) x ceil(w/2) grid, then one newline): a vision method
   reduces each frame on its grid (one generator over the frames, as wrap(); VisionZip reads each
   frame's SigLIP feature-layer attention pooled to that grid, video only, as wrap()); a frames method
-  (``uniform``, ``keyscore``: vlm_prune/vllm/frames.py) keeps whole frames. Slots per video:
-  the kept tokens plus the newline. ``uniform`` subsamples the frames in the processor, so the
-  tower only encodes the frames it keeps.
+  (``uniform``, ``keyscore``: vlm_prune/vllm/frames.py) keeps whole frames; ``quota`` keeps the
+  plan of its pass-1 scores (frames.quota_request) on the unpooled maps. Slots per video: the kept
+  tokens plus the newline. ``uniform`` subsamples the frames in the processor, so the tower only
+  encodes the frames it keeps.
 
 Kept rows keep their original positions (offsets in extra embedding channels, the text after an
 item continues from its unpruned length), as llava.py does.
@@ -46,7 +47,14 @@ from vllm.multimodal.processing import PromptReplacement, PromptUpdate
 
 from vlm_prune.methods.base import Method, Reduction, VisionContext
 from vlm_prune.vllm.config import ONEVISION_VISIONZIP_REFUSAL
-from vlm_prune.vllm.frames import frames_reduction, frames_slots, is_frames, uniform_frames
+from vlm_prune.vllm.frames import (
+    frames_reduction,
+    frames_slots,
+    is_frames,
+    quota_phase,
+    strip_quota,
+    uniform_frames,
+)
 from vlm_prune.vllm.llava import (
     OFFSET_CHANNELS,
     QUERY_KEY,
@@ -88,7 +96,7 @@ class PrunedOnevisionProcessingInfo(LlavaOnevisionProcessingInfo):
     """Each image / video gets the count of placeholder slots ``wrap()`` keeps for it."""
 
     def method(self, mm_kwargs: Mapping[str, object] | None = None) -> Method:
-        return method_of(spec_of(self.get_hf_config(), mm_kwargs))
+        return method_of(strip_quota(spec_of(self.get_hf_config(), mm_kwargs)))
 
     def image_newlines(self, *, image_width: int, image_height: int) -> int:
         """The image's ``image_newline`` rows (one per row of its unpadded tiles)."""
@@ -118,12 +126,19 @@ class PrunedOnevisionProcessingInfo(LlavaOnevisionProcessingInfo):
         side = math.isqrt(self._get_num_frame_tokens(image_width=0, image_height=0))
         return side, side
 
+    def tower_grid(self) -> tuple[int, int]:
+        side = self.get_vision_encoder_info().get_patch_grid_length()
+        return side, side
+
     def get_num_video_tokens(self, *, image_width: int, image_height: int, num_frames: int,
                              mm_kwargs: Mapping[str, object] | None = None) -> int:
         per_frame = self._get_num_frame_tokens(image_width=image_width, image_height=image_height)
-        m = self.method(mm_kwargs)
+        spec = spec_of(self.get_hf_config(), mm_kwargs)
+        m = method_of(strip_quota(spec))
+        if quota_phase(spec) == "score":  # QuoTA's pass 1: each frame's map resized to at most score_grid
+            return score_rows(self.frame_grid(), spec) * num_frames + 1
         if is_frames(m):
-            return frames_slots(m, num_frames, per_frame) + 1
+            return frames_slots(m, num_frames, per_frame, spec, self.tower_grid()) + 1
         return vision_slots(m, per_frame, self.frame_grid()) * num_frames + 1
 
 
@@ -150,7 +165,7 @@ class PrunedOnevisionMultiModalProcessor(LlavaOnevisionMultiModalProcessor):
         spec = spec_of(self.info.get_hf_config(), hf_kwargs)
         hf_data, kwargs, passthrough = super()._get_hf_mm_inputs(
             mm_items, {k: v for k, v in hf_kwargs.items() if k != "vlm_prune"})
-        method = method_of(spec)
+        method = method_of(strip_quota(spec))
         videos = hf_data.get("videos")
         if method.name == "uniform" and videos:
             per_frame = self.info._get_num_frame_tokens(image_width=0, image_height=0)
@@ -178,13 +193,15 @@ class PrunedOnevisionMultiModalProcessor(LlavaOnevisionMultiModalProcessor):
         return [PromptReplacement(modality="image", target=[cfg.image_token_index], replacement=image),
                 PromptReplacement(modality="video", target=[cfg.video_token_index], replacement=video)]
 
-    def _unpruned(self, mm_items: Any, modality: str, idx: int) -> int:
+    def _unpruned(self, mm_items: Any, modality: str, idx: int, spec: dict[str, Any]) -> int:
         if modality == "image":
             size = mm_items.get_items("image", ImageProcessorItems).get_image_size(idx)
             return LlavaOnevisionProcessingInfo.get_num_image_tokens(self.info, image_width=size.width,
                                                                       image_height=size.height)
         videos = mm_items.get_items("video", VideoProcessorItems)
         per_frame = self.info._get_num_frame_tokens(image_width=0, image_height=0)
+        if quota_phase(spec) == "score":  # a scoring request is its own (resized) video: nothing shifts
+            return score_rows(self.info.frame_grid(), spec) * videos.get_num_frames(idx) + 1
         return per_frame * videos.get_num_frames(idx) + 1
 
     def apply(self, inputs: Any, timing_ctx: Any) -> Any:
@@ -199,7 +216,7 @@ class PrunedOnevisionMultiModalProcessor(LlavaOnevisionMultiModalProcessor):
             for rank, item in enumerate(items):
                 if item is None:
                     continue
-                full = self._unpruned(inputs.mm_data_items, modality, rank)
+                full = self._unpruned(inputs.mm_data_items, modality, rank, spec)
                 for key, value in ((QUERY_KEY, torch.tensor(query, dtype=torch.long)), (RANK_KEY, torch.tensor([rank])),
                                    (SPEC_KEY, _spec_bytes(spec)), (FULL_KEY, torch.tensor([full]))):
                     item[key] = MultiModalFieldElem(data=value, field=MultiModalBatchedField())
@@ -211,6 +228,12 @@ class PrunedOnevisionMultiModalProcessor(LlavaOnevisionMultiModalProcessor):
                 digest = hashlib.sha256(json.dumps(extra).encode()).hexdigest()[:16]
                 hashes[modality][rank] = f"{hashes[modality][rank]}-vlm_prune-{digest}"
         return out
+
+
+def score_rows(frame_grid: tuple[int, int], spec: dict[str, Any]) -> int:
+    """Tokens per frame of a QuoTA scoring request: the frame map fitted into the spec's score grid."""
+    grid = spec["quota"].get("grid") or frame_grid
+    return min(frame_grid[0], grid[0]) * min(frame_grid[1], grid[1])
 
 
 def _num_frames(video: Any) -> int:
@@ -254,11 +277,19 @@ class VlmPruneLlavaOnevisionForConditionalGeneration(LlavaOnevisionForConditiona
         self.frame_grid = (side, side)
         self.tower_grid = (vc.image_size // vc.patch_size,) * 2
         self._feature_input: torch.Tensor | None = None
+        self._unpooled: torch.Tensor | None = None
         self.vision_tower.vision_model.encoder.layers[-1].register_forward_pre_hook(self._keep_feature_input)
 
     def _keep_feature_input(self, module: torch.nn.Module, args: tuple) -> None:
         self._feature_input = args[0].detach()
     # ---- encoder ------------------------------------------------------------------------------
+    def _video_pixels_to_features(self, vision_tower: Any, pixel_values: torch.Tensor) -> torch.Tensor:
+        """vLLM's tower, projector and pooling; the projected maps before pooling are kept (QuoTA)."""
+        feats = vision_tower(pixel_values, feature_select_strategy=self.config.vision_feature_select_strategy)
+        feats = self.multi_modal_projector(feats)
+        self._unpooled = feats
+        return self.apply_pooling(feats)
+
     def embed_multimodal(self, **kwargs: object) -> Any:
         extras = {k: kwargs.pop(k, None) for k in (QUERY_KEY, RANK_KEY, SPEC_KEY, FULL_KEY)}
         by_modality = self._parse_and_validate_multimodal_inputs(**kwargs)
@@ -283,7 +314,7 @@ class VlmPruneLlavaOnevisionForConditionalGeneration(LlavaOnevisionForConditiona
                 first_frame: int = 0) -> torch.Tensor:
         """One item's kept rows (in order) with their offsets from their slots in three extra channels."""
         spec = _spec_from(item[SPEC_KEY], spec_of(self.config))
-        method = method_of(spec)
+        method = method_of(strip_quota(spec))
         rank = int(item[RANK_KEY].reshape(-1)[0]) if item[RANK_KEY] is not None else 0
         gen = torch.Generator().manual_seed(int(spec.get("seed", 0)) * 1_000_003 + rank)
         query = item[QUERY_KEY]
@@ -295,10 +326,10 @@ class VlmPruneLlavaOnevisionForConditionalGeneration(LlavaOnevisionForConditiona
             if modality == "image":
                 keep, new = self._reduce_image(method, feats, text, gen)
             else:
-                keep, new = self._reduce_video(method, feats, text, gen, full, pixels, first_frame)
+                keep, new = self._reduce_video(method, feats, text, gen, full, pixels, first_frame, spec)
         kept_rows = torch.nonzero(keep).squeeze(1)
         kept = new[kept_rows]
-        origin = self._origin(method, modality, feats.shape[0], full)
+        origin = self._origin(method, modality, new.shape[0], full)
         offsets = origin[kept_rows] - torch.arange(kept_rows.numel(), device=kept_rows.device)
         if getattr(method, "renumber_positions", False):  # VisionZip's official shorter sequence (wrap() too)
             offsets = torch.zeros_like(offsets)
@@ -308,7 +339,7 @@ class VlmPruneLlavaOnevisionForConditionalGeneration(LlavaOnevisionForConditiona
         """Each encoded row's position in the unpruned item (its row, unless uniform decoded only
         its kept frames: then frame j of the encoded video is the j-th kept frame)."""
         ar = torch.arange(rows)
-        if modality != "video" or method.name != "uniform" or rows == full:
+        if modality != "video" or method.name != "uniform" or rows == full:  # (QuoTA's scoring: rows == full)
             return ar
         n = self.frame_grid[0] * self.frame_grid[1]
         frames = uniform_frames(method, (full - 1) // n, n)
@@ -330,7 +361,8 @@ class VlmPruneLlavaOnevisionForConditionalGeneration(LlavaOnevisionForConditiona
         return _scatter(feats, rows, red, always=newline)
 
     def _reduce_video(self, method: Method, feats: torch.Tensor, text: torch.Tensor | None, gen: torch.Generator,
-                      full: int, pixels: torch.Tensor | None, first_frame: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+                      full: int, pixels: torch.Tensor | None, first_frame: int = 0, spec: dict[str, Any] | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
         n = self.frame_grid[0] * self.frame_grid[1]
         body = feats.shape[0] - 1
         t = body // n
@@ -339,11 +371,19 @@ class VlmPruneLlavaOnevisionForConditionalGeneration(LlavaOnevisionForConditiona
         rows = torch.arange(body, device=feats.device)
         #: frames the tower encoded for the latest video (uniform: only the kept ones)
         self.last_encoded_frames = t
+        if quota_phase(spec) == "score":  # QuoTA's pass 1: the frame maps fitted into score_grid (wrap()'s scorer)
+            from vlm_prune.adapters.hf_vlm import fit_grid
+
+            grid = spec["quota"].get("grid")
+            maps = fit_grid(feats[:body].reshape(t, n, -1), self.frame_grid, tuple(grid) if grid else None)
+            new = torch.cat([maps.reshape(-1, feats.shape[-1]), feats[body:]])
+            return torch.ones(new.shape[0], dtype=torch.bool, device=feats.device), new
         if is_frames(method):
             if method.name == "uniform" and feats.shape[0] != full:  # the processor decoded only the kept frames
                 return torch.ones(feats.shape[0], dtype=torch.bool, device=feats.device), feats
+            unpooled = None if self._unpooled is None else self._unpooled[first_frame:first_frame + t]
             red = frames_reduction(method, feats[:body].reshape(t, n, -1), self.frame_grid, text_features=text,
-                                   pixels=pixels)
+                                   pixels=pixels, spec=spec, unpooled=unpooled, unpooled_grid=self.tower_grid)
             return _scatter(feats, rows, red, always=tail)
         parts = []
         for f in range(t):
@@ -398,7 +438,7 @@ class VlmPruneLlavaOnevisionForConditionalGeneration(LlavaOnevisionForConditiona
             full = int(elem.data.reshape(-1)[0]) if elem is not None else k
             spec_elem = f.data.get(SPEC_KEY) if f.data is not None else None
             spec = _spec_from(spec_elem.data if spec_elem is not None else None, spec_of(self.config))
-            if not getattr(method_of(spec), "renumber_positions", False):  # VisionZip official: the shorter sequence
+            if not getattr(method_of(strip_quota(spec)), "renumber_positions", False):  # VisionZip official: the shorter sequence
                 shift += max(0, full - k)
             cursor = start + k
         pos[cursor:] = torch.arange(cursor, n_tokens) + shift

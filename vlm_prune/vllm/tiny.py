@@ -271,6 +271,7 @@ def build_onevision_tokenizer(shape: OnevisionShape):
     image_id = image_token_id(shape)
     names = ["<pad>", "<s>", "</s>"] + [f"w{i}" for i in range(3, shape.vocab)]
     names[video_token_id(shape)] = "<video>"
+    names[video_token_id(shape) - 3:video_token_id(shape)] = ["A", "yes", "no"]  # QuoTA's answer words
     names[image_id] = "<image>"
     names[image_id + 1] = "user"
     names[image_id + 2] = "assistant"
