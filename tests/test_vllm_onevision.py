@@ -71,7 +71,7 @@ def checkpoint(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def llm(checkpoint):
-    engine = vp.LLM(str(checkpoint), "random", keep=1.0, enforce_eager=True, dtype="float32", max_model_len=1024,
+    engine = vp.LLM(str(checkpoint), "random", keep=1.0, enforce_eager=True, dtype="float32", max_model_len=384,
                     max_num_seqs=4, seed=0, limit_mm_per_prompt={"image": 1, "video": 1},
                     enable_prefix_caching=False)  # each test request prefills its media (positions are read there)
     yield engine
@@ -206,16 +206,18 @@ def test_visionzip_video_equals_wrapped_hf(llm, hf, knobs, budget):
     check_equal(llm, hf, VisionZip(**knobs), budget, prompts=[PROMPTS[1]])
 
 
-QUOTA_CASES = [({"decouple": False}, {"keep": 0.5}), ({"decouple": False, "score_grid": (2, 2)}, {"budget": 50}),
+QUOTA_CASES = [({}, {"keep": 0.5}), ({"decouple": False, "score_grid": (2, 2)}, {"budget": 50}),
                ({"decouple": False, "variant": "v2"}, {"keep": 0.3})]
 
 
-@pytest.mark.parametrize("knobs,budget", QUOTA_CASES, ids=["v1-keep0.5", "v1-grid2-budget50", "v2-keep0.3"])
+@pytest.mark.parametrize("knobs,budget", QUOTA_CASES, ids=["v1-decouple-keep0.5", "v1-grid2-budget50", "v2-keep0.3"])
 def test_quota_two_pass_equals_wrapped_hf(llm, hf, knobs, budget):
     """QuoTA through vp.quota_request: pass 1 scores each frame in the same engine (one-frame video
     requests, maps fitted into score_grid, P("A") from the prompt log-probabilities), pass 2 serves the
     plan (per-frame counts from the scores, v1 / v2 on the unpooled 8 x 8 maps): the same frame scores,
-    tokens, log-probabilities and kept rows as wrap(model, QuoTA(...)) with the model as its scorer."""
+    tokens, log-probabilities and kept rows as wrap(model, QuoTA(...)) with the model as its scorer. With
+    decoupling (the first case) both generate the decoupling answer greedily up to the model's room (the
+    random model's answer never parses), and the frame prompt follows from it."""
     from vlm_prune.frames import QuoTA
 
     model, proc = hf

@@ -195,6 +195,8 @@ def quota_request(llm: Any, request: dict[str, Any], method: Any = "quota", *, k
         def generate_text(prompt: str, done: Any = None, max_new_tokens: int = DECOUPLE_MAX_NEW_TOKENS) -> str:
             ids = _chat_ids(processor, tok, prompt, None)
             limit = max(1, min(max_new_tokens, room - len(ids))) if room else max_new_tokens
+            # the engine's max_model_len bounds it too (below the model's max positions wrap() may generate longer)
+            limit = max(1, min(limit, model_config.max_model_len - len(ids)))
             res = llm.generate({"prompt_token_ids": ids}, SamplingParams(temperature=0.0, max_tokens=limit),
                                use_tqdm=False)[0].outputs[0].token_ids
             for k in range(1, len(res) + 1):  # generate() stops at the first step where the answer parses

@@ -251,7 +251,7 @@ class OnevisionShape:
     vision_heads: int = 2
     image_size: int = 32
     patch: int = 4  # 8 x 8 tokens per tile, 4 x 4 per video frame
-    max_positions: int = 2048
+    max_positions: int = 384  # QuoTA's decoupling generates up to the model's room: keep it short
 
     @property
     def pinpoints(self) -> list[list[int]]:
