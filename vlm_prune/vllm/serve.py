@@ -25,7 +25,8 @@ def add_parser(sub: Any) -> None:
     p = sub.add_parser("serve", help="serve a VLM with vLLM's OpenAI-compatible server, pruned",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model", help="local checkpoint folder (save_pretrained output) of a supported model")
-    p.add_argument("--method", required=True, help="vision-stage method: random, pool, divprune, cdpruner, visionzip")
+    p.add_argument("--method", required=True, help="vision-stage method: random, pool, divprune, cdpruner, visionzip; "
+                   "on video models also the frames methods uniform, keyscore (QuoTA: per request, docs/vllm.md)")
     group = p.add_mutually_exclusive_group(required=True)
     group.add_argument("--keep", type=positive_float, help="fraction of each image's visual tokens kept, in (0, 1]")
     group.add_argument("--budget", type=positive_int, help="visual tokens kept per image")
