@@ -6,6 +6,7 @@ Needs vLLM: CI runs this module in the vLLM environment (.ci/run); elsewhere it 
 """
 from __future__ import annotations
 
+import importlib.util
 import os
 
 import pytest
@@ -29,34 +30,55 @@ STEPS = 6
 IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
 VIDEO = "<|vision_start|><|video_pad|><|vision_end|>"
 #: two prompts per kind, the media at different offsets. Images: 32 x 32 px (4 x 4 merged tokens) and
-#: 48 x 32 px (4 rows x 6 columns). Videos: 4 frames (2 temporal slices) of 48 x 32 px, the first
+#: 48 x 32 px (4 rows x 6 columns). Videos: 48 x 32 px (FRAMES), the first
 #: prompt with an image before its video (ranks per modality, two encoder calls, one question)
 PROMPTS = {
     "image": [f"<s> user : {IMAGE} w5 w6 w7 w8 assistant :", f"<s> user : w9 w10 {IMAGE} w11 w12 w13 assistant :"],
     "video": [f"<s> user : {IMAGE} w5 {VIDEO} w6 w7 assistant :", f"<s> user : w9 w10 w11 {VIDEO} w12 assistant :"],
 }
 SIZES = [(32, 32), (48, 32)]  # (width, height)
-#: the frames vLLM's Qwen processors take with a video: 2 fps, no resampling (HF gets the same)
-META = {"fps": 2.0, "total_num_frames": 4, "frames_indices": [0, 1, 2, 3], "duration": 2.0, "video_backend": "opencv",
-        "do_sample_frames": False}
+#: frames per video: 8 (4 slices) on Qwen2-VL; 4 (2 slices) on Qwen2.5-VL, where vLLM's own Qwen2.5-VL
+#: class already differs from Hugging Face's on longer videos (log-probs 5e-3 apart at 4 slices, unpruned,
+#: with or without the plugin; docs/vllm.md)
+FRAMES = {False: 8, True: 4}
+
+
+def meta(frames: int) -> dict:
+    """The metadata vLLM's Qwen processors take with a video: 2 fps, no resampling (HF gets the same)."""
+    return {"fps": 2.0, "total_num_frames": frames, "frames_indices": list(range(frames)), "duration": frames / 2,
+            "video_backend": "opencv", "do_sample_frames": False}
 CASES = [("image", "random", {"keep": 0.5}), ("image", "random", {"budget": 3}), ("image", "pool", {"keep": 0.25}),
          ("image", "divprune", {"keep": 0.5}), ("image", "divprune", {"budget": 5}), ("image", "cdpruner", {"keep": 0.5}),
          ("image", "cdpruner", {"budget": 6}), ("video", "random", {"keep": 0.5}), ("video", "pool", {"keep": 0.25}),
-         ("video", "divprune", {"budget": 5}), ("video", "cdpruner", {"keep": 0.5})]
+         ("video", "divprune", {"budget": 5}), ("video", "cdpruner", {"keep": 0.5}),
+         # frames methods: whole slices of the video (below one slice, part of one), the image left alone
+         ("video", "uniform", {"keep": 0.5}), ("video", "uniform", {"budget": 10}), ("video", "keyscore", {"keep": 0.5}),
+         ("video", "keyscore", {"budget": 48})]
+#: keyscore's in-model default ranks STACFP's proposals (OpenCV, scikit-learn); "all" slices without them
+KEYSCORE = {} if all(importlib.util.find_spec(m) is not None for m in ("cv2", "sklearn")) else {"proposals": "all"}
 #: Qwen2.5-VL shares every line of the plugin with Qwen2-VL; its engine checks keep-all and one method
 #: of each kind (selection, replacement) against its own tower (window attention) and processor class,
 #: and a video, whose temporal positions step by second_per_grid_ts * tokens_per_second on 2.5
 CASES_25 = [("image", "divprune", {"keep": 0.5}), ("image", "pool", {"keep": 0.25}), ("video", "divprune", {"budget": 5})]
 
 
-def _media(kind: str) -> list[dict]:
+def _media(kind: str, frames: int = 8) -> list[dict]:
     """Per prompt of ``kind``: {"image": PIL image} and / or {"video": frames [4, H, W, 3] uint8}."""
     rng = np.random.RandomState(0)
     images = [Image.fromarray((rng.rand(h, w, 3) * 255).astype("uint8")) for w, h in SIZES]
     if kind == "image":
         return [{"image": im} for im in images]
-    video = (rng.rand(4, 32, 48, 3) * 255).astype("uint8")
+    video = (rng.rand(frames, 32, 48, 3) * 255).astype("uint8")
     return [{"image": images[0], "video": video}, {"video": video[::-1].copy()}]
+
+
+def _method(name: str | None):
+    """The method as both sides get it (keyscore as an object with its proposals knob)."""
+    if name == "keyscore" and KEYSCORE:
+        from vlm_prune.frames import KeyScore
+
+        return KeyScore(**KEYSCORE)
+    return name
 
 
 def _case_id(kind: str, method: str, budget: dict) -> str:
@@ -88,11 +110,11 @@ def hf(arch):
     return model, AutoProcessor.from_pretrained(arch[0])
 
 
-def run_vllm(llm, kind: str, method: str | None, **budget):
+def run_vllm(llm, kind: str, method: str | None, frames: int = 8, **budget):
     from vllm import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=STEPS, min_tokens=STEPS, logprobs=0)
-    requests = [vllm_request(prompt, media, method, **budget) for prompt, media in zip(PROMPTS[kind], _media(kind))]
+    requests = [vllm_request(prompt, media, method, **budget) for prompt, media in zip(PROMPTS[kind], _media(kind, frames))]
     outs = llm.generate(requests, params, use_tqdm=False)
     tokens = [list(o.outputs[0].token_ids) for o in outs]
     logprobs = [[step[t].logprob for step, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)] for o in outs]
@@ -102,28 +124,28 @@ def run_vllm(llm, kind: str, method: str | None, **budget):
 def vllm_request(prompt: str, media: dict, method: str | None, **budget) -> dict:
     data = dict(media)
     if "video" in data:
-        data["video"] = (data["video"], META)
+        data["video"] = (data["video"], meta(len(data["video"])))
     req = {"prompt": prompt, "multi_modal_data": data}
     if method is not None:
-        req["mm_processor_kwargs"] = vp.request_kwargs(method, **budget)
+        req["mm_processor_kwargs"] = vp.request_kwargs(_method(method), **budget)
     return req
 
 
-def run_hf(hf, kind: str, method: str | None, **budget):
+def run_hf(hf, kind: str, method: str | None, frames: int = 8, **budget):
     """Greedy tokens, their log-probabilities and the (t, h, w) positions of the kept visual rows
     of the wrapped HF model (its M-RoPE positions of the unpruned prompt at ``last_rows``)."""
     from transformers.video_utils import VideoMetadata
 
     model, proc = hf
     if method is not None:
-        vlm_prune.wrap(model, method, processor=proc, **budget)
+        vlm_prune.wrap(model, _method(method), processor=proc, **budget)
     try:
         tokens, logprobs, kept = [], [], []
-        for prompt, media in zip(PROMPTS[kind], _media(kind)):
+        for prompt, media in zip(PROMPTS[kind], _media(kind, frames)):
             extra = {}
             if "video" in media:
-                meta = VideoMetadata(**{k: v for k, v in META.items() if k != "do_sample_frames"})
-                extra = {"videos": [media["video"]], "video_metadata": [meta], "do_sample_frames": False}
+                info = VideoMetadata(**{k: v for k, v in meta(len(media["video"])).items() if k != "do_sample_frames"})
+                extra = {"videos": [media["video"]], "video_metadata": [info], "do_sample_frames": False}
             inputs = proc(images=media.get("image"), text=prompt, return_tensors="pt", **extra)
             with torch.no_grad():
                 out = model.generate(**inputs, max_new_tokens=STEPS, do_sample=False, output_logits=True,
@@ -151,9 +173,9 @@ def image_positions(llm) -> list[list[int]]:
 
 
 @pytest.mark.parametrize("kind", ["image", "video"])
-def test_keep_all_equals_unwrapped_hf(llm, hf, kind):
-    tokens, logprobs = run_vllm(llm, kind, None)
-    ref_tokens, ref_logprobs, _ = run_hf(hf, kind, None)
+def test_keep_all_equals_unwrapped_hf(arch, llm, hf, kind):
+    tokens, logprobs = run_vllm(llm, kind, None, FRAMES[arch[1]])
+    ref_tokens, ref_logprobs, _ = run_hf(hf, kind, None, FRAMES[arch[1]])
     assert tokens == ref_tokens
     np.testing.assert_allclose(logprobs, ref_logprobs, atol=2e-4)
 
@@ -164,18 +186,21 @@ def test_method_equals_wrapped_hf(arch, llm, hf, kind, method, budget):
     tokens at the same (t, h, w) positions (the original ones)."""
     if arch[1] and (kind, method, budget) not in CASES_25:
         pytest.skip("CASES_25 covers Qwen2.5-VL: the plugin runs the same code on both (see CASES_25)")
-    ref_tokens, ref_logprobs, ref_kept = run_hf(hf, kind, method, **budget)
-    tokens, logprobs = run_vllm(llm, kind, method, **budget)
+    frames = FRAMES[arch[1]]
+    ref_tokens, ref_logprobs, ref_kept = run_hf(hf, kind, method, frames, **budget)
+    tokens, logprobs = run_vllm(llm, kind, method, frames, **budget)
     assert tokens == ref_tokens
     np.testing.assert_allclose(logprobs, ref_logprobs, atol=2e-4)
     from vllm import SamplingParams
 
-    for i, (prompt, media) in enumerate(zip(PROMPTS[kind], _media(kind))):
+    for i, (prompt, media) in enumerate(zip(PROMPTS[kind], _media(kind, frames))):
         llm.generate(vllm_request(prompt, media, method, **budget), SamplingParams(temperature=0.0, max_tokens=1),
                      use_tqdm=False)
         assert image_positions(llm) == ref_kept[i]
 
 
-def test_visionzip_is_refused_per_request(llm):
+def test_visionzip_and_quota_are_refused_per_request(llm):
     with pytest.raises(ValueError, match="visionzip needs the vision tower's attention"):
         run_vllm(llm, "image", "visionzip", keep=0.5)
+    with pytest.raises(ValueError, match="QuoTA is served on LLaVA-OneVision video only"):
+        run_vllm(llm, "video", "quota", keep=0.5)

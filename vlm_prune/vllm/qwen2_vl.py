@@ -1,4 +1,4 @@
-"""Qwen2-VL and Qwen2.5-VL served by vLLM with a vision-stage method of vlm_prune.
+"""Qwen2-VL and Qwen2.5-VL served by vLLM with a vision-stage or frames method of vlm_prune.
 
 The same three steps as the LLaVA-1.5 class (vlm_prune/vllm/llava.py, docs/vllm.md), on vLLM's own
 Qwen classes:
@@ -8,7 +8,9 @@ Qwen classes:
    frames), as ``wrap()`` budgets each slice of a Qwen video.
 2. Choice: ``embed_multimodal`` runs vLLM's tower and merger, then the method object's
    ``reduce_image`` per image / slice with the VisionContext ``wrap()`` builds (the merged grid, a
-   generator seeded ``seed * 1_000_003 + rank``, the question's input embeddings).
+   generator seeded ``seed * 1_000_003 + rank``, the question's input embeddings). The frames
+   methods ``uniform`` / ``keyscore`` (vlm_prune/vllm/frames.py) keep whole slices of a video
+   instead, chosen in the encoder from its [T, N, D] slices; images are then left alone.
 3. Positions: Qwen's M-RoPE gives every visual token a (t, h, w) position; ``wrap()`` keeps each
    kept token's original one, the text after an item continues from the unpruned item's largest
    position + 1, and decoding from there. ``get_mrope_input_positions`` lays the prompt out that
@@ -18,6 +20,8 @@ Qwen classes:
 
 VisionZip is refused: it reads the CLS attention of a CLIP-like tower's feature layer, which
 Qwen's tower (no CLS token, window attention in 2.5) does not have; ``wrap()`` refuses it too.
+QuoTA is refused (served on LLaVA-OneVision): its scorer's resized frame maps would need M-RoPE
+positions of the resized grid.
 """
 from __future__ import annotations
 
@@ -46,8 +50,10 @@ from vllm.multimodal import MULTIMODAL_REGISTRY
 from vllm.multimodal.inputs import MultiModalBatchedField, MultiModalFeatureSpec, MultiModalFieldElem
 from vllm.multimodal.processing import PromptReplacement, PromptUpdate
 
+from vlm_prune.adapters.qwen2_vl import unpatchify
 from vlm_prune.methods.base import Method, VisionContext
 from vlm_prune.vllm.config import refusal
+from vlm_prune.vllm.frames import frames_reduction, frames_slots, is_frames
 from vlm_prune.vllm.llava import (
     QUERY_KEY,
     RANK_KEY,
@@ -117,6 +123,8 @@ class _PrunedProcessor:
         def pruned(item_idx: int, modality: str, full: Any) -> list[int]:
             ids = full(item_idx)
             t = int(out_mm_kwargs[modality][item_idx][f"{modality}_grid_thw"].data[0])
+            if is_frames(method):  # a frames method keeps whole slices of a video, leaves images alone
+                return ids if modality == "image" else ids[:1] * frames_slots(method, t, len(ids) // t)
             return ids[:1] * (t * method.n_keep(len(ids) // t, 1))
 
         return [PromptReplacement(modality=u.modality, target=u.target,
@@ -141,7 +149,7 @@ class _PrunedProcessor:
                 item[RANK_KEY] = MultiModalFieldElem(data=torch.tensor([rank]), field=MultiModalBatchedField())
                 item[SPEC_KEY] = MultiModalFieldElem(data=spec_bytes, field=MultiModalBatchedField())
                 extra = {}
-                if method.name == "cdpruner":
+                if method.name in ("cdpruner", "keyscore"):  # they read the question
                     extra["query"] = query
                 if method.name == "random":
                     extra["rank"] = rank
@@ -181,13 +189,20 @@ class _PrunedQwen:
             raise RuntimeError("vlm_prune: one encoder call with images and videos (vLLM groups them by modality)")
         grids = kwargs.get("video_grid_thw" if video else "image_grid_thw")
         seconds = kwargs.get("second_per_grid_ts") if video else None
+        patches = kwargs.get("pixel_values_videos") if video else None
         items = super().embed_multimodal(**kwargs)
         if not items:
             return items
         grids = torch.as_tensor(grids).reshape(-1, 3) if not isinstance(grids, (list, tuple)) else torch.stack(
             [torch.as_tensor(g).reshape(3) for g in grids])
-        out = []
+        out, start = [], 0
         for b, feats in enumerate(items):
+            pixels = None
+            if patches is not None and not isinstance(patches, (list, tuple)):  # the frames for KeyScore's proposals
+                n_patches = int(grids[b].prod())
+                pixels = unpatchify(patches[start : start + n_patches], tuple(int(x) for x in grids[b]),
+                                    self.config.vision_config)
+                start += n_patches
             t_factor = 1.0
             if video:
                 s = _item(seconds, b)
@@ -196,13 +211,15 @@ class _PrunedQwen:
             raw = _item(spec, b)
             item_spec = json.loads(bytes(raw.reshape(-1).tolist()).decode()) if raw is not None else spec_of(self.config)
             out.append(self._reduce(b, feats, [int(x) for x in grids[b]], t_factor, item_spec,
-                                    _item(query, b), _item(rank, b)))
+                                    _item(query, b), _item(rank, b), video, pixels))
         return out
 
     def _reduce(self, b: int, features: torch.Tensor, grid: list[int], t_factor: float, spec: dict[str, Any],
-                query: torch.Tensor | None, rank: torch.Tensor | None) -> torch.Tensor:
-        """One image / video: the method on each temporal slice (as wrap() on Qwen), the kept
-        features followed by their (t, h, w) offsets from the item's first position."""
+                query: torch.Tensor | None, rank: torch.Tensor | None, video: bool = False,
+                pixels: torch.Tensor | None = None) -> torch.Tensor:
+        """One image / video: the vision method on each temporal slice, or the frames method on the
+        video's [T, N, D] slices (as wrap() on Qwen), the kept features followed by their (t, h, w)
+        offsets from the item's first position."""
         m = self.config.vision_config.spatial_merge_size
         t, rows, cols = grid[0], grid[1] // m, grid[2] // m
         n = rows * cols
@@ -213,8 +230,18 @@ class _PrunedQwen:
         if query is not None:
             text = self.language_model.model.embed_tokens(query.reshape(-1).to(features.device).long())
         kept, index = [], []
+        if is_frames(method):  # whole slices of a video (images untouched, as wrap(frames=...))
+            idx, feats = torch.arange(t * n, device=features.device), features
+            if video:
+                red = frames_reduction(method, features.reshape(t, n, -1), (rows, cols), text_features=text,
+                                       pixels=pixels)
+                idx = red.indices.to(features.device)
+                feats = features[idx] if red.features is None else red.features.to(features.dtype)
+            order = torch.argsort(idx)
+            kept.append(feats[order])
+            index.append(idx[order])
         with torch.no_grad():
-            for s in range(t):
+            for s in range(0 if is_frames(method) else t):
                 frame = features[s * n : (s + 1) * n]
                 ctx = VisionContext(features=frame, n_keep=method.n_keep(n, 1), grid=(rows, cols), text_embeds=text,
                                     generator=gen, image_index=b)
@@ -294,7 +321,7 @@ class PrunedQwen2VLMultiModalProcessor(_PrunedProcessor, Qwen2VLMultiModalProces
     PrunedQwen2VLMultiModalProcessor, info=PrunedQwen2VLProcessingInfo, dummy_inputs=Qwen2VLDummyInputsBuilder
 )
 class VlmPruneQwen2VLForConditionalGeneration(_PrunedQwen, Qwen2VLForConditionalGeneration):
-    """vLLM's Qwen2-VL with a vlm_prune vision-stage method (random, pool, divprune, cdpruner)."""
+    """vLLM's Qwen2-VL with a vlm_prune method (random, pool, divprune, cdpruner; video: uniform, keyscore)."""
 
 
 class PrunedQwen2_5_VLProcessingInfo(_PrunedInfo, Qwen2_5_VLProcessingInfo):
@@ -309,4 +336,4 @@ class PrunedQwen2_5_VLMultiModalProcessor(_PrunedProcessor, Qwen2_5_VLMultiModal
     PrunedQwen2_5_VLMultiModalProcessor, info=PrunedQwen2_5_VLProcessingInfo, dummy_inputs=Qwen2_5_VLDummyInputsBuilder
 )
 class VlmPruneQwen2_5_VLForConditionalGeneration(_PrunedQwen, Qwen2_5_VLForConditionalGeneration):
-    """vLLM's Qwen2.5-VL with a vlm_prune vision-stage method (random, pool, divprune, cdpruner)."""
+    """vLLM's Qwen2.5-VL with a vlm_prune method (random, pool, divprune, cdpruner; video: uniform, keyscore)."""
