@@ -395,7 +395,7 @@ def targets(args: argparse.Namespace) -> Iterator[tuple[str, int, torch.nn.Modul
 
     The shipped models: every shipped training seed of each kind in ``--kinds``, each on the same
     first test samples (so methods and seeds pair up), ``--limit`` (default 900, ``--quick`` 96 /
-    48) split evenly over the seeds.
+    48) split evenly over the seeds; ``--quick`` benches the first seed only unless ``--seeds`` says otherwise.
     """
     quick = args.quick
     keeps = {"image": args.keep or (QUICK_IMAGE_KEEPS if quick else IMAGE_KEEPS),
@@ -405,7 +405,7 @@ def targets(args: argparse.Namespace) -> Iterator[tuple[str, int, torch.nn.Modul
         if args.device != "cpu":
             raise SystemExit("the shipped synthetic models run on CPU; --device cuda applies to --model and --speed")
         for kind in args.kinds:
-            seeds = shipped_seeds(kind)[: args.seeds]
+            seeds = shipped_seeds(kind)[: args.seeds or (1 if quick else None)]
             if not seeds:
                 raise SystemExit(f"no shipped {kind} model; train one with `python -m vlm_prune.eval.synthetic.train --kind {kind}`")
             families = common_families(kind, seeds)
@@ -617,11 +617,12 @@ def add_parser(subparsers: Any) -> None:
         description=plain_doc(__doc__), formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--quick", action="store_true",
-                   help="fewer samples (96 image / 48 video) and keep ratios (0.25, 0.05 / 0.25); a row per method")
+                   help="a smoke run: the first seed only, fewer samples (96 image / 48 video) and keep ratios "
+                        "(0.25, 0.05 / 0.25); a row per method, no spread over seeds")
     p.add_argument("--limit", type=_positive, default=None,
                    help="test samples per model kind, split over the shipped seeds (default 900; --quick 96 image / 48 video)")
     p.add_argument("--kinds", type=_kinds, default=("image", "video"), help="shipped model kinds to bench (default image,video)")
-    p.add_argument("--seeds", type=_positive, default=None, help="bench only the first N shipped training seeds (default all)")
+    p.add_argument("--seeds", type=_positive, default=None, help="bench only the first N shipped training seeds (default all; --quick 1)")
     p.add_argument("--keep", type=_keeps, default=None, help="keep ratios for every model, e.g. 0.5,0.25")
     p.add_argument("--methods", type=method_list, default=None,
                    help="comma-separated method names to run (default: all registered)")
