@@ -37,9 +37,9 @@ PROMPTS = {
     "video": [f"<s> user : {IMAGE} w5 {VIDEO} w6 w7 assistant :", f"<s> user : w9 w10 w11 {VIDEO} w12 assistant :"],
 }
 SIZES = [(32, 32), (48, 32)]  # (width, height)
-#: frames per video: 8 (4 slices) on Qwen2-VL; 4 (2 slices) on Qwen2.5-VL, where vLLM's own Qwen2.5-VL
-#: class already differs from Hugging Face's on longer videos (log-probs 5e-3 apart at 4 slices, unpruned,
-#: with or without the plugin; docs/vllm.md)
+#: frames per video: 8 (4 slices) on Qwen2-VL; 4 (2 slices) on Qwen2.5-VL, whose scaled temporal positions
+#: (0, 2, 4, 6) would pass max(h, w) = 6 at 4 slices, where transformers 5's get_rope_index starts the text
+#: after the video earlier than vLLM's own Qwen classes (and the plugin) do (docs/vllm.md, "Tests")
 FRAMES = {False: 8, True: 4}
 
 
