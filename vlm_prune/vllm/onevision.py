@@ -29,8 +29,9 @@ from typing import Any
 
 import numpy as np
 import torch
-
-from transformers.models.llava_onevision.modeling_llava_onevision import get_anyres_image_grid_shape
+from transformers.models.llava_onevision.modeling_llava_onevision import (
+    get_anyres_image_grid_shape,
+)
 from vllm.config import VllmConfig
 from vllm.model_executor.models.interfaces import SupportsMRoPE
 from vllm.model_executor.models.llava_onevision import (
@@ -41,7 +42,11 @@ from vllm.model_executor.models.llava_onevision import (
 )
 from vllm.model_executor.models.utils import WeightsMapper
 from vllm.multimodal import MULTIMODAL_REGISTRY
-from vllm.multimodal.inputs import MultiModalBatchedField, MultiModalFeatureSpec, MultiModalFieldElem
+from vllm.multimodal.inputs import (
+    MultiModalBatchedField,
+    MultiModalFeatureSpec,
+    MultiModalFieldElem,
+)
 from vllm.multimodal.parse import ImageProcessorItems, VideoProcessorItems
 from vllm.multimodal.processing import PromptReplacement, PromptUpdate
 
