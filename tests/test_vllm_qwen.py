@@ -92,10 +92,13 @@ def arch(request, tmp_path_factory):
     return write_qwen2_vl(tmp_path_factory.mktemp("qwen") / "tiny", QwenShape(v25=v25), seed=0), v25
 
 
+ENGINE_ARGS = {"enforce_eager": True, "dtype": "float32", "max_model_len": 256, "max_num_seqs": 4, "seed": 0,
+               "limit_mm_per_prompt": {"image": 1, "video": 1}}
+
+
 @pytest.fixture(scope="module")
 def llm(arch):
-    engine = vp.LLM(str(arch[0]), "random", keep=1.0, enforce_eager=True, dtype="float32", max_model_len=256,
-                    max_num_seqs=4, seed=0, limit_mm_per_prompt={"image": 1, "video": 1})
+    engine = vp.LLM(str(arch[0]), "random", keep=1.0, **ENGINE_ARGS)
     yield engine
     del engine
 
@@ -178,6 +181,51 @@ def test_keep_all_equals_unwrapped_hf(arch, llm, hf, kind):
     ref_tokens, ref_logprobs, _ = run_hf(hf, kind, None, FRAMES[arch[1]])
     assert tokens == ref_tokens
     np.testing.assert_allclose(logprobs, ref_logprobs, atol=2e-4)
+
+
+def plain_vllm_main(model: str, out: str) -> None:
+    """The child of :func:`test_keep_all_equals_plain_vllm`: vLLM's own class on ``model``."""
+    import json
+
+    import vllm
+
+    llm = vllm.LLM(model=model, **ENGINE_ARGS)
+    served = type(llm.apply_model(lambda m: m)[0]).__name__
+    with open(out, "w") as f:
+        json.dump({"class": served, **{kind: run_vllm(llm, kind, None) for kind in PROMPTS}}, f)
+    llm.llm_engine.engine_core.shutdown()
+
+
+@pytest.mark.timeout(600)
+def test_keep_all_equals_plain_vllm(arch, llm, tmp_path):
+    """The plugin with nothing pruned is vLLM's own Qwen2-VL, bit for bit, on the image and the video
+    prompts (its position layout, the offset channels stripped). vLLM's engine runs in a child process
+    (a second engine in this one would share its global state)."""
+    if arch[1]:
+        pytest.skip("one architecture: Qwen2.5-VL runs the same plugin code (its keep-all equals HF above)")
+    import json
+    import subprocess
+    import sys
+
+    from test_vllm_engine import Child
+
+    out = tmp_path / "result.json"
+    code = "import sys; sys.path.insert(0, sys.argv[1]); import test_vllm_qwen as t; t.plain_vllm_main(*sys.argv[2:])"
+    child = Child([sys.executable, "-c", code, os.path.dirname(__file__), str(arch[0]), str(out)], tmp_path / "log")
+    try:
+        child.proc.wait(500)
+    except subprocess.TimeoutExpired:
+        raise AssertionError(f"the engine did not answer in 500 s:\n{child.log_tail()}") from None
+    finally:
+        child.stop()
+    assert child.proc.returncode == 0, f"the engine failed ({child.proc.returncode}):\n{child.log_tail()}"
+    plain = json.loads(out.read_text())
+    assert plain["class"] == "Qwen2VLForConditionalGeneration"
+    for kind in PROMPTS:
+        tokens, logprobs = plain[kind]
+        ref_tokens, ref_logprobs = run_vllm(llm, kind, None)
+        assert tokens == ref_tokens
+        np.testing.assert_array_equal(logprobs, ref_logprobs)
 
 
 @pytest.mark.parametrize("kind,method,budget", CASES, ids=[_case_id(*c) for c in CASES])
