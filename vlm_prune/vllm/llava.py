@@ -181,7 +181,44 @@ class PrunedLlavaMultiModalProcessor(LlavaMultiModalProcessor):
 @MULTIMODAL_REGISTRY.register_processor(
     PrunedLlavaMultiModalProcessor, info=PrunedLlavaProcessingInfo, dummy_inputs=LlavaDummyInputsBuilder
 )
-class VlmPruneLlavaForConditionalGeneration(LlavaForConditionalGeneration, SupportsMRoPE):
+class OffsetChannels:
+    """The position side of a pruned vLLM model with 1-D offsets (LLaVA-1.5, OneVision): each kept
+    token's offset from its slot travels in the last ``OFFSET_CHANNELS`` embedding channels from the
+    encoder; ``embed_input_ids`` strips them and the ``forward`` of the same step adds them to the
+    positions. Put it before the vLLM model class in the bases."""
+
+    _offsets: torch.Tensor | None = None
+
+    def embed_input_ids(self, input_ids: torch.Tensor, multimodal_embeddings: Any = None, *,
+                        is_multimodal: torch.Tensor | None = None) -> torch.Tensor:
+        """Strip the offset channels off the image / video embeddings and remember, for the forward
+        that follows in the same step, how far each kept token moves from its slot's position."""
+        self._offsets = None
+        if multimodal_embeddings is not None and len(multimodal_embeddings) > 0 and is_multimodal is not None:
+            rows = torch.nonzero(is_multimodal).squeeze(1)
+            offsets = torch.cat([decode_offsets(e[:, -OFFSET_CHANNELS:]) for e in multimodal_embeddings])
+            if offsets.numel() != rows.numel():
+                raise RuntimeError(f"vlm_prune: {offsets.numel()} embeddings for {rows.numel()} image / video rows")
+            moved = torch.zeros(is_multimodal.shape[0], dtype=torch.long, device=rows.device)
+            moved[rows] = offsets.to(rows.device)
+            self._offsets = moved
+            self._media_rows = rows
+            multimodal_embeddings = [e[:, :-OFFSET_CHANNELS] for e in multimodal_embeddings]
+        return super().embed_input_ids(input_ids, multimodal_embeddings, is_multimodal=is_multimodal)
+
+    def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor, intermediate_tensors: Any = None,
+                inputs_embeds: torch.Tensor | None = None, **kwargs: object) -> Any:
+        offsets, self._offsets = self._offsets, None
+        if offsets is not None and inputs_embeds is not None:
+            n = offsets.numel()
+            positions = positions.clone()
+            positions[..., :n] += offsets.to(positions.device)
+            #: positions of the image / video rows of the latest step that had any (tests, debugging)
+            self.last_image_positions = positions.reshape(-1, positions.shape[-1])[0, self._media_rows].tolist()
+        return super().forward(input_ids, positions, intermediate_tensors, inputs_embeds=inputs_embeds, **kwargs)
+
+
+class VlmPruneLlavaForConditionalGeneration(OffsetChannels, LlavaForConditionalGeneration, SupportsMRoPE):
     """vLLM's LLaVA-1.5 with a vlm_prune vision-stage method (random, pool, divprune, cdpruner, visionzip)."""
 
     hf_to_vllm_mapper = WeightsMapper(
@@ -202,7 +239,6 @@ class VlmPruneLlavaForConditionalGeneration(LlavaForConditionalGeneration, Suppo
         self.side = vc.image_size // vc.patch_size
         self.drop_cls = self.config.vision_feature_select_strategy == "default"
         self.n_image = self.side * self.side + (0 if self.drop_cls else 1)
-        self._offsets: torch.Tensor | None = None
         self._feature_input: torch.Tensor | None = None
         self.vision_tower.vision_model.encoder.layers[-1].register_forward_pre_hook(self._keep_feature_input)
 
@@ -318,34 +354,6 @@ class VlmPruneLlavaForConditionalGeneration(LlavaForConditionalGeneration, Suppo
         elem = item.get(SPEC_KEY) if item is not None else None
         spec = json.loads(bytes(elem.data.reshape(-1).tolist()).decode()) if elem is not None else spec_of(self.config)
         return bool(getattr(method_of(spec), "renumber_positions", False))
-
-    def embed_input_ids(self, input_ids: torch.Tensor, multimodal_embeddings: Any = None, *,
-                        is_multimodal: torch.Tensor | None = None) -> torch.Tensor:
-        """Strip the offset channels off the image embeddings and remember, for the forward that
-        follows in the same step, how far each kept token moves from its slot's position."""
-        self._offsets = None
-        if multimodal_embeddings is not None and len(multimodal_embeddings) > 0 and is_multimodal is not None:
-            rows = torch.nonzero(is_multimodal).squeeze(1)
-            offsets = torch.cat([decode_offsets(e[:, -OFFSET_CHANNELS:]) for e in multimodal_embeddings])
-            if offsets.numel() != rows.numel():
-                raise RuntimeError(f"vlm_prune: {offsets.numel()} image embeddings for {rows.numel()} image rows")
-            moved = torch.zeros(is_multimodal.shape[0], dtype=torch.long, device=rows.device)
-            moved[rows] = offsets.to(rows.device)
-            self._offsets = moved
-            self._image_rows = rows
-            multimodal_embeddings = [e[:, :-OFFSET_CHANNELS] for e in multimodal_embeddings]
-        return super().embed_input_ids(input_ids, multimodal_embeddings, is_multimodal=is_multimodal)
-
-    def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor, intermediate_tensors: Any = None,
-                inputs_embeds: torch.Tensor | None = None, **kwargs: object) -> Any:
-        offsets, self._offsets = self._offsets, None
-        if offsets is not None and inputs_embeds is not None:
-            n = offsets.numel()
-            positions = positions.clone()
-            positions[..., :n] += offsets.to(positions.device)
-            #: positions of the image rows of the latest step that had any (tests, debugging)
-            self.last_image_positions = positions.reshape(-1, positions.shape[-1])[0, self._image_rows].tolist()
-        return super().forward(input_ids, positions, intermediate_tensors, inputs_embeds=inputs_embeds, **kwargs)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         return super().load_weights(weights)

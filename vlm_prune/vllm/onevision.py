@@ -61,11 +61,10 @@ from vlm_prune.vllm.frames import (
     uniform_frames,
 )
 from vlm_prune.vllm.llava import (
-    OFFSET_CHANNELS,
     QUERY_KEY,
     RANK_KEY,
     SPEC_KEY,
-    decode_offsets,
+    OffsetChannels,
     encode_offsets,
     method_of,
     question_ids,
@@ -260,7 +259,7 @@ def _subsample(video: Any, keep: list[int] | None) -> Any:
 
 @MULTIMODAL_REGISTRY.register_processor(PrunedOnevisionMultiModalProcessor, info=PrunedOnevisionProcessingInfo,
                                         dummy_inputs=LlavaOnevisionDummyInputsBuilder)
-class VlmPruneLlavaOnevisionForConditionalGeneration(LlavaOnevisionForConditionalGeneration, SupportsMRoPE):
+class VlmPruneLlavaOnevisionForConditionalGeneration(OffsetChannels, LlavaOnevisionForConditionalGeneration, SupportsMRoPE):
     """vLLM's LLaVA-OneVision with a vlm_prune method (random, pool, divprune, cdpruner, visionzip on video;
     the frames methods uniform, keyscore)."""
 
@@ -276,7 +275,6 @@ class VlmPruneLlavaOnevisionForConditionalGeneration(LlavaOnevisionForConditiona
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
         super().__init__(vllm_config=vllm_config, prefix=prefix)
-        self._offsets: torch.Tensor | None = None
         vc = self.config.vision_config
         side = math.ceil((vc.image_size // vc.patch_size) / 2)
         self.frame_grid = (side, side)
@@ -448,33 +446,6 @@ class VlmPruneLlavaOnevisionForConditionalGeneration(LlavaOnevisionForConditiona
             cursor = start + k
         pos[cursor:] = torch.arange(cursor, n_tokens) + shift
         return pos[None].expand(3, -1).clone(), shift
-
-    def embed_input_ids(self, input_ids: torch.Tensor, multimodal_embeddings: Any = None, *,
-                        is_multimodal: torch.Tensor | None = None) -> torch.Tensor:
-        """Strip the offset channels and remember them for the forward of the same step."""
-        self._offsets = None
-        if multimodal_embeddings is not None and len(multimodal_embeddings) > 0 and is_multimodal is not None:
-            rows = torch.nonzero(is_multimodal).squeeze(1)
-            offsets = torch.cat([decode_offsets(e[:, -OFFSET_CHANNELS:]) for e in multimodal_embeddings])
-            if offsets.numel() != rows.numel():
-                raise RuntimeError(f"vlm_prune: {offsets.numel()} embeddings for {rows.numel()} image / video rows")
-            moved = torch.zeros(is_multimodal.shape[0], dtype=torch.long, device=rows.device)
-            moved[rows] = offsets.to(rows.device)
-            self._offsets = moved
-            self._mm_rows = rows
-            multimodal_embeddings = [e[:, :-OFFSET_CHANNELS] for e in multimodal_embeddings]
-        return super().embed_input_ids(input_ids, multimodal_embeddings, is_multimodal=is_multimodal)
-
-    def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor, intermediate_tensors: Any = None,
-                inputs_embeds: torch.Tensor | None = None, **kwargs: object) -> Any:
-        offsets, self._offsets = self._offsets, None
-        if offsets is not None and inputs_embeds is not None:
-            n = offsets.numel()
-            positions = positions.clone()
-            positions[..., :n] += offsets.to(positions.device)
-            #: positions of the image / video rows of the latest step that had any (tests, debugging)
-            self.last_image_positions = positions.reshape(-1, positions.shape[-1])[0, self._mm_rows].tolist()
-        return super().forward(input_ids, positions, intermediate_tensors, inputs_embeds=inputs_embeds, **kwargs)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         return super().load_weights((n, w) for n, w in weights if not re.search(r"vision_tower\.(vision_model\.)?head\.", n))
