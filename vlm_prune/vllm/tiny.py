@@ -1,11 +1,11 @@
-"""Small LLaVA-1.5-, Qwen2-VL- and Qwen2.5-VL-layout checkpoints in the hub's naming, written to a
-folder vLLM can load.
+"""Small LLaVA-1.5-, LLaVA-OneVision-, Qwen2-VL- and Qwen2.5-VL-layout checkpoints written to a folder
+vLLM can load.
 
 No hub here: tests and ``vlm-prune bench --serve`` build randomly initialised models from the real
-transformers config classes and save them with ``save_pretrained`` (keys
-``model.vision_tower.vision_model.*`` as on the hub), with a word-level tokenizer whose vocabulary
-covers every id of the model (``w<i>`` words, ``<image>`` at the image token id) and a real
-``LlavaProcessor`` (``Qwen2VLProcessor`` / ``Qwen2_5_VLProcessor`` with Qwen's vision tokens).
+transformers config classes and save them with ``save_pretrained`` (transformers 5's key naming; the
+plugin's weight mappers accept it and the hub's), with a word-level tokenizer whose vocabulary covers
+every id of the model (``w<i>`` words, the media tokens at their ids) and the model's real processor
+class.
 """
 from __future__ import annotations
 
@@ -14,12 +14,53 @@ from pathlib import Path
 
 import torch
 
-CHAT_TEMPLATE = (
-    "{{ bos_token }}{% for message in messages %}{{ message['role'] }} :"
-    "{% if message['content'] is string %} {{ message['content'] }}{% else %}{% for part in message['content'] %}"
-    "{% if part['type'] == 'image' %} <image>{% elif part['type'] == 'text' %} {{ part['text'] }}{% endif %}"
-    "{% endfor %}{% endif %} {% endfor %}{% if add_generation_prompt %}assistant :{% endif %}"
-)
+def chat_template(image: str, video: str | None = None) -> str:
+    """``role : content`` turns, ``assistant :`` to generate; image / video parts written as ``image`` / ``video``."""
+    media = f"{{% if part['type'] == 'image' %}} {image}"
+    if video is not None:
+        media += f"{{% elif part['type'] == 'video' %}} {video}"
+    return ("{{ bos_token }}{% for message in messages %}{{ message['role'] }} :"
+            "{% if message['content'] is string %} {{ message['content'] }}{% else %}{% for part in message['content'] %}"
+            + media + "{% elif part['type'] == 'text' %} {{ part['text'] }}{% endif %}"
+            "{% endfor %}{% endif %} {% endfor %}{% if add_generation_prompt %}assistant :{% endif %}")
+
+
+CHAT_TEMPLATE = chat_template("<image>")
+
+
+def word_tokenizer(vocab: int, names_at: dict[int, str], template: str, media_tokens: dict[str, str],
+                   added: tuple[str, ...] = ()):
+    """Word-level tokenizer over ``vocab`` ids: ``<pad> <s> </s>``, words ``w3 ...``, ``names_at``
+    replacing the words at their ids; ``added`` become special added tokens (matched unspaced)."""
+    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    names = ["<pad>", "<s>", "</s>"] + [f"w{i}" for i in range(3, vocab)]
+    for i, name in names_at.items():
+        names[i] = name
+    core = Tokenizer(models.WordLevel(vocab={t: i for i, t in enumerate(names)}, unk_token="<pad>"))
+    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    if added:
+        core.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in added])
+    return PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", bos_token="<s>", eos_token="</s>",
+                                   unk_token="<pad>", extra_special_tokens=media_tokens, chat_template=template)
+
+
+def text_config(shape: "LlavaShape | QwenShape") -> dict:
+    """The decoder's sizes and special ids (Llama / Qwen2 configs take the same keys)."""
+    return dict(hidden_size=shape.hidden, intermediate_size=shape.intermediate, num_hidden_layers=shape.layers,
+                num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads, vocab_size=shape.vocab,
+                max_position_embeddings=shape.max_positions, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+
+
+def sharpen(model: torch.nn.Module, projector: torch.nn.Module) -> torch.nn.Module:
+    """Random init draws small weights: scale the projector so the vision features matter and the
+    LM head so next-token distributions are peaked (greedy decoding far from ties)."""
+    with torch.no_grad():
+        for p in projector.parameters():
+            p.mul_(4.0)
+        model.lm_head.weight.mul_(16.0)
+    return model
 
 
 @dataclass(frozen=True)
@@ -58,22 +99,15 @@ def image_token_id(shape: LlavaShape) -> int:
     return shape.vocab - 6
 
 
+def llava_names(shape: LlavaShape) -> dict[int, str]:
+    """``<image>`` at the image token id, then ``user assistant :``."""
+    image_id = image_token_id(shape)
+    return {image_id: "<image>", image_id + 1: "user", image_id + 2: "assistant", image_id + 3: ":"}
+
+
 def build_tokenizer(shape: LlavaShape):
     """Word-level tokenizer: ``<pad> <s> </s>``, words ``w3 ...``, ``<image>`` at the image token id."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    image_id = image_token_id(shape)
-    names = ["<pad>", "<s>", "</s>"] + [f"w{i}" for i in range(3, shape.vocab)]
-    names[image_id] = "<image>"
-    names[image_id + 1] = "user"
-    names[image_id + 2] = "assistant"
-    names[image_id + 3] = ":"
-    core = Tokenizer(models.WordLevel(vocab={t: i for i, t in enumerate(names)}, unk_token="<pad>"))
-    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    return PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", bos_token="<s>", eos_token="</s>",
-                                   unk_token="<pad>", extra_special_tokens={"image_token": "<image>"},
-                                   chat_template=CHAT_TEMPLATE)
+    return word_tokenizer(shape.vocab, llava_names(shape), CHAT_TEMPLATE, {"image_token": "<image>"})
 
 
 def build_model(shape: LlavaShape, seed: int = 0):
@@ -81,21 +115,14 @@ def build_model(shape: LlavaShape, seed: int = 0):
     from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration
 
     torch.manual_seed(seed)
-    text = LlamaConfig(hidden_size=shape.hidden, intermediate_size=shape.intermediate,
-                       num_hidden_layers=shape.layers, num_attention_heads=shape.heads,
-                       num_key_value_heads=shape.kv_heads, vocab_size=shape.vocab,
-                       max_position_embeddings=shape.max_positions, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    text = LlamaConfig(**text_config(shape))
     vision = CLIPVisionConfig(hidden_size=shape.vision_hidden, intermediate_size=shape.vision_intermediate,
                               num_hidden_layers=shape.vision_layers, num_attention_heads=shape.vision_heads,
                               image_size=shape.image_size, patch_size=shape.patch, projection_dim=shape.vision_hidden)
     cfg = LlavaConfig(vision_config=vision, text_config=text, image_token_id=image_token_id(shape),
                       vision_feature_layer=-2, vision_feature_select_strategy="default")
     model = LlavaForConditionalGeneration(cfg).eval()
-    with torch.no_grad():  # random init draws small weights: make the vision features matter, and the
-        for p in model.model.multi_modal_projector.parameters():  # next-token distributions peaked
-            p.mul_(4.0)                                            # (greedy decoding far from ties)
-        model.lm_head.weight.mul_(16.0)
-    return model
+    return sharpen(model, model.model.multi_modal_projector)
 
 
 def write_llava(folder: str | Path, shape: LlavaShape = LlavaShape(), seed: int = 0) -> Path:
@@ -116,14 +143,8 @@ def write_llava(folder: str | Path, shape: LlavaShape = LlavaShape(), seed: int 
 
 
 # ---- Qwen2-VL / Qwen2.5-VL ------------------------------------------------------------------------
-QWEN_CHAT_TEMPLATE = (
-    "{{ bos_token }}{% for message in messages %}{{ message['role'] }} :"
-    "{% if message['content'] is string %} {{ message['content'] }}{% else %}{% for part in message['content'] %}"
-    "{% if part['type'] == 'image' %} <|vision_start|><|image_pad|><|vision_end|>"
-    "{% elif part['type'] == 'video' %} <|vision_start|><|video_pad|><|vision_end|>"
-    "{% elif part['type'] == 'text' %} {{ part['text'] }}{% endif %}"
-    "{% endfor %}{% endif %} {% endfor %}{% if add_generation_prompt %}assistant :{% endif %}"
-)
+QWEN_CHAT_TEMPLATE = chat_template("<|vision_start|><|image_pad|><|vision_end|>",
+                                   "<|vision_start|><|video_pad|><|vision_end|>")
 QWEN_SPECIAL = ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>")
 
 
@@ -154,20 +175,10 @@ def qwen_token_ids(shape: QwenShape) -> dict[str, int]:
 def build_qwen_tokenizer(shape: QwenShape):
     """Word-level tokenizer: ``<pad> <s> </s>``, words ``w3 ...``, ``user assistant :`` and Qwen's
     vision tokens as added special tokens (the processor writes ``<|image_pad|>`` N times unspaced)."""
-    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    special = qwen_token_ids(shape)
-    names = ["<pad>", "<s>", "</s>"] + [f"w{i}" for i in range(3, shape.vocab)]
-    for tok, i in special.items():
-        names[i] = tok
-    names[shape.vocab - 3], names[shape.vocab - 2], names[shape.vocab - 1] = "user", "assistant", ":"
-    core = Tokenizer(models.WordLevel(vocab={t: i for i, t in enumerate(names)}, unk_token="<pad>"))
-    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    core.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in QWEN_SPECIAL])
-    return PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", bos_token="<s>", eos_token="</s>",
-                                   unk_token="<pad>", chat_template=QWEN_CHAT_TEMPLATE,
-                                   extra_special_tokens={"image_token": "<|image_pad|>", "video_token": "<|video_pad|>"})
+    names = {i: tok for tok, i in qwen_token_ids(shape).items()}
+    names.update({shape.vocab - 3: "user", shape.vocab - 2: "assistant", shape.vocab - 1: ":"})
+    return word_tokenizer(shape.vocab, names, QWEN_CHAT_TEMPLATE,
+                          {"image_token": "<|image_pad|>", "video_token": "<|video_pad|>"}, added=QWEN_SPECIAL)
 
 
 def build_qwen_model(shape: QwenShape, seed: int = 0):
@@ -188,10 +199,7 @@ def build_qwen_model(shape: QwenShape, seed: int = 0):
                       spatial_merge_size=2)
     half = shape.hidden // shape.heads // 2
     a = half * 3 // 8
-    text = dict(hidden_size=shape.hidden, intermediate_size=shape.intermediate, num_hidden_layers=shape.layers,
-                num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads, vocab_size=shape.vocab,
-                max_position_embeddings=shape.max_positions, tie_word_embeddings=False, pad_token_id=0, bos_token_id=1,
-                eos_token_id=2,
+    text = dict(text_config(shape), tie_word_embeddings=False,
                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [half - 2 * a, a, a]})
     ids = qwen_token_ids(shape)
     cfg = Config(text_config=text, vision_config=vision, image_token_id=ids["<|image_pad|>"],
@@ -199,11 +207,7 @@ def build_qwen_model(shape: QwenShape, seed: int = 0):
                  vision_end_token_id=ids["<|vision_end|>"], pad_token_id=0, bos_token_id=1, eos_token_id=2,
                  tie_word_embeddings=False)
     model = Model(cfg).eval()
-    with torch.no_grad():  # as build_model: vision features that matter, peaked next-token distributions
-        for p in model.model.visual.merger.parameters():
-            p.mul_(4.0)
-        model.lm_head.weight.mul_(16.0)
-    return model
+    return sharpen(model, model.model.visual.merger)
 
 
 def write_qwen2_vl(folder: str | Path, shape: QwenShape = QwenShape(), seed: int = 0) -> Path:
@@ -226,30 +230,13 @@ def write_qwen2_vl(folder: str | Path, shape: QwenShape = QwenShape(), seed: int
 
 
 # ---- LLaVA-OneVision ------------------------------------------------------------------------------
-ONEVISION_TEMPLATE = (
-    "{{ bos_token }}{% for message in messages %}{{ message['role'] }} :"
-    "{% if message['content'] is string %} {{ message['content'] }}{% else %}{% for part in message['content'] %}"
-    "{% if part['type'] == 'image' %} <image>{% elif part['type'] == 'video' %} <video>"
-    "{% elif part['type'] == 'text' %} {{ part['text'] }}{% endif %}"
-    "{% endfor %}{% endif %} {% endfor %}{% if add_generation_prompt %}assistant :{% endif %}"
-)
+ONEVISION_TEMPLATE = chat_template("<image>", "<video>")
 
 
 @dataclass(frozen=True)
-class OnevisionShape:
+class OnevisionShape(LlavaShape):
     """Sizes of a LLaVA-OneVision-layout model (SigLIP tower, anyres images, pooled video frames, Qwen2)."""
 
-    hidden: int = 64
-    intermediate: int = 128
-    layers: int = 4
-    heads: int = 2  # head_dim 32
-    kv_heads: int = 1
-    vocab: int = 96
-    vision_hidden: int = 32
-    vision_intermediate: int = 64
-    vision_layers: int = 2
-    vision_heads: int = 2
-    image_size: int = 32
     patch: int = 4  # 8 x 8 tokens per tile, 4 x 4 per video frame
     max_positions: int = 384  # QuoTA's decoupling generates up to the model's room: keep it short
 
@@ -265,23 +252,10 @@ def video_token_id(shape: OnevisionShape) -> int:
 
 def build_onevision_tokenizer(shape: OnevisionShape):
     """The LLaVA-1.5 word-level tokenizer plus ``<video>`` at :func:`video_token_id`."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    image_id = image_token_id(shape)
-    names = ["<pad>", "<s>", "</s>"] + [f"w{i}" for i in range(3, shape.vocab)]
-    names[video_token_id(shape)] = "<video>"
-    names[video_token_id(shape) - 3:video_token_id(shape)] = ["A", "yes", "no"]  # QuoTA's answer words
-    names[image_id] = "<image>"
-    names[image_id + 1] = "user"
-    names[image_id + 2] = "assistant"
-    names[image_id + 3] = ":"
-    core = Tokenizer(models.WordLevel(vocab={t: i for i, t in enumerate(names)}, unk_token="<pad>"))
-    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    return PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", bos_token="<s>", eos_token="</s>",
-                                   unk_token="<pad>",
-                                   extra_special_tokens={"image_token": "<image>", "video_token": "<video>"},
-                                   chat_template=ONEVISION_TEMPLATE)
+    video_id = video_token_id(shape)
+    names = {video_id - 3: "A", video_id - 2: "yes", video_id - 1: "no", video_id: "<video>"}  # QuoTA's answer words
+    return word_tokenizer(shape.vocab, {**names, **llava_names(shape)}, ONEVISION_TEMPLATE,
+                          {"image_token": "<image>", "video_token": "<video>"})
 
 
 def build_onevision_model(shape: OnevisionShape, seed: int = 0):
@@ -290,10 +264,7 @@ def build_onevision_model(shape: OnevisionShape, seed: int = 0):
                               SiglipVisionConfig)
 
     torch.manual_seed(seed)
-    text = Qwen2Config(hidden_size=shape.hidden, intermediate_size=shape.intermediate,
-                       num_hidden_layers=shape.layers, num_attention_heads=shape.heads,
-                       num_key_value_heads=shape.kv_heads, vocab_size=shape.vocab,
-                       max_position_embeddings=shape.max_positions, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    text = Qwen2Config(**text_config(shape))
     vision = SiglipVisionConfig(hidden_size=shape.vision_hidden, intermediate_size=shape.vision_intermediate,
                                 num_hidden_layers=shape.vision_layers, num_attention_heads=shape.vision_heads,
                                 image_size=shape.image_size, patch_size=shape.patch)
@@ -301,12 +272,9 @@ def build_onevision_model(shape: OnevisionShape, seed: int = 0):
                                video_token_id=video_token_id(shape), image_grid_pinpoints=shape.pinpoints,
                                vision_feature_layer=-1, vision_feature_select_strategy="full")
     model = LlavaOnevisionForConditionalGeneration(cfg).eval()
-    with torch.no_grad():  # as build_model: features that matter, peaked next-token distributions
-        for p in model.model.multi_modal_projector.parameters():
-            p.mul_(4.0)
+    with torch.no_grad():
         model.model.image_newline.normal_()
-        model.lm_head.weight.mul_(16.0)
-    return model
+    return sharpen(model, model.model.multi_modal_projector)
 
 
 def write_onevision(folder: str | Path, shape: OnevisionShape = OnevisionShape(), seed: int = 0) -> Path:
