@@ -101,6 +101,13 @@ def question_ids(prompt: list[int], placeholder_ranges: list[tuple[int, int]], s
     return q
 
 
+def keyed_hash(mm_hash: str, extra: dict[str, Any]) -> str:
+    """An item's cache key with what else the method reads (question, rank, ...): a cached encoding
+    is never reused where that differs."""
+    digest = hashlib.sha256(json.dumps(extra).encode()).hexdigest()[:16]
+    return f"{mm_hash}-vlm_prune-{digest}"
+
+
 class PrunedLlavaProcessingInfo(LlavaProcessingInfo):
     """Each image gets the method's kept count of placeholder slots."""
 
@@ -173,8 +180,7 @@ class PrunedLlavaMultiModalProcessor(LlavaMultiModalProcessor):
                 if method.name == "random":
                     extra["rank"] = rank
                 if extra:
-                    digest = hashlib.sha256(json.dumps(extra).encode()).hexdigest()[:16]
-                    hashes[modality][rank] = f"{hashes[modality][rank]}-vlm_prune-{digest}"
+                    hashes[modality][rank] = keyed_hash(hashes[modality][rank], extra)
         return out
 
 

@@ -20,7 +20,6 @@ item continues from its unpruned length), as llava.py does.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import re
@@ -65,7 +64,9 @@ from vlm_prune.vllm.llava import (
     RANK_KEY,
     SPEC_KEY,
     OffsetChannels,
+    PrunedLlavaMultiModalProcessor,
     encode_offsets,
+    keyed_hash,
     method_of,
     question_ids,
     spec_of,
@@ -150,20 +151,7 @@ class PrunedOnevisionMultiModalProcessor(LlavaOnevisionMultiModalProcessor):
     """OneVision's processor with pruned slot counts, each item's question ids, rank, spec and
     unpruned length attached; uniform decodes only its kept frames."""
 
-    def _template_suffix(self) -> list[int]:
-        tok = self.info.get_tokenizer()
-        template = getattr(tok, "chat_template", None)
-        if not template:
-            return []
-        mark = "QQQ"
-        try:
-            text = tok.apply_chat_template([{"role": "user", "content": [{"type": "text", "text": mark}]}],
-                                           add_generation_prompt=True, tokenize=False)
-        except Exception:  # a template that needs other fields: keep the text as it is
-            return []
-        if mark not in text:
-            return []
-        return tok(text[text.rindex(mark) + len(mark):], add_special_tokens=False).input_ids
+    _template_suffix = PrunedLlavaMultiModalProcessor._template_suffix
 
     def _get_hf_mm_inputs(self, mm_items: Any, hf_kwargs: Mapping[str, object]) -> Any:
         spec = spec_of(self.info.get_hf_config(), hf_kwargs)
@@ -229,8 +217,7 @@ class PrunedOnevisionMultiModalProcessor(LlavaOnevisionMultiModalProcessor):
                     extra["query"] = query
                 if method.name == "random":
                     extra["rank"] = rank
-                digest = hashlib.sha256(json.dumps(extra).encode()).hexdigest()[:16]
-                hashes[modality][rank] = f"{hashes[modality][rank]}-vlm_prune-{digest}"
+                hashes[modality][rank] = keyed_hash(hashes[modality][rank], extra)
         return out
 
 
