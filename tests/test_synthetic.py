@@ -304,3 +304,35 @@ def test_training_writes_float16_weights_and_the_model_card(tmp_path) -> None:
     weights = next(model.parameters())
     assert weights.dtype == torch.float32 and torch.equal(weights, weights.half().float())  # stored as float16
     assert one_cycle(0.0) == pytest.approx(0.04) and one_cycle(0.1) == pytest.approx(1.0) and one_cycle(1.0) == pytest.approx(0.0)
+
+
+def test_training_on_chosen_families_only(tmp_path, monkeypatch) -> None:
+    """``--qtypes`` / ``qtypes=``: every training sample is of those families, the card says so, and the
+    test still asks every family; an unknown family is refused before training."""
+    import json
+    import sys
+
+    import vlm_prune.eval.synthetic.train as train_module
+
+    seen: list[tuple[str, str]] = []
+    real = train_module.make_sample
+
+    def spy(kind, split, index, seed=None, qtypes=None, difficulty=None):
+        sample = real(kind, split, index, seed, qtypes, difficulty)
+        seen.append((split, sample.qtype))
+        return sample
+
+    monkeypatch.setattr(train_module, "make_sample", spy)
+    threads = torch.get_num_threads()
+    try:
+        train_module.train("image", steps=2, batch_size=3, lr=1e-3, seed=3, out=tmp_path, threads=1, val_samples=2,
+                           test_samples=5, qtypes=("relation",))
+    finally:
+        torch.set_num_threads(threads)
+    assert {q for split, q in seen if split == "train"} == {"relation"} and len(seen) == 6
+    card = json.loads((tmp_path / "synthetic.json").read_text())
+    assert card["train_qtypes"] == ["relation"] and set(card["test_accuracy"]) == {"all", "count", "binding", "relation", "global", "digit"}
+    monkeypatch.setattr(sys, "argv", ["train", "--kind", "video", "--qtypes", "relation", "--out", str(tmp_path / "x")])
+    with pytest.raises(SystemExit) as exit_info:
+        train_module.main()
+    assert exit_info.value.code == 2 and not (tmp_path / "x").exists()

@@ -35,7 +35,8 @@ from vlm_prune.eval.synthetic.evaluate import accuracy_by_qtype, encode
 from vlm_prune.eval.synthetic.models import build_model, model_path
 from vlm_prune.eval.synthetic.processing import PATCH_SIZE, build_processor
 from vlm_prune.eval.synthetic.scenes import (
-    COLOURS, DEFAULT_QTYPES, DEFAULT_SEED, IMAGE_SIZE, OBJECT_KINDS, Sample, make_dataset, make_sample,
+    COLOURS, DEFAULT_QTYPES, DEFAULT_SEED, IMAGE_QTYPES, IMAGE_SIZE, OBJECT_KINDS, VIDEO_QTYPES, Sample, make_dataset,
+    make_sample,
 )
 
 TRAIN_QTYPES = {"image": DEFAULT_QTYPES["image"], "video": DEFAULT_QTYPES["video"] + ("exist",)}
@@ -134,9 +135,12 @@ def write_card(out: Path, **record: Any) -> None:
 
 
 def train(kind: str, steps: int, batch_size: int, lr: float, seed: int, out: Path, threads: int,
-          minutes: float | None = None, device: str = "cpu", val_samples: int = 96, test_samples: int = 256) -> None:
+          minutes: float | None = None, device: str = "cpu", val_samples: int = 96, test_samples: int = 256,
+          qtypes: tuple[str, ...] | None = None) -> None:
     """Train ``steps`` steps, or with ``minutes`` for that much wall-clock time: the schedule then
-    follows elapsed time instead of the step count (for a shared machine; not step-reproducible)."""
+    follows elapsed time instead of the step count (for a shared machine; not step-reproducible).
+    ``qtypes``: the families to train on (default ``TRAIN_QTYPES[kind]``); the test still asks them all."""
+    qtypes = tuple(qtypes or TRAIN_QTYPES[kind])
     torch.set_num_threads(threads)
     torch.manual_seed(seed)
     processor = build_processor(kind)
@@ -149,7 +153,7 @@ def train(kind: str, steps: int, batch_size: int, lr: float, seed: int, out: Pat
             lambda m, args, o: captured.__setitem__("cls", o.last_hidden_state[:, 0])))
     params = list(model.parameters()) + list(heads.parameters())
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.01)
-    val = make_dataset(kind, "val", val_samples, qtypes=TRAIN_QTYPES[kind])
+    val = make_dataset(kind, "val", val_samples, qtypes=qtypes)
     data_seed = DEFAULT_SEED + 1000 * seed  # each model seed also sees its own training stream
     out.mkdir(parents=True, exist_ok=True)
     processor.save_pretrained(out)
@@ -160,7 +164,7 @@ def train(kind: str, steps: int, batch_size: int, lr: float, seed: int, out: Pat
         last = step + 1 == steps if minutes is None else progress >= 1
         for group in opt.param_groups:
             group["lr"] = lr * one_cycle(min(progress, 1.0))
-        samples = [make_sample(kind, "train", step * batch_size + i, data_seed, TRAIN_QTYPES[kind]) for i in range(batch_size)]
+        samples = [make_sample(kind, "train", step * batch_size + i, data_seed, qtypes) for i in range(batch_size)]
         batch = encode(processor, samples, with_answers=True).to(device)
         labels = torch.full_like(batch["input_ids"], -100)
         labels[:, -2:] = batch["input_ids"][:, -2:]  # left padded: the last two tokens are "answer </s>"
@@ -187,10 +191,17 @@ def train(kind: str, steps: int, batch_size: int, lr: float, seed: int, out: Pat
     accs = accuracy_by_qtype(model, processor, test, 32)
     seconds = time.time() - start
     learned, chance = learned_families(test, accs)
-    write_card(out, kind=kind, seed=seed, eval_qtypes=learned, train_qtypes=list(TRAIN_QTYPES[kind]), chance=chance,
+    write_card(out, kind=kind, seed=seed, eval_qtypes=learned, train_qtypes=list(qtypes), chance=chance,
                steps=step + 1, batch_size=batch_size, lr=lr, minutes=minutes, threads=threads, device=device, seconds=round(seconds),
                test_samples=test_samples, test_accuracy=accs)
     print(f"trained {kind} in {seconds:.0f}s, {step + 1} steps; test accuracy (float16 weights) {accs}", flush=True)
+
+
+def _families(text: str) -> tuple[str, ...]:
+    families = tuple(f.strip() for f in text.split(",") if f.strip())
+    if not families:
+        raise argparse.ArgumentTypeError("name at least one family, e.g. relation or count,digit")
+    return families
 
 
 def main() -> None:
@@ -205,9 +216,14 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--device", default="cpu", help="torch device to train on, e.g. cuda (default cpu)")
     parser.add_argument("--out", type=Path, default=None, help="output directory (default: the shipped model path)")
+    parser.add_argument("--qtypes", type=_families, default=None,
+                        help="comma-separated families to train on (default: every family of --kind); the test asks them all")
     args = parser.parse_args()
+    if args.qtypes and set(args.qtypes) - set(IMAGE_QTYPES if args.kind == "image" else VIDEO_QTYPES):
+        parser.error(f"--qtypes {','.join(args.qtypes)}: a {args.kind} model answers "
+                     f"{', '.join(IMAGE_QTYPES if args.kind == 'image' else VIDEO_QTYPES)}")
     train(args.kind, args.steps, args.batch_size, args.lr, args.seed, args.out or model_path(args.kind, args.seed), args.threads,
-          args.minutes, args.device)
+          args.minutes, args.device, qtypes=args.qtypes)
 
 
 if __name__ == "__main__":
