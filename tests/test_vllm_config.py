@@ -63,13 +63,13 @@ def test_other_refusals_name_the_fix(checkpoint, tmp_path):
 @pytest.mark.parametrize("arch", ["Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration"])
 def test_qwen_keeps_its_mrope_and_refuses_visionzip(arch, tmp_path):
     """Qwen's own M-RoPE sections stay (no rope override); VisionZip is refused as wrap() refuses it, QuoTA
-    (served on OneVision) with what to use."""
+    as the engine's default (it is served per request, through vp.quota_request)."""
     (tmp_path / "config.json").write_text(json.dumps({"architectures": [arch]}))
     kwargs = vp.engine_kwargs(str(tmp_path), "divprune", budget=4)
     assert kwargs["hf_overrides"]["architectures"] == [f"VlmPrune{arch}"] and "text_config" not in kwargs["hf_overrides"]
     with pytest.raises(ValueError, match="visionzip needs the vision tower's attention.*use divprune"):
         vp.engine_kwargs(str(tmp_path), "visionzip", keep=0.5)
-    with pytest.raises(ValueError, match="QuoTA is served on LLaVA-OneVision video only"):
+    with pytest.raises(ValueError, match="QuoTA's token count per video follows its frame scores"):
         vp.engine_kwargs(str(tmp_path), "quota", keep=0.5)
 
 

@@ -7,6 +7,7 @@ Needs vLLM: CI runs this module in the vLLM environment (.ci/run); elsewhere it 
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 
 import pytest
@@ -72,8 +73,8 @@ def _media(kind: str, frames: int = 8) -> list[dict]:
     return [{"image": images[0], "video": video}, {"video": video[::-1].copy()}]
 
 
-def _method(name: str | None):
-    """The method as both sides get it (keyscore as an object with its proposals knob)."""
+def _method(name):
+    """The method as both sides get it (keyscore as an object with its proposals knob; objects as given)."""
     if name == "keyscore" and KEYSCORE:
         from vlm_prune.frames import KeyScore
 
@@ -113,33 +114,47 @@ def hf(arch):
     return model, AutoProcessor.from_pretrained(arch[0])
 
 
-def run_vllm(llm, kind: str, method: str | None, frames: int = 8, **budget):
+def run_vllm(llm, kind: str, method, frames: int = 8, **budget):
     from vllm import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=STEPS, min_tokens=STEPS, logprobs=0)
-    requests = [vllm_request(prompt, media, method, **budget) for prompt, media in zip(PROMPTS[kind], _media(kind, frames))]
+    requests = [vllm_request(prompt, media, method, llm=llm, **budget)
+                for prompt, media in zip(PROMPTS[kind], _media(kind, frames))]
     outs = llm.generate(requests, params, use_tqdm=False)
     tokens = [list(o.outputs[0].token_ids) for o in outs]
     logprobs = [[step[t].logprob for step, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)] for o in outs]
     return tokens, logprobs
 
 
-def vllm_request(prompt: str, media: dict, method: str | None, **budget) -> dict:
+def vllm_request(prompt: str, media: dict, method, llm=None, **budget) -> dict:
+    """One request; QuoTA (an object) through its pass 1 in ``llm`` (vp.quota_request)."""
     data = dict(media)
     if "video" in data:
         data["video"] = (data["video"], meta(len(data["video"])))
     req = {"prompt": prompt, "multi_modal_data": data}
+    if getattr(method, "name", None) == "quota":
+        return vp.quota_request(llm, req, method, **budget)
     if method is not None:
         req["mm_processor_kwargs"] = vp.request_kwargs(_method(method), **budget)
     return req
 
 
-def run_hf(hf, kind: str, method: str | None, frames: int = 8, **budget):
+def run_hf(hf, kind: str, method, frames: int = 8, stats: list | None = None, **budget):
     """Greedy tokens, their log-probabilities and the (t, h, w) positions of the kept visual rows
-    of the wrapped HF model (its M-RoPE positions of the unpruned prompt at ``last_rows``)."""
+    of the wrapped HF model (its M-RoPE positions of the unpruned prompt at ``last_rows``, with the
+    engine's position rewrites of resized frame maps applied: QuoTA). ``stats``: each prompt's
+    ``last_stats`` video record is appended there."""
     from transformers.video_utils import VideoMetadata
 
+    from vlm_prune import engine
+
     model, proc = hf
+    rewrites: list = []
+    apply = engine.PositionRewrite.apply
+
+    def recording_apply(self, pos):
+        rewrites.append(self)
+        apply(self, pos)
     if method is not None:
         vlm_prune.wrap(model, _method(method), processor=proc, **budget)
     try:
@@ -150,9 +165,16 @@ def run_hf(hf, kind: str, method: str | None, frames: int = 8, **budget):
                 info = VideoMetadata(**{k: v for k, v in meta(len(media["video"])).items() if k != "do_sample_frames"})
                 extra = {"videos": [media["video"]], "video_metadata": [info], "do_sample_frames": False}
             inputs = proc(images=media.get("image"), text=prompt, return_tensors="pt", **extra)
-            with torch.no_grad():
-                out = model.generate(**inputs, max_new_tokens=STEPS, do_sample=False, output_logits=True,
-                                     return_dict_in_generate=True, min_new_tokens=STEPS)
+            rewrites.clear()
+            engine.PositionRewrite.apply = recording_apply
+            try:
+                with torch.no_grad():
+                    out = model.generate(**inputs, max_new_tokens=STEPS, do_sample=False, output_logits=True,
+                                         return_dict_in_generate=True, min_new_tokens=STEPS)
+            finally:
+                engine.PositionRewrite.apply = apply
+            if stats is not None:
+                stats.append(model.vlm_prune.last_stats["stages"][0]["videos"][0])
             new = out.sequences[0, inputs["input_ids"].shape[1]:]
             tokens.append(new.tolist())
             logprobs.append([torch.log_softmax(s[0].float(), -1)[t].item() for s, t in zip(out.logits, new)])
@@ -163,6 +185,8 @@ def run_hf(hf, kind: str, method: str | None, frames: int = 8, **budget):
                 grids = {k: inputs[k] for k in ("image_grid_thw", "video_grid_thw", "second_per_grid_ts") if k in inputs}
                 pos, _ = model.model.get_rope_index(inputs["input_ids"], inputs["mm_token_type_ids"],
                                                     attention_mask=inputs["attention_mask"], **grids)
+                for rewrite in rewrites:
+                    apply(rewrite, pos)
                 kept.append(pos[:, 0, rows].tolist())
         return tokens, logprobs, kept
     finally:
@@ -247,8 +271,42 @@ def test_method_equals_wrapped_hf(arch, llm, hf, kind, method, budget):
         assert image_positions(llm) == ref_kept[i]
 
 
-def test_visionzip_and_quota_are_refused_per_request(llm):
+def test_visionzip_and_bare_quota_are_refused_per_request(llm):
     with pytest.raises(ValueError, match="visionzip needs the vision tower's attention"):
         run_vllm(llm, "image", "visionzip", keep=0.5)
-    with pytest.raises(ValueError, match="QuoTA is served on LLaVA-OneVision video only"):
+    with pytest.raises(ValueError, match="through vlm_prune.vllm.quota_request"):  # no scores: no pass 1
         run_vllm(llm, "video", "quota", keep=0.5)
+
+
+#: QuoTA's frame question in the tiny vocabulary (no "A"): P(w40) / (P(w40) + P(w41)); no decoupling (the
+#: random model's answer would run to the model's 1024 positions, past the engine's max_model_len)
+QUOTA_CASES = [({}, {"keep": 0.5}), ({"score_grid": (2, 3)}, {"budget": 30}), ({"variant": "v2"}, {"keep": 0.3})]
+
+
+@pytest.mark.parametrize("knobs,budget", QUOTA_CASES, ids=["v1-keep0.5", "v1-grid2x3-budget30", "v2-keep0.3"])
+def test_quota_two_pass_equals_wrapped_hf(arch, llm, hf, knobs, budget):
+    """QuoTA per temporal slice through vp.quota_request: pass 1 scores each slice (its two frames as a
+    one-slice video, the merged map fitted into score_grid at that grid's M-RoPE positions), pass 2 serves
+    the plan (each slice's map resized to its share): the same slice scores, tokens, log-probabilities and
+    kept rows at the same rewritten (t, h, w) positions as wrap(model, QuoTA(...)) scoring with the model."""
+    from vllm import SamplingParams
+
+    from vlm_prune.frames import QuoTA
+    from vlm_prune.frames.quota import FramePrompts
+
+    if arch[1] and budget != {"keep": 0.5}:
+        pytest.skip("Qwen2.5-VL: one case (its slices' temporal positions scale by second_per_grid_ts)")
+    method = QuoTA(decouple=False, prompts=FramePrompts(query="{query}", answer="w40", versus="w41"), **knobs)
+    frames = FRAMES[arch[1]]
+    stats: list = []
+    ref_tokens, ref_logprobs, ref_kept = run_hf(hf, "video", method, frames, stats=stats, **budget)
+    assert any(len(set(s["tokens_per_frame"])) > 1 for s in stats)  # the scores made a difference
+    tokens, logprobs = run_vllm(llm, "video", method, frames, **budget)
+    assert tokens == ref_tokens
+    np.testing.assert_allclose(logprobs, ref_logprobs, atol=2e-4)
+    for i, (prompt, media) in enumerate(zip(PROMPTS["video"], _media("video", frames))):
+        req = vllm_request(prompt, media, method, llm=llm, **budget)
+        scores = json.loads(req["mm_processor_kwargs"]["vlm_prune"])["quota"]["scores"]
+        np.testing.assert_allclose(scores, stats[i]["frame_scores"], rtol=1e-4)
+        llm.generate(req, SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)
+        assert image_positions(llm) == ref_kept[i]

@@ -44,10 +44,6 @@ REFUSALS = {
         "adapter does not provide for this input: VisionZip runs on LLaVA-1.5 images and LLaVA-OneVision videos "
         "(not OneVision's anyres image tiles, not Qwen2-VL's tower, which has no CLS token); use divprune, cdpruner, "
         "pool or random"))],
-    "quota": [(NATIVE_MROPE, (
-        "QuoTA is served on LLaVA-OneVision video only (vlm_prune.vllm.quota_request): on Qwen2-VL its scorer feeds "
-        "each frame's tokens resized to score_grid with the M-RoPE positions of the resized grid, which the plugin "
-        "does not build yet; use 'uniform' or 'keyscore' at the same budget, or QuoTA with vlm_prune.wrap()"))],
 }
 #: families whose vLLM support is not written yet, with what it needs
 PLANNED: dict[str, str] = {}

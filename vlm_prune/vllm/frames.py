@@ -14,11 +14,12 @@ by the budget alone, fit that as the vision methods do (docs/vllm.md, "Frames me
 
 QuoTA's count depends on its frame scores (each frame's share of the budget truncated, maps capped),
 which the unpruned model computes from the video, so it runs as a two-pass request through the same
-engine (:func:`quota_request`): pass 1 asks the engine, unpruned, QuoTA's question about each frame
-(a one-frame video request whose frame map the encoder resizes to ``score_grid`` as wrap()'s scorer
-does; P(answer) read from the prompt log-probabilities), optionally after the query decoupling
-(greedy, text only); pass 2 is the user's request with the scores in its spec, from which the
-processor computes the slot count and the encoder the plan (``quota_plan`` on the unpooled maps).
+engine (:func:`quota_request`). Pass 1 asks the engine, unpruned, QuoTA's question about each frame
+(on Qwen2-VL / 2.5 each temporal slice of two frames, as wrap()) as a one-frame (one-slice) video
+request whose map the encoder resizes to ``score_grid`` as wrap()'s scorer does, and reads P(answer)
+from the prompt log-probabilities, optionally after the query decoupling (greedy, text only). Pass 2
+is the user's request with the scores in its spec, from which the processor computes the slot count
+and the encoder the plan (``quota_plan`` on the unpooled maps, or the frame maps where there are none).
 """
 from __future__ import annotations
 
@@ -26,9 +27,10 @@ import json
 import math
 from typing import Any
 
+import numpy as np
 import torch
 
-from vlm_prune.methods.base import FramesContext, Method, Reduction
+from vlm_prune.methods.base import FramesContext, FramesPlan, Method, Reduction
 
 #: frames methods whose kept count is fixed by the budget (the plugin serves them in one pass)
 FRAMES_SUPPORTED = ("uniform", "keyscore")
@@ -58,9 +60,10 @@ def check_frames_method(method: Method) -> None:
 
 
 def frames_slots(method: Method, frames: int, per_frame: int, spec: dict[str, Any] | None = None,
-                 unpooled_grid: tuple[int, int] | None = None) -> int:
+                 unpooled_grid: tuple[int, int] | None = None, grid: tuple[int, int] | None = None) -> int:
     """Visual tokens a frames method keeps of a ``frames`` x ``per_frame`` video (what wrap() keeps).
-    QuoTA: from the frame scores in ``spec`` (pass 2 of :func:`quota_request`)."""
+    QuoTA: from the frame scores in ``spec`` (pass 2 of :func:`quota_request`); ``grid``: the frame
+    map's (rows, cols) (default: square), which QuoTA's v2 / v5 caps depend on (Qwen's maps are not square)."""
     check_frames_method(method)
     n_total = method.n_keep(frames * per_frame, 1)
     if method.name == "quota":
@@ -69,12 +72,14 @@ def frames_slots(method: Method, frames: int, per_frame: int, spec: dict[str, An
         scores = (spec or {}).get(QUOTA_KEY, {}).get("scores")
         if scores is None:
             raise ValueError(QUOTA_REFUSAL)
-        grid = unpooled_grid if method.wants_unpooled and unpooled_grid is not None else None
-        m = grid[0] * grid[1] if grid is not None else per_frame
+        if method.wants_unpooled and unpooled_grid is not None:
+            grid = unpooled_grid
+        elif grid is None:
+            side = math.isqrt(per_frame)
+            grid = (side, per_frame // side)
         from vlm_prune.frames.quota import quota_plan
 
-        side = math.isqrt(per_frame)
-        plan = quota_plan(torch.zeros(frames, m, 1), grid or (side, per_frame // side), n_total,
+        plan = quota_plan(torch.zeros(frames, grid[0] * grid[1], 1), grid, n_total,
                           torch.tensor(scores, dtype=torch.float32), method.variant, method.weight_scale,
                           method.weight_power, slots=frames * per_frame)
         return plan.reduction.indices.numel()
@@ -96,6 +101,15 @@ def frames_reduction(method: Method, features: torch.Tensor, grid: tuple[int, in
                      text_features: torch.Tensor | None = None, pixels: torch.Tensor | None = None,
                      spec: dict[str, Any] | None = None, unpooled: torch.Tensor | None = None,
                      unpooled_grid: tuple[int, int] | None = None) -> Reduction:
+    """:func:`frames_plan`'s reduction."""
+    return frames_plan(method, features, grid, text_features=text_features, pixels=pixels, spec=spec,
+                       unpooled=unpooled, unpooled_grid=unpooled_grid).reduction
+
+
+def frames_plan(method: Method, features: torch.Tensor, grid: tuple[int, int], *,
+                text_features: torch.Tensor | None = None, pixels: torch.Tensor | None = None,
+                spec: dict[str, Any] | None = None, unpooled: torch.Tensor | None = None,
+                unpooled_grid: tuple[int, int] | None = None) -> FramesPlan:
     """The method's reduction of one video's [T, N, D] frame maps (indices into its T * N rows),
     from the same FramesContext wrap() builds (features, grid, the video budget, the question's
     input embeddings, the processor's pixels); its size must equal :func:`frames_slots`.
@@ -115,12 +129,12 @@ def frames_reduction(method: Method, features: torch.Tensor, grid: tuple[int, in
             ctx = FramesContext(features=features, grid=grid, n_total=n_total, text_features=text_features, pixels=pixels)
             plan = method.allocate(ctx)
     red = plan.reduction
-    want = frames_slots(method, t, n, spec, unpooled_grid)
+    want = frames_slots(method, t, n, spec, unpooled_grid, grid)
     if red.indices.numel() != want:
         raise RuntimeError(f"vlm_prune: {method.name} kept {red.indices.numel()} tokens of the video, its slots are {want}")
     if red.sizes is not None:
         raise ValueError(f"frames method {method.name!r} merges tokens with sizes, which vLLM's attention cannot weight")
-    return red
+    return plan
 
 
 def is_frames(method: Any) -> bool:
@@ -177,7 +191,8 @@ def quota_request(llm: Any, request: dict[str, Any], method: Any = "quota", *, k
         processor = AutoProcessor.from_pretrained(model_config.model)
     tok = getattr(processor, "tokenizer", processor)
     frames = video[0] if isinstance(video, tuple) else video
-    t, per_frame = len(frames), info["frame_tokens"](model_config.hf_config)
+    group = info.get("group", lambda cfg: 1)(model_config.hf_config)  # frames per scored unit (Qwen: a slice)
+    t, per_frame = -(-len(frames) // group), info["frame_tokens"](model_config.hf_config, processor, frames)
     out = dict(request)
 
     def with_spec(extra: dict[str, Any] | None) -> dict[str, Any]:
@@ -212,8 +227,9 @@ def quota_request(llm: Any, request: dict[str, Any], method: Any = "quota", *, k
         targets = [vocab_id(tok, w) for w in q._prompts.tokens]
         grid = list(q.score_grid) if q.score_grid is not None else None
         kwargs = with_spec({"phase": "score", "grid": grid})
-        reqs = [{"prompt_token_ids": ids + [target], "multi_modal_data": {"video": _frames(video, [f])},
-                 "mm_processor_kwargs": kwargs} for f in range(t) for target in targets]
+        units = [list(range(f * group, min((f + 1) * group, len(frames)))) for f in range(t)]
+        reqs = [{"prompt_token_ids": ids + [target], "multi_modal_data": {"video": _frames(video, unit)},
+                 "mm_processor_kwargs": kwargs} for unit in units for target in targets]
         res = llm.generate(reqs, SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0), use_tqdm=False)
         probs = torch.tensor([math.exp(r.prompt_logprobs[-1][r.prompt_token_ids[-1]].logprob) for r in res],
                              dtype=torch.float32).reshape(t, len(targets))
@@ -223,8 +239,13 @@ def quota_request(llm: Any, request: dict[str, Any], method: Any = "quota", *, k
 
 
 def _frames(video: Any, keep: list[int]) -> Any:
-    if isinstance(video, tuple):
-        return _frames(video[0], keep), video[1]
+    if isinstance(video, tuple):  # (frames, metadata): the metadata of the frames kept
+        meta = video[1]
+        if isinstance(meta, dict) and "total_num_frames" in meta:
+            meta = {**meta, "total_num_frames": len(keep), "frames_indices": list(range(len(keep)))}
+            if meta.get("fps"):
+                meta["duration"] = len(keep) / meta["fps"]
+        return _frames(video[0], keep), meta
     return video[keep] if hasattr(video, "shape") else [video[i] for i in keep]
 
 
@@ -260,9 +281,23 @@ def _question_text(request: dict[str, Any], tok: Any, processor: Any, hf_config:
     return tok.decode(question_ids(list(ids), [(last, 1)], suffix), skip_special_tokens=True).strip()
 
 
-def _onevision_frame_tokens(hf_config: Any) -> int:
+def _onevision_frame_tokens(hf_config: Any, processor: Any, frames: Any) -> int:
     vc = hf_config.vision_config
     return math.ceil((vc.image_size // vc.patch_size) / 2) ** 2
+
+
+def _qwen_slice_tokens(hf_config: Any, processor: Any, frames: Any) -> int:
+    """Merged tokens of one temporal slice of this video (from its grid in the model's video processor)."""
+    first = frames[: hf_config.vision_config.temporal_patch_size]
+    grid = processor.video_processor(videos=[np.asarray(first) if not hasattr(first, "shape") else first],
+                                     do_sample_frames=False, return_tensors="pt")["video_grid_thw"][0]
+    merge = hf_config.vision_config.spatial_merge_size
+    return int(grid[1]) // merge * (int(grid[2]) // merge)
+
+
+def _qwen_video_model() -> dict[str, Any]:
+    return {"frame_tokens": _qwen_slice_tokens, "placeholder": lambda processor: "<|video_pad|>",
+            "group": lambda cfg: cfg.vision_config.temporal_patch_size}
 
 
 #: video models quota_request knows: tokens per frame, the video placeholder text
@@ -271,4 +306,7 @@ VIDEO_MODELS: dict[str, dict[str, Any]] = {
         "frame_tokens": _onevision_frame_tokens,
         "placeholder": lambda processor: getattr(processor, "video_token", "<video>"),
     },
+    # a scored unit is a temporal slice (two frames), as wrap()'s QuoTA on Qwen: group frames per request
+    "VlmPruneQwen2VLForConditionalGeneration": _qwen_video_model(),
+    "VlmPruneQwen2_5_VLForConditionalGeneration": _qwen_video_model(),
 }

@@ -20,8 +20,11 @@ Qwen classes:
 
 VisionZip is refused: it reads the CLS attention of a CLIP-like tower's feature layer, which
 Qwen's tower (no CLS token, window attention in 2.5) does not have; ``wrap()`` refuses it too.
-QuoTA is refused (served on LLaVA-OneVision): its scorer's resized frame maps would need M-RoPE
-positions of the resized grid.
+QuoTA runs per request as two passes (frames.quota_request), per temporal slice as wrap() runs it on
+Qwen: pass 1 sends each slice (its two frames) as a one-slice video whose merged map the encoder fits
+into ``score_grid`` (bilinear, fit_grid) at the M-RoPE positions of that grid; pass 2's plan resizes
+each slice's map to its share and the kept tokens fill the video's first slots at (t of their
+slice, row and column in the resized grid from the video's origin), as wrap()'s PositionRewrite.
 """
 from __future__ import annotations
 
@@ -53,7 +56,7 @@ from vllm.multimodal.processing import PromptReplacement, PromptUpdate
 from vlm_prune.adapters.qwen2_vl import unpatchify
 from vlm_prune.methods.base import Method, VisionContext
 from vlm_prune.vllm.config import refusal
-from vlm_prune.vllm.frames import frames_reduction, frames_slots, is_frames
+from vlm_prune.vllm.frames import frames_plan, frames_slots, is_frames, quota_phase, strip_quota
 from vlm_prune.vllm.llava import (
     QUERY_KEY,
     RANK_KEY,
@@ -85,6 +88,8 @@ def _without_spec(kwargs: Mapping[str, object]) -> dict[str, object]:
 
 
 def _check(method: Method, arch: str) -> Method:
+    if method.name == "quota":  # per request (quota_request); frames_slots refuses a request without scores
+        return method
     reason = refusal(arch, method.name)
     if reason:
         raise ValueError(reason)
@@ -96,7 +101,7 @@ class _PrunedInfo:
 
     def method(self, mm_kwargs: Mapping[str, object] | None = None) -> Method:
         cfg = self.get_hf_config()
-        return _check(method_of(spec_of(cfg, mm_kwargs)), cfg.architectures[0])
+        return _check(method_of(strip_quota(spec_of(cfg, mm_kwargs))), cfg.architectures[0])
 
     def get_hf_processor(self, **kwargs: object) -> Any:
         return super().get_hf_processor(**_without_spec(kwargs))
@@ -118,13 +123,19 @@ class _PrunedProcessor:
     def _get_prompt_updates(self, mm_items: Any, hf_processor_mm_kwargs: Mapping[str, object], out_mm_kwargs: Any
                             ) -> Sequence[PromptUpdate]:
         method = self.info.method(hf_processor_mm_kwargs)
+        spec = spec_of(self.info.get_hf_config(), hf_processor_mm_kwargs)
+        merge = self.info.get_hf_config().vision_config.spatial_merge_size
         updates = super()._get_prompt_updates(mm_items, _without_spec(hf_processor_mm_kwargs), out_mm_kwargs)
 
         def pruned(item_idx: int, modality: str, full: Any) -> list[int]:
             ids = full(item_idx)
-            t = int(out_mm_kwargs[modality][item_idx][f"{modality}_grid_thw"].data[0])
+            t, h, w = (int(x) for x in out_mm_kwargs[modality][item_idx][f"{modality}_grid_thw"].data)
             if is_frames(method):  # a frames method keeps whole slices of a video, leaves images alone
-                return ids if modality == "image" else ids[:1] * frames_slots(method, t, len(ids) // t)
+                if modality == "image":
+                    return ids
+                if quota_phase(spec) == "score":  # QuoTA's pass 1: each slice's map fitted into score_grid
+                    return ids[:1] * (t * _score_rows((h // merge, w // merge), spec))
+                return ids[:1] * frames_slots(method, t, len(ids) // t, spec, grid=(h // merge, w // merge))
             return ids[:1] * (t * method.n_keep(len(ids) // t, 1))
 
         return [PromptReplacement(modality=u.modality, target=u.target,
@@ -157,6 +168,17 @@ class _PrunedProcessor:
                     digest = hashlib.sha256(json.dumps(extra).encode()).hexdigest()[:16]
                     hashes[modality][rank] = f"{hashes[modality][rank]}-vlm_prune-{digest}"
         return out
+
+
+def _score_grid(grid: tuple[int, int], spec: dict[str, Any]) -> tuple[int, int]:
+    """A QuoTA scoring request's map: the slice's merged grid fitted into the spec's score grid."""
+    limit = spec["quota"].get("grid") or grid
+    return min(grid[0], limit[0]), min(grid[1], limit[1])
+
+
+def _score_rows(grid: tuple[int, int], spec: dict[str, Any]) -> int:
+    rows, cols = _score_grid(grid, spec)
+    return rows * cols
 
 
 def _item(value: Any, b: int) -> torch.Tensor | None:
@@ -223,20 +245,39 @@ class _PrunedQwen:
         m = self.config.vision_config.spatial_merge_size
         t, rows, cols = grid[0], grid[1] // m, grid[2] // m
         n = rows * cols
-        method = _check(method_of(spec), self.config.architectures[0])
+        method = _check(method_of(strip_quota(spec)), self.config.architectures[0])
         seed = int(spec.get("seed", 0))
         gen = torch.Generator().manual_seed(seed * 1_000_003 + (int(rank.reshape(-1)[0]) if rank is not None else 0))
         text = None
         if query is not None:
             text = self.language_model.model.embed_tokens(query.reshape(-1).to(features.device).long())
         kept, index = [], []
+        if video and is_frames(method) and quota_phase(spec) == "score":  # QuoTA's pass 1 (as wrap()'s scorer)
+            from vlm_prune.adapters.hf_vlm import fit_grid
+
+            r, c = _score_grid((rows, cols), spec)
+            maps = fit_grid(features.reshape(t, n, -1), (rows, cols), (r, c)).reshape(t * r * c, -1)
+            k = torch.arange(t * r * c)
+            t_pos = k // (r * c)
+            if t_factor != 1.0:
+                t_pos = (t_pos.double() * t_factor).long()
+            offsets = torch.stack([t_pos, (k % (r * c)) // c, k % c])
+            return torch.cat([maps.to(features.dtype), encode_positions(offsets, features.dtype)], dim=1)
         if is_frames(method):  # whole slices of a video (images untouched, as wrap(frames=...))
             idx, feats = torch.arange(t * n, device=features.device), features
             if video:
-                red = frames_reduction(method, features.reshape(t, n, -1), (rows, cols), text_features=text,
-                                       pixels=pixels)
+                plan = frames_plan(method, features.reshape(t, n, -1), (rows, cols), text_features=text,
+                                   pixels=pixels, spec=spec)
+                red = plan.reduction
                 idx = red.indices.to(features.device)
                 feats = features[idx] if red.features is None else red.features.to(features.dtype)
+                if plan.token_coords is not None:  # QuoTA's resized maps: (slice, row, col) in the new grid
+                    coords = plan.token_coords.cpu()
+                    t_pos = coords[:, 0]
+                    if t_factor != 1.0:
+                        t_pos = (t_pos.double() * t_factor).long()
+                    offsets = torch.stack([t_pos, coords[:, 1], coords[:, 2]])
+                    return torch.cat([feats, encode_positions(offsets, features.dtype).to(feats.device)], dim=1)
             order = torch.argsort(idx)
             kept.append(feats[order])
             index.append(idx[order])
@@ -272,6 +313,11 @@ class _PrunedQwen:
         features = sorted(mm_features, key=lambda f: f.mm_position.offset)
         cursor, nxt = 0, 0
         for f, (offset, t, h, w, t_factor) in zip(features, self.iter_mm_grid_thw(features)):
+            raw = f.data.get(SPEC_KEY) if f.data is not None else None
+            if raw is not None and f.modality == "video":
+                spec = json.loads(bytes(raw.data.reshape(-1).tolist()).decode())
+                if quota_phase(spec) == "score":  # a QuoTA scoring request: a video of the fitted grid
+                    h, w = _score_grid((h, w), spec)
             pos[:, cursor:offset] = torch.arange(offset - cursor) + nxt
             base = nxt + offset - cursor
             k = f.mm_position.length
@@ -321,7 +367,7 @@ class PrunedQwen2VLMultiModalProcessor(_PrunedProcessor, Qwen2VLMultiModalProces
     PrunedQwen2VLMultiModalProcessor, info=PrunedQwen2VLProcessingInfo, dummy_inputs=Qwen2VLDummyInputsBuilder
 )
 class VlmPruneQwen2VLForConditionalGeneration(_PrunedQwen, Qwen2VLForConditionalGeneration):
-    """vLLM's Qwen2-VL with a vlm_prune method (random, pool, divprune, cdpruner; video: uniform, keyscore)."""
+    """vLLM's Qwen2-VL with a vlm_prune method (random, pool, divprune, cdpruner; video: uniform, keyscore, quota)."""
 
 
 class PrunedQwen2_5_VLProcessingInfo(_PrunedInfo, Qwen2_5_VLProcessingInfo):
@@ -336,4 +382,4 @@ class PrunedQwen2_5_VLMultiModalProcessor(_PrunedProcessor, Qwen2_5_VLMultiModal
     PrunedQwen2_5_VLMultiModalProcessor, info=PrunedQwen2_5_VLProcessingInfo, dummy_inputs=Qwen2_5_VLDummyInputsBuilder
 )
 class VlmPruneQwen2_5_VLForConditionalGeneration(_PrunedQwen, Qwen2_5_VLForConditionalGeneration):
-    """vLLM's Qwen2.5-VL with a vlm_prune method (random, pool, divprune, cdpruner; video: uniform, keyscore)."""
+    """vLLM's Qwen2.5-VL with a vlm_prune method (random, pool, divprune, cdpruner; video: uniform, keyscore, quota)."""
