@@ -24,7 +24,6 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
-
 from vllm.config import VllmConfig
 from vllm.model_executor.models.interfaces import SupportsMRoPE
 from vllm.model_executor.models.llava import (
@@ -35,7 +34,11 @@ from vllm.model_executor.models.llava import (
 )
 from vllm.model_executor.models.utils import WeightsMapper
 from vllm.multimodal import MULTIMODAL_REGISTRY
-from vllm.multimodal.inputs import MultiModalBatchedField, MultiModalFeatureSpec, MultiModalFieldElem
+from vllm.multimodal.inputs import (
+    MultiModalBatchedField,
+    MultiModalFeatureSpec,
+    MultiModalFieldElem,
+)
 from vllm.multimodal.parse import ImageProcessorItems
 from vllm.multimodal.processing import PromptReplacement, PromptUpdate
 
@@ -101,6 +104,49 @@ def question_ids(prompt: list[int], placeholder_ranges: list[tuple[int, int]], s
     return q
 
 
+def spec_bytes(spec: dict[str, Any]) -> torch.Tensor:
+    """A method spec as the uint8 tensor that travels with an item from the processor to the encoder."""
+    return torch.tensor(list(json.dumps(spec, sort_keys=True).encode()), dtype=torch.uint8)
+
+
+def spec_from(raw: Any, default: dict[str, Any]) -> dict[str, Any]:
+    """The spec an item carries (:func:`spec_bytes`), or ``default`` (the engine's) when it carries none."""
+    return json.loads(bytes(raw.reshape(-1).tolist()).decode()) if raw is not None else default
+
+
+#: methods whose choice depends on the question (so it is part of an item's cache key)
+READS_QUESTION = ("cdpruner", "keyscore")
+
+
+def tag_items(out: Any, spec: dict[str, Any], method: Method, suffix: list[int],
+              more: Any = None) -> Any:
+    """Attach to each media item of a processed prompt ``out`` the encoder's kwargs: the question's
+    ids (the text after the last item, without the template's ``suffix``), the item's rank in the
+    prompt, the spec, and ``more(modality, rank)`` (named ints); key each item's cache entry by what
+    else its method reads."""
+    prompt = list(out["prompt_token_ids"])
+    ranges = [(r.offset, r.length) for rs in out["mm_placeholders"].values() for r in rs]
+    query = question_ids(prompt, ranges, suffix)
+    packed = spec_bytes(spec)
+    kwargs, hashes = out["mm_kwargs"], out["mm_hashes"]
+    for modality, items in kwargs.items():
+        for rank, item in enumerate(items):
+            if item is None:
+                continue
+            extra: dict[str, Any] = dict(more(modality, rank)) if more is not None else {}
+            fields = {QUERY_KEY: torch.tensor(query, dtype=torch.long), RANK_KEY: torch.tensor([rank]), SPEC_KEY: packed}
+            fields.update({key: torch.tensor([value]) for key, value in extra.items()})
+            for key, value in fields.items():
+                item[key] = MultiModalFieldElem(data=value, field=MultiModalBatchedField())
+            if method.name in READS_QUESTION:
+                extra["query"] = query
+            if method.name == "random":
+                extra["rank"] = rank
+            if extra:
+                hashes[modality][rank] = keyed_hash(hashes[modality][rank], extra)
+    return out
+
+
 def keyed_hash(mm_hash: str, extra: dict[str, Any]) -> str:
     """An item's cache key with what else the method reads (question, rank, ...): a cached encoding
     is never reused where that differs."""
@@ -160,28 +206,7 @@ class PrunedLlavaMultiModalProcessor(LlavaMultiModalProcessor):
     def apply(self, inputs: Any, timing_ctx: Any) -> Any:
         spec = spec_of(self.info.get_hf_config(), inputs.hf_processor_mm_kwargs)
         method = method_of(spec)
-        out = super().apply(inputs, timing_ctx)
-        spec_bytes = torch.tensor(list(json.dumps(spec, sort_keys=True).encode()), dtype=torch.uint8)
-        prompt = list(out["prompt_token_ids"])
-        ranges = [(r.offset, r.length) for rs in out["mm_placeholders"].values() for r in rs]
-        query = question_ids(prompt, ranges, self._template_suffix())
-        kwargs, hashes = out["mm_kwargs"], out["mm_hashes"]
-        for modality, items in kwargs.items():
-            for rank, item in enumerate(items):
-                if item is None:
-                    continue
-                item[QUERY_KEY] = MultiModalFieldElem(data=torch.tensor(query, dtype=torch.long),
-                                                      field=MultiModalBatchedField())
-                item[RANK_KEY] = MultiModalFieldElem(data=torch.tensor([rank]), field=MultiModalBatchedField())
-                item[SPEC_KEY] = MultiModalFieldElem(data=spec_bytes, field=MultiModalBatchedField())
-                extra = {}
-                if method.name == "cdpruner":
-                    extra["query"] = query
-                if method.name == "random":
-                    extra["rank"] = rank
-                if extra:
-                    hashes[modality][rank] = keyed_hash(hashes[modality][rank], extra)
-        return out
+        return tag_items(super().apply(inputs, timing_ctx), spec, method, self._template_suffix())
 
 
 @MULTIMODAL_REGISTRY.register_processor(
@@ -279,7 +304,7 @@ class VlmPruneLlavaForConditionalGeneration(OffsetChannels, LlavaForConditionalG
         query = self._item(self._query, b)
         rank = self._item(self._rank, b)
         raw = self._item(self._spec, b)
-        spec = json.loads(bytes(raw.reshape(-1).tolist()).decode()) if raw is not None else spec_of(self.config)
+        spec = spec_from(raw, spec_of(self.config))
         method = method_of(spec)
         seed = int(spec.get("seed", 0))
         gen = torch.Generator().manual_seed(seed * 1_000_003 + (int(rank.reshape(-1)[0]) if rank is not None else 0))
@@ -358,7 +383,7 @@ class VlmPruneLlavaForConditionalGeneration(OffsetChannels, LlavaForConditionalG
         language model the shorter sequence, as wrap() does): then nothing is shifted."""
         item = feature.data
         elem = item.get(SPEC_KEY) if item is not None else None
-        spec = json.loads(bytes(elem.data.reshape(-1).tolist()).decode()) if elem is not None else spec_of(self.config)
+        spec = spec_from(elem.data if elem is not None else None, spec_of(self.config))
         return bool(getattr(method_of(spec), "renumber_positions", False))
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:

@@ -20,10 +20,10 @@ item continues from its unpruned length), as llava.py does.
 """
 from __future__ import annotations
 
-import json
 import math
 import re
 from collections.abc import Iterable, Mapping, Sequence
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -42,9 +42,7 @@ from vllm.model_executor.models.llava_onevision import (
 from vllm.model_executor.models.utils import WeightsMapper
 from vllm.multimodal import MULTIMODAL_REGISTRY
 from vllm.multimodal.inputs import (
-    MultiModalBatchedField,
     MultiModalFeatureSpec,
-    MultiModalFieldElem,
 )
 from vllm.multimodal.parse import ImageProcessorItems, VideoProcessorItems
 from vllm.multimodal.processing import PromptReplacement, PromptUpdate
@@ -66,15 +64,14 @@ from vlm_prune.vllm.llava import (
     OffsetChannels,
     PrunedLlavaMultiModalProcessor,
     encode_offsets,
-    keyed_hash,
     method_of,
-    question_ids,
+    spec_from,
     spec_of,
+    tag_items,
 )
 
 #: each item's unpruned placeholder count (where the text after it continues)
 FULL_KEY = "vlm_prune_full"
-
 
 
 def vision_slots(method: Method, n: int, grid: tuple[int, int] | None) -> int:
@@ -87,14 +84,6 @@ def vision_slots(method: Method, n: int, grid: tuple[int, int] | None) -> int:
         r, c = pooled_grid(grid[0], grid[1], k)
         return r * c
     return k
-
-
-def _spec_bytes(spec: dict[str, Any]) -> torch.Tensor:
-    return torch.tensor(list(json.dumps(spec, sort_keys=True).encode()), dtype=torch.uint8)
-
-
-def _spec_from(raw: Any, default: dict[str, Any]) -> dict[str, Any]:
-    return json.loads(bytes(raw.reshape(-1).tolist()).decode()) if raw is not None else default
 
 
 class PrunedOnevisionProcessingInfo(LlavaOnevisionProcessingInfo):
@@ -185,7 +174,7 @@ class PrunedOnevisionMultiModalProcessor(LlavaOnevisionMultiModalProcessor):
         return [PromptReplacement(modality="image", target=[cfg.image_token_index], replacement=image),
                 PromptReplacement(modality="video", target=[cfg.video_token_index], replacement=video)]
 
-    def _unpruned(self, mm_items: Any, modality: str, idx: int, spec: dict[str, Any]) -> int:
+    def _unpruned(self, mm_items: Any, modality: str, idx: int, *, spec: dict[str, Any]) -> int:
         if modality == "image":
             size = mm_items.get_items("image", ImageProcessorItems).get_image_size(idx)
             return LlavaOnevisionProcessingInfo.get_num_image_tokens(self.info, image_width=size.width,
@@ -199,26 +188,9 @@ class PrunedOnevisionMultiModalProcessor(LlavaOnevisionMultiModalProcessor):
     def apply(self, inputs: Any, timing_ctx: Any) -> Any:
         spec = spec_of(self.info.get_hf_config(), inputs.hf_processor_mm_kwargs)
         method = self.info.method(inputs.hf_processor_mm_kwargs)
-        out = super().apply(inputs, timing_ctx)
-        prompt = list(out["prompt_token_ids"])
-        ranges = [(r.offset, r.length) for rs in out["mm_placeholders"].values() for r in rs]
-        query = question_ids(prompt, ranges, self._template_suffix())
-        kwargs, hashes = out["mm_kwargs"], out["mm_hashes"]
-        for modality, items in kwargs.items():
-            for rank, item in enumerate(items):
-                if item is None:
-                    continue
-                full = self._unpruned(inputs.mm_data_items, modality, rank, spec)
-                for key, value in ((QUERY_KEY, torch.tensor(query, dtype=torch.long)), (RANK_KEY, torch.tensor([rank])),
-                                   (SPEC_KEY, _spec_bytes(spec)), (FULL_KEY, torch.tensor([full]))):
-                    item[key] = MultiModalFieldElem(data=value, field=MultiModalBatchedField())
-                extra: dict[str, Any] = {"full": full}
-                if method.name in ("cdpruner", "keyscore"):
-                    extra["query"] = query
-                if method.name == "random":
-                    extra["rank"] = rank
-                hashes[modality][rank] = keyed_hash(hashes[modality][rank], extra)
-        return out
+        full = partial(self._unpruned, inputs.mm_data_items, spec=spec)
+        return tag_items(super().apply(inputs, timing_ctx), spec, method, self._template_suffix(),
+                         lambda modality, rank: {FULL_KEY: full(modality, rank)})
 
 
 def score_rows(frame_grid: tuple[int, int], spec: dict[str, Any]) -> int:
@@ -303,7 +275,7 @@ class VlmPruneLlavaOnevisionForConditionalGeneration(OffsetChannels, LlavaOnevis
     def _reduce(self, modality: str, feats: torch.Tensor, item: dict[str, Any], pixels: torch.Tensor | None,
                 first_frame: int = 0) -> torch.Tensor:
         """One item's kept rows (in order) with their offsets from their slots in three extra channels."""
-        spec = _spec_from(item[SPEC_KEY], spec_of(self.config))
+        spec = spec_from(item[SPEC_KEY], spec_of(self.config))
         method = method_of(strip_quota(spec))
         rank = int(item[RANK_KEY].reshape(-1)[0]) if item[RANK_KEY] is not None else 0
         gen = torch.Generator().manual_seed(int(spec.get("seed", 0)) * 1_000_003 + rank)
@@ -427,7 +399,7 @@ class VlmPruneLlavaOnevisionForConditionalGeneration(OffsetChannels, LlavaOnevis
             elem = f.data.get(FULL_KEY) if f.data is not None else None
             full = int(elem.data.reshape(-1)[0]) if elem is not None else k
             spec_elem = f.data.get(SPEC_KEY) if f.data is not None else None
-            spec = _spec_from(spec_elem.data if spec_elem is not None else None, spec_of(self.config))
+            spec = spec_from(spec_elem.data if spec_elem is not None else None, spec_of(self.config))
             if not getattr(method_of(strip_quota(spec)), "renumber_positions", False):  # VisionZip official: the shorter sequence
                 shift += max(0, full - k)
             cursor = start + k

@@ -28,14 +28,11 @@ slice, row and column in the resized grid from the video's origin), as wrap()'s 
 """
 from __future__ import annotations
 
-import hashlib
-import json
 from collections.abc import Mapping, Sequence
 from functools import partial
 from typing import Any
 
 import torch
-
 from vllm.config import VllmConfig
 from vllm.model_executor.models.qwen2_5_vl import (
     Qwen2_5_VLDummyInputsBuilder,
@@ -50,13 +47,19 @@ from vllm.model_executor.models.qwen2_vl import (
     Qwen2VLProcessingInfo,
 )
 from vllm.multimodal import MULTIMODAL_REGISTRY
-from vllm.multimodal.inputs import MultiModalBatchedField, MultiModalFeatureSpec, MultiModalFieldElem
+from vllm.multimodal.inputs import MultiModalFeatureSpec
 from vllm.multimodal.processing import PromptReplacement, PromptUpdate
 
 from vlm_prune.adapters.qwen2_vl import unpatchify
 from vlm_prune.methods.base import Method, VisionContext
 from vlm_prune.vllm.config import refusal
-from vlm_prune.vllm.frames import frames_plan, frames_slots, is_frames, quota_phase, strip_quota
+from vlm_prune.vllm.frames import (
+    frames_plan,
+    frames_slots,
+    is_frames,
+    quota_phase,
+    strip_quota,
+)
 from vlm_prune.vllm.llava import (
     QUERY_KEY,
     RANK_KEY,
@@ -65,8 +68,9 @@ from vlm_prune.vllm.llava import (
     decode_offsets,
     encode_offsets,
     method_of,
-    question_ids,
+    spec_from,
     spec_of,
+    tag_items,
 )
 
 #: extra embedding channels: three base-64 digits for each of the t, h, w position offsets
@@ -145,29 +149,7 @@ class _PrunedProcessor:
     def apply(self, inputs: Any, timing_ctx: Any) -> Any:
         spec = spec_of(self.info.get_hf_config(), inputs.hf_processor_mm_kwargs)
         method = self.info.method(inputs.hf_processor_mm_kwargs)
-        out = super().apply(inputs, timing_ctx)
-        spec_bytes = torch.tensor(list(json.dumps(spec, sort_keys=True).encode()), dtype=torch.uint8)
-        prompt = list(out["prompt_token_ids"])
-        ranges = [(r.offset, r.length) for rs in out["mm_placeholders"].values() for r in rs]
-        query = question_ids(prompt, ranges, self._template_suffix())
-        kwargs, hashes = out["mm_kwargs"], out["mm_hashes"]
-        for modality, items in kwargs.items():
-            for rank, item in enumerate(items):
-                if item is None:
-                    continue
-                item[QUERY_KEY] = MultiModalFieldElem(data=torch.tensor(query, dtype=torch.long),
-                                                      field=MultiModalBatchedField())
-                item[RANK_KEY] = MultiModalFieldElem(data=torch.tensor([rank]), field=MultiModalBatchedField())
-                item[SPEC_KEY] = MultiModalFieldElem(data=spec_bytes, field=MultiModalBatchedField())
-                extra = {}
-                if method.name in ("cdpruner", "keyscore"):  # they read the question
-                    extra["query"] = query
-                if method.name == "random":
-                    extra["rank"] = rank
-                if extra:
-                    digest = hashlib.sha256(json.dumps(extra).encode()).hexdigest()[:16]
-                    hashes[modality][rank] = f"{hashes[modality][rank]}-vlm_prune-{digest}"
-        return out
+        return tag_items(super().apply(inputs, timing_ctx), spec, method, self._template_suffix())
 
 
 def _score_grid(grid: tuple[int, int], spec: dict[str, Any]) -> tuple[int, int]:
@@ -231,7 +213,7 @@ class _PrunedQwen:
                 per_second = getattr(self.config.vision_config, "tokens_per_second", 1.0)
                 t_factor = (float(s.reshape(-1)[0]) if s is not None else 1.0) * per_second
             raw = _item(spec, b)
-            item_spec = json.loads(bytes(raw.reshape(-1).tolist()).decode()) if raw is not None else spec_of(self.config)
+            item_spec = spec_from(raw, spec_of(self.config))
             out.append(self._reduce(b, feats, [int(x) for x in grids[b]], t_factor, item_spec,
                                     _item(query, b), _item(rank, b), video, pixels))
         return out
@@ -315,7 +297,7 @@ class _PrunedQwen:
         for f, (offset, t, h, w, t_factor) in zip(features, self.iter_mm_grid_thw(features)):
             raw = f.data.get(SPEC_KEY) if f.data is not None else None
             if raw is not None and f.modality == "video":
-                spec = json.loads(bytes(raw.data.reshape(-1).tolist()).decode())
+                spec = spec_from(raw.data, {})
                 if quota_phase(spec) == "score":  # a QuoTA scoring request: a video of the fitted grid
                     h, w = _score_grid((h, w), spec)
             pos[:, cursor:offset] = torch.arange(offset - cursor) + nxt
