@@ -279,3 +279,52 @@ def test_refusals(llm, checkpoint):
                      SamplingParams(max_tokens=1), use_tqdm=False)
     tokens, _ = run_vllm(llm, "divprune", {"keep": 0.5}, prompts=[PROMPTS[0]])  # the engine serves on
     assert len(tokens[0]) == STEPS
+
+
+@pytest.mark.timeout(900)
+def test_quota_over_http_equals_offline(llm, checkpoint, tmp_path):
+    """QuoTA against `vlm-prune serve` (vp.QuotaClient, one server): the decoupling answer over
+    /v1/completions, one /v1/chat/completions scoring request per frame (the answer word as the assistant
+    turn the template continues, prompt_logprobs), pass 2 as the caller's chat body with the scores in
+    mm_processor_kwargs. The same frame scores as the offline vp.quota_request (rtol 1e-4), the same
+    prompt tokens (slots) and greedy tokens in pass 2; the video travels as PNG frames (vp.video_url)."""
+    import time
+
+    from test_vllm_engine import Server
+    from transformers import AutoProcessor
+    from vllm import SamplingParams
+
+    from vlm_prune.frames import QuoTA
+
+    knobs, budget = QUOTA_CASES[0]  # v1 with the query decoupling, keep 0.5
+    video, text = _media("video")["video"], "w10 w11 w12 w13"
+    proc = AutoProcessor.from_pretrained(checkpoint)
+    chat = proc.apply_chat_template([{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": text}]}],
+                                    add_generation_prompt=True, tokenize=False)
+    ids = proc.tokenizer(chat, add_special_tokens=False).input_ids  # as the server tokenizes a chat
+    offline = vp.quota_request(llm, {"prompt_token_ids": ids, "multi_modal_data": {"video": video}}, QuoTA(**knobs),
+                               **budget)
+    out = llm.generate(offline, SamplingParams(temperature=0.0, max_tokens=STEPS, min_tokens=STEPS), use_tqdm=False)[0]
+
+    body = {"model": str(checkpoint), "max_tokens": STEPS, "min_tokens": STEPS, "temperature": 0.0,
+            "return_token_ids": True, "messages": [{"role": "user", "content": [
+                {"type": "video_url", "video_url": {"url": vp.video_url(video)}}, {"type": "text", "text": text}]}]}
+    start = time.monotonic()
+    server = Server([str(checkpoint), "--method", "random", "--keep", "1.0"], tmp_path / "server.log",
+                    "--max-model-len 384 --trust-request-mm-kwargs --no-enable-prefix-caching")
+    try:
+        server.wait_ready()
+        ready = time.monotonic()
+        client = vp.QuotaClient(server.url + "/v1", str(checkpoint))
+        second = vp.quota_request(client, body, QuoTA(**knobs), **budget)
+        reply = client.post("/chat/completions", second)
+    finally:
+        server.stop()
+    print(f"server start {ready - start:.0f} s, QuoTA over HTTP {time.monotonic() - ready:.0f} s")
+    assert not server.killed, server.log_tail()
+    spec = json.loads(second["mm_processor_kwargs"]["vlm_prune"])
+    want = json.loads(offline["mm_processor_kwargs"]["vlm_prune"])
+    np.testing.assert_allclose(spec.pop("quota")["scores"], want.pop("quota")["scores"], rtol=1e-4)
+    assert spec == want
+    assert reply["prompt_token_ids"] == list(out.prompt_token_ids)
+    assert reply["choices"][0]["token_ids"] == list(out.outputs[0].token_ids)

@@ -16,7 +16,8 @@ from typing import Any
 
 from vlm_prune.vllm.config import SUPPORTED, hf_overrides, method_spec
 
-__all__ = ["LLM", "engine_kwargs", "request_kwargs", "quota_request", "SUPPORTED", "method_spec"]
+__all__ = ["LLM", "engine_kwargs", "request_kwargs", "quota_request", "QuotaClient", "video_url", "SUPPORTED",
+           "method_spec"]
 
 #: engine defaults the plugin needs: the processor cache off (the plugin adds per-prompt fields to
 #: each image after vLLM's processor has run), eager mode on CPU
@@ -57,7 +58,18 @@ def request_kwargs(method: Any, *, keep: float | None = None, budget: int | None
 def quota_request(llm: Any, request: dict[str, Any], method: Any = "quota", *, keep: float | None = None,
                   budget: int | None = None, seed: int = 0, processor: Any = None) -> dict[str, Any]:
     """QuoTA's pass 1 through ``llm`` (frame scores from the served model); returns the request to
-    generate (pass 2). See :func:`vlm_prune.vllm.frames.quota_request` and docs/vllm.md."""
+    generate (pass 2). ``llm``: an offline ``vllm.LLM`` (``request``: a prompt dict) or a
+    :class:`QuotaClient` of a running server (``request``: a /v1/chat/completions body). See
+    :func:`vlm_prune.vllm.frames.quota_request` and docs/vllm.md."""
     from vlm_prune.vllm.frames import quota_request as run
 
     return run(llm, request, method, keep=keep, budget=budget, seed=seed, processor=processor)
+
+
+def __getattr__(name: str) -> Any:
+    """QuotaClient / video_url (vlm_prune.vllm.quota_client) load on first use: they import torch."""
+    if name in ("QuotaClient", "video_url"):
+        from vlm_prune.vllm import quota_client
+
+        return getattr(quota_client, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

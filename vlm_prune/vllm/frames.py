@@ -167,9 +167,79 @@ def quota_request(llm: Any, request: dict[str, Any], method: Any = "quota", *, k
     as the log-probability of the answer token appended to the prompt. ``method``: "quota" or a
     configured ``QuoTA`` (its ``objects`` callable and ``prompts`` act here, on the client).
     ``processor``: the checkpoint's processor (chat template); loaded from the model folder if None.
+    ``llm`` may also be a :class:`vlm_prune.vllm.quota_client.QuotaClient` (an OpenAI-compatible
+    server; ``request`` is then a /v1/chat/completions body): the same passes over HTTP.
     """
-    from vllm import SamplingParams
+    from vlm_prune.vllm.quota_client import QuotaClient
 
+    if isinstance(llm, QuotaClient):
+        return llm.quota_request(request, method, keep=keep, budget=budget, seed=seed)
+    video = (request.get("multi_modal_data") or {}).get("video")
+    if video is None:
+        raise ValueError("quota_request needs a request with one video in multi_modal_data['video']")
+    engine = OfflineEngine(llm, video)
+    processor = processor if processor is not None else load_processor(engine.model_path)
+    question = question_text(request, processor, engine.hf_config)
+    frames = video[0] if isinstance(video, tuple) else video
+    out = dict(request)
+    out["mm_processor_kwargs"] = quota_kwargs(engine, frames, question, method, keep=keep, budget=budget, seed=seed,
+                                              processor=processor)
+    return out
+
+
+class OfflineEngine:
+    """QuoTA's pass 1 through an offline ``vllm.LLM`` (one request's video); the HTTP twin is
+    :class:`vlm_prune.vllm.quota_client.HttpEngine`. Both answer :func:`quota_kwargs`'s two questions."""
+
+    def __init__(self, llm: Any, video: Any):
+        mc = llm.llm_engine.model_config
+        self.llm, self.video = llm, video
+        self.hf_config, self.model_path, self.max_model_len = mc.hf_config, mc.model, mc.max_model_len
+
+    def generate(self, ids: list[int], limit: int) -> list[int]:
+        """Greedy continuation of the text-only prompt ``ids`` (at most ``limit`` tokens)."""
+        from vllm import SamplingParams
+
+        return list(self.llm.generate({"prompt_token_ids": ids}, SamplingParams(temperature=0.0, max_tokens=limit),
+                                      use_tqdm=False)[0].outputs[0].token_ids)
+
+    def answer_logprobs(self, prompt: str, ids: list[int], answers: list[tuple[str, int]], units: list[list[int]],
+                        kwargs: dict[str, Any]) -> list[float]:
+        """log P(answer | frame prompt) for each unit (frames of the video) and answer (word, token id), unit
+        by unit: the prompt ``ids`` (the chat of ``prompt`` after one video placeholder, ending with the
+        generation prompt) followed by the answer's token, the video cut to the unit, ``kwargs`` its
+        mm_processor_kwargs; the answer's log-probability is the prompt's last."""
+        from vllm import SamplingParams
+
+        reqs = [{"prompt_token_ids": ids + [target], "multi_modal_data": {"video": _frames(self.video, unit)},
+                 "mm_processor_kwargs": kwargs} for unit in units for _, target in answers]
+        res = self.llm.generate(reqs, SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0), use_tqdm=False)
+        return [r.prompt_logprobs[-1][r.prompt_token_ids[-1]].logprob for r in res]
+
+
+def load_processor(model_path: Any) -> Any:
+    from transformers import AutoProcessor
+
+    return AutoProcessor.from_pretrained(model_path)
+
+
+def video_model(hf_config: Any) -> dict[str, Any]:
+    """:data:`VIDEO_MODELS`' entry of a config (the plugin's architecture or the checkpoint's)."""
+    from vlm_prune.vllm.config import ARCHITECTURES
+
+    arch = hf_config.architectures[0]
+    info = VIDEO_MODELS.get(ARCHITECTURES.get(arch, arch))
+    if info is None:
+        raise ValueError(f"quota_request serves the video models {', '.join(VIDEO_MODELS)}; got {arch}")
+    return info
+
+
+def quota_kwargs(engine: Any, frames: Any, question: str, method: Any = "quota", *, keep: float | None = None,
+                 budget: int | None = None, seed: int = 0, processor: Any = None) -> dict[str, Any]:
+    """QuoTA's pass 1 (see :func:`quota_request`) through ``engine`` (:class:`OfflineEngine` or the HTTP
+    client's engine): the pass-2 request's ``mm_processor_kwargs``, its spec carrying the frame scores.
+    ``frames``: the video's frames (their count; on Qwen the first slice's grid), ``question``: the text
+    :func:`question_text` reads from the request."""
     from vlm_prune.frames.quota import DECOUPLE_MAX_NEW_TOKENS, QuoTA
     from vlm_prune.frames.scorers import vocab_id
     from vlm_prune.vllm.config import build_method, method_spec
@@ -178,64 +248,43 @@ def quota_request(llm: Any, request: dict[str, Any], method: Any = "quota", *, k
     q = build_method({**spec, "method": method}) if isinstance(method, QuoTA) else build_method(spec)
     if not isinstance(q, QuoTA):
         raise ValueError(f"quota_request serves QuoTA; got {spec['method']!r} (send other methods directly)")
-    video = (request.get("multi_modal_data") or {}).get("video")
-    if video is None:
-        raise ValueError("quota_request needs a request with one video in multi_modal_data['video']")
-    model_config = llm.llm_engine.model_config
-    info = VIDEO_MODELS.get(model_config.hf_config.architectures[0])
-    if info is None:
-        raise ValueError(f"quota_request serves the video models {', '.join(VIDEO_MODELS)}")
-    if processor is None:
-        from transformers import AutoProcessor
-
-        processor = AutoProcessor.from_pretrained(model_config.model)
+    hf_config = engine.hf_config
+    info = video_model(hf_config)
     tok = getattr(processor, "tokenizer", processor)
-    frames = video[0] if isinstance(video, tuple) else video
-    group = info.get("group", lambda cfg: 1)(model_config.hf_config)  # frames per scored unit (Qwen: a slice)
-    t, per_frame = -(-len(frames) // group), info["frame_tokens"](model_config.hf_config, processor, frames)
-    out = dict(request)
+    group = info.get("group", lambda cfg: 1)(hf_config)  # frames per scored unit (Qwen: a slice)
+    t, per_frame = -(-len(frames) // group), info["frame_tokens"](hf_config, processor, frames)
 
     def with_spec(extra: dict[str, Any] | None) -> dict[str, Any]:
         return {"vlm_prune": json.dumps({**spec, **({QUOTA_KEY: extra} if extra else {})}, sort_keys=True)}
 
     if q.n_keep(t * per_frame, 1) >= t * per_frame:
-        out["mm_processor_kwargs"] = with_spec(None)
-        return out
-    query = _question_text(request, tok, processor, model_config.hf_config)
-    if not query:
-        scores = [1.0] * t  # no question: every frame alike (as QuoTA.frame_scores)
-    else:
-        room = getattr(model_config.hf_config.get_text_config(), "max_position_embeddings", None)
+        return with_spec(None)
+    if not question:
+        return with_spec({"scores": [1.0] * t})  # no question: every frame alike (as QuoTA.frame_scores)
+    room = getattr(hf_config.get_text_config(), "max_position_embeddings", None)
 
-        def generate_text(prompt: str, done: Any = None, max_new_tokens: int = DECOUPLE_MAX_NEW_TOKENS) -> str:
-            ids = _chat_ids(processor, tok, prompt, None)
-            limit = max(1, min(max_new_tokens, room - len(ids))) if room else max_new_tokens
-            # the engine's max_model_len bounds it too (below the model's max positions wrap() may generate longer)
-            limit = max(1, min(limit, model_config.max_model_len - len(ids)))
-            res = llm.generate({"prompt_token_ids": ids}, SamplingParams(temperature=0.0, max_tokens=limit),
-                               use_tqdm=False)[0].outputs[0].token_ids
-            for k in range(1, len(res) + 1):  # generate() stops at the first step where the answer parses
-                text = tok.decode(res[:k], skip_special_tokens=True)
-                if done is not None and done(text):
-                    return text
-            return tok.decode(res, skip_special_tokens=True)
+    def generate_text(prompt: str, done: Any = None, max_new_tokens: int = DECOUPLE_MAX_NEW_TOKENS) -> str:
+        ids = _chat_ids(processor, tok, prompt, None)
+        limit = max(1, min(max_new_tokens, room - len(ids))) if room else max_new_tokens
+        # the engine's max_model_len bounds it too (below the model's max positions wrap() may generate longer)
+        limit = max(1, min(limit, engine.max_model_len - len(ids)))
+        res = engine.generate(ids, limit)
+        for k in range(1, len(res) + 1):  # generate() stops at the first step where the answer parses
+            text = tok.decode(res[:k], skip_special_tokens=True)
+            if done is not None and done(text):
+                return text
+        return tok.decode(res, skip_special_tokens=True)
 
-        ctx = FramesContext(features=torch.zeros(t, 1, 1), grid=(1, 1), n_total=1, query=query,
-                            generate_text=generate_text)
-        prompt = q.scoring_prompt(ctx)
-        ids = _chat_ids(processor, tok, prompt, info["placeholder"](processor))
-        targets = [vocab_id(tok, w) for w in q._prompts.tokens]
-        grid = list(q.score_grid) if q.score_grid is not None else None
-        kwargs = with_spec({"phase": "score", "grid": grid})
-        units = [list(range(f * group, min((f + 1) * group, len(frames)))) for f in range(t)]
-        reqs = [{"prompt_token_ids": ids + [target], "multi_modal_data": {"video": _frames(video, unit)},
-                 "mm_processor_kwargs": kwargs} for unit in units for target in targets]
-        res = llm.generate(reqs, SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0), use_tqdm=False)
-        probs = torch.tensor([math.exp(r.prompt_logprobs[-1][r.prompt_token_ids[-1]].logprob) for r in res],
-                             dtype=torch.float32).reshape(t, len(targets))
-        scores = q._prompts.score(probs).tolist()
-    out["mm_processor_kwargs"] = with_spec({"scores": scores})
-    return out
+    ctx = FramesContext(features=torch.zeros(t, 1, 1), grid=(1, 1), n_total=1, query=question,
+                        generate_text=generate_text)
+    prompt = q.scoring_prompt(ctx)
+    ids = _chat_ids(processor, tok, prompt, info["placeholder"](processor))
+    answers = [(w, vocab_id(tok, w)) for w in q._prompts.tokens]
+    grid = list(q.score_grid) if q.score_grid is not None else None
+    units = [list(range(f * group, min((f + 1) * group, len(frames)))) for f in range(t)]
+    logprobs = engine.answer_logprobs(prompt, ids, answers, units, with_spec({"phase": "score", "grid": grid}))
+    probs = torch.tensor([math.exp(lp) for lp in logprobs], dtype=torch.float32).reshape(t, len(answers))
+    return with_spec({"scores": q._prompts.score(probs).tolist()})
 
 
 def _frames(video: Any, keep: list[int]) -> Any:
@@ -258,11 +307,12 @@ def _chat_ids(processor: Any, tok: Any, prompt: str, placeholder: str | None) ->
     return tok(text, add_special_tokens=False).input_ids
 
 
-def _question_text(request: dict[str, Any], tok: Any, processor: Any, hf_config: Any) -> str:
-    """The prompt's text after its last image / video, without the chat template's assistant prefix,
-    decoded as wrap() decodes it for QuoTA."""
+def question_text(request: dict[str, Any], processor: Any, hf_config: Any) -> str:
+    """The prompt's text after its last image / video (``request``'s "prompt_token_ids" or "prompt"),
+    without the chat template's assistant prefix, decoded as wrap() decodes it for QuoTA."""
     from vlm_prune.vllm.llava import question_ids
 
+    tok = getattr(processor, "tokenizer", processor)
     ids = request.get("prompt_token_ids")
     if ids is None:
         ids = tok(request["prompt"]).input_ids
