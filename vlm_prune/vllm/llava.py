@@ -209,16 +209,23 @@ class PrunedLlavaMultiModalProcessor(LlavaMultiModalProcessor):
         return tag_items(super().apply(inputs, timing_ctx), spec, method, self._template_suffix())
 
 
-@MULTIMODAL_REGISTRY.register_processor(
-    PrunedLlavaMultiModalProcessor, info=PrunedLlavaProcessingInfo, dummy_inputs=LlavaDummyInputsBuilder
-)
 class OffsetChannels:
-    """The position side of a pruned vLLM model with 1-D offsets (LLaVA-1.5, OneVision): each kept
-    token's offset from its slot travels in the last ``OFFSET_CHANNELS`` embedding channels from the
-    encoder; ``embed_input_ids`` strips them and the ``forward`` of the same step adds them to the
-    positions. Put it before the vLLM model class in the bases."""
+    """The position side of a pruned vLLM model: each kept token's (t, h, w) offset from its slot
+    travels in the last ``offset_channels`` embedding channels from the encoder; ``embed_input_ids``
+    strips them and the ``forward`` of the same step adds them to the M-RoPE positions. LLaVA-1.5 and
+    OneVision carry one offset for all three rows; Qwen2-VL overrides the codec with a (t, h, w) one.
+    Put it before the vLLM model class in the bases."""
 
+    offset_channels: int = OFFSET_CHANNELS
     _offsets: torch.Tensor | None = None
+
+    def decode_channels(self, channels: torch.Tensor) -> torch.Tensor:
+        """[k, offset_channels] -> [3, k] offsets (a 1-D offset moves the three rows alike)."""
+        return decode_offsets(channels).expand(3, -1)
+
+    def report_positions(self, positions: torch.Tensor, rows: torch.Tensor) -> list:
+        """What ``last_image_positions`` holds: the (1-D) position of each media row."""
+        return positions.reshape(-1, positions.shape[-1])[0, rows].tolist()
 
     def embed_input_ids(self, input_ids: torch.Tensor, multimodal_embeddings: Any = None, *,
                         is_multimodal: torch.Tensor | None = None) -> torch.Tensor:
@@ -226,29 +233,32 @@ class OffsetChannels:
         that follows in the same step, how far each kept token moves from its slot's position."""
         self._offsets = None
         if multimodal_embeddings is not None and len(multimodal_embeddings) > 0 and is_multimodal is not None:
+            c = self.offset_channels
             rows = torch.nonzero(is_multimodal).squeeze(1)
-            offsets = torch.cat([decode_offsets(e[:, -OFFSET_CHANNELS:]) for e in multimodal_embeddings])
-            if offsets.numel() != rows.numel():
-                raise RuntimeError(f"vlm_prune: {offsets.numel()} embeddings for {rows.numel()} image / video rows")
-            moved = torch.zeros(is_multimodal.shape[0], dtype=torch.long, device=rows.device)
-            moved[rows] = offsets.to(rows.device)
-            self._offsets = moved
-            self._media_rows = rows
-            multimodal_embeddings = [e[:, :-OFFSET_CHANNELS] for e in multimodal_embeddings]
+            offsets = torch.cat([self.decode_channels(e[:, -c:]) for e in multimodal_embeddings], dim=1)
+            if offsets.shape[1] != rows.numel():
+                raise RuntimeError(f"vlm_prune: {offsets.shape[1]} embeddings for {rows.numel()} image / video rows")
+            moved = torch.zeros(3, is_multimodal.shape[0], dtype=torch.long, device=rows.device)
+            moved[:, rows] = offsets.to(rows.device)
+            self._offsets, self._media_rows = moved, rows
+            multimodal_embeddings = [e[:, :-c] for e in multimodal_embeddings]
         return super().embed_input_ids(input_ids, multimodal_embeddings, is_multimodal=is_multimodal)
 
     def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor, intermediate_tensors: Any = None,
                 inputs_embeds: torch.Tensor | None = None, **kwargs: object) -> Any:
         offsets, self._offsets = self._offsets, None
         if offsets is not None and inputs_embeds is not None:
-            n = offsets.numel()
+            n = offsets.shape[1]
             positions = positions.clone()
-            positions[..., :n] += offsets.to(positions.device)
+            positions[..., :n] += (offsets if positions.dim() == 2 else offsets[0]).to(positions.device)
             #: positions of the image / video rows of the latest step that had any (tests, debugging)
-            self.last_image_positions = positions.reshape(-1, positions.shape[-1])[0, self._media_rows].tolist()
+            self.last_image_positions = self.report_positions(positions, self._media_rows)
         return super().forward(input_ids, positions, intermediate_tensors, inputs_embeds=inputs_embeds, **kwargs)
 
 
+@MULTIMODAL_REGISTRY.register_processor(
+    PrunedLlavaMultiModalProcessor, info=PrunedLlavaProcessingInfo, dummy_inputs=LlavaDummyInputsBuilder
+)
 class VlmPruneLlavaForConditionalGeneration(OffsetChannels, LlavaForConditionalGeneration, SupportsMRoPE):
     """vLLM's LLaVA-1.5 with a vlm_prune vision-stage method (random, pool, divprune, cdpruner, visionzip)."""
 

@@ -64,6 +64,7 @@ from vlm_prune.vllm.llava import (
     QUERY_KEY,
     RANK_KEY,
     SPEC_KEY,
+    OffsetChannels,
     PrunedLlavaMultiModalProcessor,
     decode_offsets,
     encode_offsets,
@@ -169,7 +170,7 @@ def _item(value: Any, b: int) -> torch.Tensor | None:
     return value[b] if isinstance(value, (list, tuple)) or value.dim() > 1 else value
 
 
-class _PrunedQwen:
+class _PrunedQwen(OffsetChannels):
     """The model side: the method fills the slots, kept tokens keep their (t, h, w) positions."""
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
@@ -181,7 +182,6 @@ class _PrunedQwen:
             raise ValueError("vlm_prune.vllm runs the method after the vision tower, which vLLM's encoder CUDA graphs "
                              "skip: turn off compilation_config.cudagraph_mm_encoder")
         _check(method_of(spec_of(self.config)), self.config.architectures[0])
-        self._offsets: torch.Tensor | None = None
 
     # ---- encoder: the method picks what fills the slots -------------------------------------
     def embed_multimodal(self, **kwargs: object) -> Any:
@@ -310,31 +310,15 @@ class _PrunedQwen:
         pos[:, cursor:] = torch.arange(n_tokens - cursor) + nxt
         return pos, nxt + (n_tokens - cursor) - n_tokens
 
-    def embed_input_ids(self, input_ids: torch.Tensor, multimodal_embeddings: Any = None, *,
-                        is_multimodal: torch.Tensor | None = None) -> torch.Tensor:
-        """Strip the offset channels and remember them for the forward of the same step."""
-        self._offsets = None
-        if multimodal_embeddings is not None and len(multimodal_embeddings) > 0 and is_multimodal is not None:
-            rows = torch.nonzero(is_multimodal).squeeze(1)
-            offsets = torch.cat([decode_positions(e[:, -OFFSET_CHANNELS:]) for e in multimodal_embeddings], dim=1)
-            if offsets.shape[1] != rows.numel():
-                raise RuntimeError(f"vlm_prune: {offsets.shape[1]} image embeddings for {rows.numel()} image rows")
-            moved = torch.zeros(3, is_multimodal.shape[0], dtype=torch.long, device=rows.device)
-            moved[:, rows] = offsets.to(rows.device)
-            self._offsets, self._image_rows = moved, rows
-            multimodal_embeddings = [e[:, :-OFFSET_CHANNELS] for e in multimodal_embeddings]
-        return super().embed_input_ids(input_ids, multimodal_embeddings, is_multimodal=is_multimodal)
+    # ---- positions: (t, h, w) offsets through OffsetChannels ------------------------------------
+    offset_channels = OFFSET_CHANNELS
 
-    def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor, intermediate_tensors: Any = None,
-                inputs_embeds: torch.Tensor | None = None, **kwargs: object) -> Any:
-        offsets, self._offsets = self._offsets, None
-        if offsets is not None and inputs_embeds is not None:
-            n = offsets.shape[1]
-            positions = positions.clone()
-            positions[:, :n] += offsets.to(positions.device)
-            #: [3][k] (t, h, w) positions of the image rows of the latest step that had any (tests)
-            self.last_image_positions = positions[:, self._image_rows].tolist()
-        return super().forward(input_ids, positions, intermediate_tensors, inputs_embeds=inputs_embeds, **kwargs)
+    def decode_channels(self, channels: torch.Tensor) -> torch.Tensor:
+        return decode_positions(channels)
+
+    def report_positions(self, positions: torch.Tensor, rows: torch.Tensor) -> list:
+        """[3][k] (t, h, w) positions of the visual rows."""
+        return positions[:, rows].tolist()
 
 
 class PrunedQwen2VLProcessingInfo(_PrunedInfo, Qwen2VLProcessingInfo):
