@@ -285,15 +285,32 @@ def to_device(inputs: Any, model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.to(model.device, dtype=model.dtype if v.is_floating_point() else v.dtype) for k, v in inputs.items()}
 
 
-def common_families(kind: str, seeds: list[int]) -> tuple[str, ...]:
-    """The task families every shipped ``seeds`` model of ``kind`` answers (its card's ``eval_qtypes``),
-    in the first seed's order; prints the families left out because some seed is at chance on them."""
-    per_seed = [trained_qtypes(kind, seed) for seed in seeds]
-    common = tuple(q for q in per_seed[0] if all(q in other for other in per_seed))
-    dropped = sorted({q for fams in per_seed for q in fams} - set(common))
-    if dropped:
-        print(f"synthetic-{kind}: families {dropped} are left out: not every seed {seeds} answers them better than chance")
-    return common
+#: the fewest model seeds a task family is benchmarked on (the spread over seeds needs several)
+MIN_SEEDS = 3
+
+
+def seeds_and_families(kind: str, seeds: list[int]) -> tuple[list[int], tuple[str, ...]]:
+    """The shipped ``seeds`` of ``kind`` to bench, and the task families to ask them.
+
+    A family is asked when at least ``MIN_SEEDS`` of ``seeds`` (all of them, when fewer are given)
+    answer it (their cards' ``eval_qtypes``); the seeds benched are those that answer every asked
+    family, so each seed is scored on the same paired samples. When that leaves fewer than
+    ``MIN_SEEDS`` seeds, every seed is benched on the families all of them answer. Prints what it leaves out.
+    """
+    per_seed = {seed: trained_qtypes(kind, seed) for seed in seeds}
+    need = min(MIN_SEEDS, len(seeds))
+    order = list(dict.fromkeys(q for fams in per_seed.values() for q in fams))
+    families = tuple(q for q in order if sum(q in fams for fams in per_seed.values()) >= need)
+    chosen = [seed for seed in seeds if set(families) <= set(per_seed[seed])]
+    if len(chosen) < need:
+        chosen = list(seeds)
+        families = tuple(q for q in order if all(q in fams for fams in per_seed.values()))
+    for seed in (seed for seed in seeds if seed not in chosen):
+        print(f"synthetic-{kind}: seed {seed} is left out: it answers {sorted(set(families) - set(per_seed[seed]))} "
+              f"no better than chance; benching seeds {chosen}")
+    if dropped := sorted(set(order) - set(families)):
+        print(f"synthetic-{kind}: families {dropped} are left out: fewer than {need} of seeds {seeds} answer them better than chance")
+    return chosen, families
 
 
 def run_model(name: str, model: torch.nn.Module, processor: Any, samples: list[Sample], keeps: tuple[float, ...],
@@ -408,7 +425,7 @@ def targets(args: argparse.Namespace) -> Iterator[tuple[str, int, torch.nn.Modul
             seeds = shipped_seeds(kind)[: args.seeds or (1 if quick else None)]
             if not seeds:
                 raise SystemExit(f"no shipped {kind} model; train one with `python -m vlm_prune.eval.synthetic.train --kind {kind}`")
-            families = common_families(kind, seeds)
+            seeds, families = seeds_and_families(kind, seeds)
             if not families:
                 raise SystemExit(f"the shipped {kind} seeds {seeds} share no task family they answer better than chance")
             samples = make_dataset(kind, "test", per_seed(totals[kind], seeds), qtypes=families)

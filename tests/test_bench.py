@@ -165,6 +165,22 @@ def test_quota_looks_for_the_objects_the_users_query_names():
     assert frame_prompt("is there a blue shape ?", query_objects("is there a blue shape ?"), PLAIN_PROMPTS) == "is there a blue shape ?"
 
 
+def test_bench_leaves_out_a_seed_at_chance_rather_than_a_family(monkeypatch, capsys):
+    """A family three seeds answer is benched on those seeds; the seed at chance on it is left out,
+    not the family. With fewer than three seeds that answer everything, all seeds bench what they share."""
+    import vlm_prune.eval.bench as bench
+
+    cards = {0: ("a", "b", "c"), 1: ("a", "b", "c"), 2: ("a", "b"), 3: ("a", "c", "b"), 4: ("a",)}
+    monkeypatch.setattr(bench, "trained_qtypes", lambda kind, seed: cards[seed])
+    assert bench.seeds_and_families("video", [0, 1, 2, 3]) == ([0, 1, 3], ("a", "b", "c"))
+    assert "seed 2 is left out: it answers ['c'] no better than chance" in capsys.readouterr().out
+    assert bench.seeds_and_families("video", [0, 1, 2]) == ([0, 1, 2], ("a", "b"))  # only two seeds answer c
+    assert "families ['c'] are left out" in capsys.readouterr().out
+    assert bench.seeds_and_families("video", [0, 2, 4, 3]) == ([0, 2, 3], ("a", "b"))
+    assert bench.seeds_and_families("video", [2, 4]) == ([2, 4], ("a",))
+    assert bench.seeds_and_families("video", [0, 2]) == ([0, 2], ("a", "b"))  # two seeds given: both must answer
+
+
 def _row(method, keep, correct, frac, flops=None, seed=0, model="m"):
     return {"model": model, "method": method, "keep": keep, "seed": seed, "n": len(correct), "correct": correct,
             "accuracy": correct.count("1") / len(correct), "kept_fraction": frac, "layer_avg_fraction": frac,
