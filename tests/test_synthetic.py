@@ -15,7 +15,7 @@ from vlm_prune.eval.synthetic.processing import prompt
 from vlm_prune.eval.synthetic.scenes import (
     BACKGROUND_TINTS, COLOURS, COUNTS, FONT, IMAGE_QTYPES, KINDS, NUM_FRAMES, OBJECT_KINDS, VIDEO_QTYPES,
 )
-from vlm_prune.eval.synthetic.train import IGNORE, colours_present, one_cycle, patch_labels
+from vlm_prune.eval.synthetic.train import IGNORE, colours_present, colour_word_positions, one_cycle, patch_labels, relation_columns
 
 NAMES = list(COLOURS)
 
@@ -171,6 +171,35 @@ def test_cls_target_lists_the_colours_present() -> None:
     expected = torch.zeros(2, len(COLOURS))
     expected[0, [1, 3]] = 1
     assert torch.equal(colours_present([a, b]), expected)
+
+
+def test_relation_target_is_the_named_objects_columns() -> None:
+    """The relation heads' target: the patch column of the first, then the second object the
+    question names; the objects stand at least 14 pixels apart, so "yes" is exactly "first column <
+    second column"; other families carry no target."""
+    samples = make_dataset("image", "train", 200)
+    columns = relation_columns(samples)
+    relation = [i for i, s in enumerate(samples) if s.qtype == "relation"]
+    assert len(relation) == 40 and (columns[[i for i in range(200) if i not in relation]] == IGNORE).all()
+    for i in relation:
+        a, b = (w for w in samples[i].question.split() if w in COLOURS)
+        for colour, column in zip((a, b), columns[i].tolist()):
+            xs = np.nonzero(samples[i].colour_map == NAMES.index(colour) + 1)[1]
+            assert xs.min() // 8 <= column <= xs.max() // 8  # a column the object covers
+        assert (samples[i].answer == "yes") == bool(columns[i, 0] < columns[i, 1])
+
+
+def test_colour_word_positions_find_the_question_colours() -> None:
+    samples = [s for s in make_dataset("image", "train", 10) if s.qtype in ("relation", "count")]
+    processor = build_processor("image")
+    ids = processor(images=[s.image for s in samples], text=[prompt(processor, s.question, "image") for s in samples],
+                    padding=True, return_tensors="pt")["input_ids"]
+    colour_ids = torch.tensor(processor.tokenizer.convert_tokens_to_ids(NAMES))
+    positions = colour_word_positions(ids, colour_ids)
+    for s, row, pos in zip(samples, ids, positions):
+        named = [w for w in s.question.split() if w in COLOURS]
+        words = processor.tokenizer.convert_ids_to_tokens(row[pos].tolist())
+        assert words[: len(named)] == named and (len(named) == 2 or pos[1] == 0)
 
 
 @pytest.mark.parametrize("kind", ["image", "video"])
@@ -336,3 +365,41 @@ def test_training_on_chosen_families_only(tmp_path, monkeypatch) -> None:
     with pytest.raises(SystemExit) as exit_info:
         train_module.main()
     assert exit_info.value.code == 2 and not (tmp_path / "x").exists()
+
+
+def test_fine_tuning_continues_the_model_and_its_training_stream(tmp_path, monkeypatch) -> None:
+    """``--init``: training goes on from the given model's weights, draws the training samples that
+    follow the ones the model has seen, and its card keeps the first card; a wrong path is refused."""
+    import json
+
+    from safetensors.torch import load_file
+
+    import vlm_prune.eval.synthetic.train as train_module
+
+    indices: list[int] = []
+    real = train_module.make_sample
+
+    def spy(kind, split, index, seed=None, qtypes=None, difficulty=None):
+        if split == "train":
+            indices.append(index)
+        return real(kind, split, index, seed, qtypes, difficulty)
+
+    monkeypatch.setattr(train_module, "make_sample", spy)
+    threads = torch.get_num_threads()
+    first, second = tmp_path / "first", tmp_path / "second"
+    try:
+        train_module.train("image", steps=2, batch_size=2, lr=1e-3, seed=3, out=first, threads=1, val_samples=2, test_samples=2)
+        before = load_file(first / "model.safetensors")
+        train_module.train("image", steps=1, batch_size=3, lr=0.0, seed=3, out=second, threads=1, val_samples=2,
+                           test_samples=2, init=first)
+    finally:
+        torch.set_num_threads(threads)
+    assert indices == [0, 1, 2, 3, 4, 5, 6]  # two steps of two, then one step of three after them
+    after = load_file(second / "model.safetensors")
+    assert all(torch.equal(before[k], after[k]) for k in before)  # lr 0: the weights it started from
+    card = json.loads((second / "synthetic.json").read_text())
+    assert card["first_sample"] == 4 and card["init"]["steps"] == 2 and card["init"]["first_sample"] == 0
+    with pytest.raises(FileNotFoundError, match="--init"):
+        train_module.train("image", steps=1, batch_size=1, lr=0.0, seed=3, out=tmp_path / "x", threads=1, init=tmp_path)
+    with pytest.raises(ValueError, match="holds a model of kind .image."):
+        train_module.train("video", steps=1, batch_size=1, lr=0.0, seed=3, out=tmp_path / "x", threads=1, init=first)

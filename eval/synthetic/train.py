@@ -7,7 +7,13 @@ it and, on images, its column, so the tiny tower learns what, which and where fa
 CLIP tower also trains its CLS token, as CLIP pre-training does: a head predicts from the CLS output
 which colours the image holds (multi-label). LLaVA drops the CLS output, so without this its
 last-layer query would stay at its random initialisation, and the methods that rank patches by CLS
-attention (VisionZip, AS-ViT) would rank by noise.
+attention (VisionZip, AS-ViT) would rank by noise. On relation questions two heads read the
+decoder: after ``WORD_LAYER`` layers each colour word of the question predicts the patch column
+of the object of that colour, and after ``ANSWER_LAYER`` layers the answer position predicts both.
+The one-bit answer alone is too weak a signal to learn "find both objects, then compare" (without
+these heads a relation-only run stays at chance); they teach the look-ups one step at a time and
+leave the comparison to the last layer. ``--init`` goes on training a trained model (BENCHMARKS.md
+has the shipped models' two fine-tuning stages).
 
 AdamW with a one-cycle schedule (warm-up, cosine) over ``--steps``, or over ``--minutes`` of
 wall-clock time on a shared machine (then not step-reproducible). Saves float16 safetensors and the
@@ -40,6 +46,7 @@ from vlm_prune.eval.synthetic.scenes import (
 )
 
 TRAIN_QTYPES = {"image": DEFAULT_QTYPES["image"], "video": DEFAULT_QTYPES["video"] + ("exist",)}
+WORD_LAYER, ANSWER_LAYER = 3, 5  # of the six decoder layers: where the relation heads read the columns
 MIN_COVER = PATCH_SIZE * PATCH_SIZE // 8  # pixels of an object that make a patch "that object"
 IGNORE = -100
 
@@ -74,19 +81,49 @@ def colours_present(samples: list[Sample]) -> torch.Tensor:
     return torch.from_numpy(np.stack([(maps == k + 1).any(1) for k in range(len(COLOURS))], 1)).float()
 
 
-class AuxHeads(nn.Module):
-    """Training-only heads on the vision features entering the projector (per patch) and, for the
-    image model, on CLIP's CLS output (multi-label colours present)."""
+def relation_columns(samples: list[Sample]) -> torch.Tensor:
+    """[N, 2]: the patch column of the horizontal centre of the first and the second object a relation
+    question names ("is the red shape left of the blue shape ?": red's, then blue's); IGNORE for other families."""
+    out = np.full((len(samples), 2), IGNORE)
+    names = list(COLOURS)
+    for i, s in enumerate(samples):
+        if s.qtype != "relation":
+            continue
+        for j, colour in enumerate(w for w in s.question.split() if w in COLOURS):
+            xs = np.nonzero(s.colour_map == names.index(colour) + 1)[1]
+            out[i, j] = int(xs.mean() + 0.5) // PATCH_SIZE if xs.size else IGNORE
+    return torch.from_numpy(out).long()
 
-    def __init__(self, width: int, kind: str) -> None:
+
+def colour_word_positions(input_ids: torch.Tensor, colour_ids: torch.Tensor) -> torch.Tensor:
+    """[N, 2]: the sequence positions of the first two colour words of each prompt (0 where there are fewer)."""
+    is_colour = torch.isin(input_ids, colour_ids)
+    order = torch.where(is_colour, torch.arange(input_ids.shape[1], device=input_ids.device), input_ids.shape[1])
+    first_two = order.sort(dim=1).values[:, :2]
+    return torch.where(first_two < input_ids.shape[1], first_two, 0)
+
+
+class AuxHeads(nn.Module):
+    """Training-only heads on the vision features entering the projector (per patch), and for the
+    image model on CLIP's CLS output (multi-label colours present) and on the decoder at a relation
+    question's colour words (each its object's column) and answer position (both columns)."""
+
+    def __init__(self, width: int, kind: str, text_width: int = 0) -> None:
         super().__init__()
         self.colour = nn.Linear(width, len(COLOURS) + 1)
         self.kind = nn.Linear(width, len(OBJECT_KINDS)) if kind == "image" else None
         self.column = nn.Linear(width, IMAGE_SIZE // PATCH_SIZE) if kind == "image" else None
         self.cls = nn.Linear(width, len(COLOURS)) if kind == "image" else None
+        columns = IMAGE_SIZE // PATCH_SIZE
+        self.word = nn.Linear(text_width, columns) if kind == "image" and text_width else None
+        self.answer = nn.Linear(text_width, 2 * columns) if kind == "image" and text_width else None
         self.register_buffer("colour_weight", torch.tensor([1.0] + [5.0] * len(COLOURS)))
 
-    def loss(self, patches: torch.Tensor, cls: torch.Tensor | None, samples: list[Sample]) -> torch.Tensor:
+    def loss(self, patches: torch.Tensor, cls: torch.Tensor | None, samples: list[Sample],
+             hidden: tuple[torch.Tensor, ...] | None = None, words: torch.Tensor | None = None) -> torch.Tensor:
+        """Sum of the heads' losses. ``hidden``: the decoder's hidden states (embeddings, then each
+        layer; left padded, the answer is predicted at position -3); ``words`` [N, 2]: the positions
+        of the colour words (``colour_word_positions``)."""
         targets = {k: v.to(patches.device) for k, v in patch_labels(samples).items()}
         ce = nn.functional.cross_entropy
         loss = ce(self.colour(patches).flatten(0, 1), targets["colour"].flatten(), weight=self.colour_weight)
@@ -96,6 +133,13 @@ class AuxHeads(nn.Module):
                 loss = loss + ce(head(patches).flatten(0, 1), targets[name].flatten(), ignore_index=IGNORE)
         if self.cls is not None and cls is not None:
             loss = loss + nn.functional.binary_cross_entropy_with_logits(self.cls(cls), colours_present(samples).to(cls.device))
+        columns = relation_columns(samples).to(patches.device)
+        rows = (columns != IGNORE).all(1).nonzero().squeeze(1)
+        if self.word is not None and hidden is not None and words is not None and rows.numel():
+            target = columns[rows].flatten()
+            at_words = hidden[WORD_LAYER][rows[:, None], words[rows]]  # [R, 2, width]
+            loss = loss + ce(self.word(at_words).flatten(0, 1), target)
+            loss = loss + ce(self.answer(hidden[ANSWER_LAYER][rows, -3]).view(2 * len(rows), -1), target)
         return loss
 
 
@@ -136,25 +180,31 @@ def write_card(out: Path, **record: Any) -> None:
 
 def train(kind: str, steps: int, batch_size: int, lr: float, seed: int, out: Path, threads: int,
           minutes: float | None = None, device: str = "cpu", val_samples: int = 96, test_samples: int = 256,
-          qtypes: tuple[str, ...] | None = None) -> None:
+          qtypes: tuple[str, ...] | None = None, init: Path | None = None) -> None:
     """Train ``steps`` steps, or with ``minutes`` for that much wall-clock time: the schedule then
     follows elapsed time instead of the step count (for a shared machine; not step-reproducible).
-    ``qtypes``: the families to train on (default ``TRAIN_QTYPES[kind]``); the test still asks them all."""
+    ``qtypes``: the families to train on (default ``TRAIN_QTYPES[kind]``); the test still asks them all.
+    ``init``: a trained model directory to go on training (fine-tuning) instead of a fresh model; its
+    training stream continues where the model card says it stopped, and the new card keeps the old one."""
     qtypes = tuple(qtypes or TRAIN_QTYPES[kind])
     torch.set_num_threads(threads)
     torch.manual_seed(seed)
     processor = build_processor(kind)
-    model = build_model(kind).to(device).train()
-    heads = AuxHeads(model.config.vision_config.hidden_size, kind).to(device)
+    init_card = _init_card(init, kind) if init is not None else {}
+    model = (build_model(kind) if init is None else
+             AutoModelForImageTextToText.from_pretrained(init, local_files_only=True, dtype=torch.float32)).to(device).train()
+    heads = AuxHeads(model.config.vision_config.hidden_size, kind, model.config.text_config.hidden_size).to(device)
     captured: dict[str, torch.Tensor] = {}
     hooks = [model.model.multi_modal_projector.register_forward_hook(lambda m, args, o: captured.__setitem__("x", args[0]))]
     if kind == "image":  # CLIP's CLS token: row 0 of the tower's last hidden state
         hooks.append(model.model.vision_tower.register_forward_hook(
             lambda m, args, o: captured.__setitem__("cls", o.last_hidden_state[:, 0])))
+    colour_ids = torch.tensor(processor.tokenizer.convert_tokens_to_ids(list(COLOURS)), device=device)
     params = list(model.parameters()) + list(heads.parameters())
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.01)
     val = make_dataset(kind, "val", val_samples, qtypes=qtypes)
     data_seed = DEFAULT_SEED + 1000 * seed  # each model seed also sees its own training stream
+    first = init_card.get("first_sample", 0) + init_card.get("steps", 0) * init_card.get("batch_size", 0)
     out.mkdir(parents=True, exist_ok=True)
     processor.save_pretrained(out)
     start = time.time()
@@ -164,12 +214,14 @@ def train(kind: str, steps: int, batch_size: int, lr: float, seed: int, out: Pat
         last = step + 1 == steps if minutes is None else progress >= 1
         for group in opt.param_groups:
             group["lr"] = lr * one_cycle(min(progress, 1.0))
-        samples = [make_sample(kind, "train", step * batch_size + i, data_seed, qtypes) for i in range(batch_size)]
+        samples = [make_sample(kind, "train", first + step * batch_size + i, data_seed, qtypes) for i in range(batch_size)]
         batch = encode(processor, samples, with_answers=True).to(device)
         labels = torch.full_like(batch["input_ids"], -100)
         labels[:, -2:] = batch["input_ids"][:, -2:]  # left padded: the last two tokens are "answer </s>"
-        lm_loss = model(**batch, labels=labels).loss
-        aux_loss = heads.loss(captured["x"], captured.get("cls"), samples)
+        output = model(**batch, labels=labels, output_hidden_states=True)
+        lm_loss = output.loss
+        words = colour_word_positions(batch["input_ids"], colour_ids)
+        aux_loss = heads.loss(captured["x"], captured.get("cls"), samples, output.hidden_states, words)
         loss = lm_loss + aux_loss
         opt.zero_grad()
         loss.backward()
@@ -193,8 +245,20 @@ def train(kind: str, steps: int, batch_size: int, lr: float, seed: int, out: Pat
     learned, chance = learned_families(test, accs)
     write_card(out, kind=kind, seed=seed, eval_qtypes=learned, train_qtypes=list(qtypes), chance=chance,
                steps=step + 1, batch_size=batch_size, lr=lr, minutes=minutes, threads=threads, device=device, seconds=round(seconds),
-               test_samples=test_samples, test_accuracy=accs)
+               test_samples=test_samples, test_accuracy=accs, first_sample=first,
+               **({"init": init_card} if init is not None else {}))
     print(f"trained {kind} in {seconds:.0f}s, {step + 1} steps; test accuracy (float16 weights) {accs}", flush=True)
+
+
+def _init_card(init: Path, kind: str) -> dict[str, Any]:
+    """The model card of the ``init`` model, checked to be a trained ``kind`` model."""
+    if not (init / "model.safetensors").exists():
+        raise FileNotFoundError(f"--init {init}: no model.safetensors there; point it at a trained model directory, "
+                                f"e.g. {model_path(kind)}")
+    card = json.loads((init / "synthetic.json").read_text()) if (init / "synthetic.json").exists() else {}
+    if card.get("kind", kind) != kind:
+        raise ValueError(f"--init {init} holds a model of kind {card['kind']!r}; --kind is {kind!r}")
+    return card
 
 
 def _families(text: str) -> tuple[str, ...]:
@@ -218,12 +282,14 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None, help="output directory (default: the shipped model path)")
     parser.add_argument("--qtypes", type=_families, default=None,
                         help="comma-separated families to train on (default: every family of --kind); the test asks them all")
+    parser.add_argument("--init", type=Path, default=None,
+                        help="go on training this trained model directory (fine-tune) instead of a fresh model")
     args = parser.parse_args()
     if args.qtypes and set(args.qtypes) - set(IMAGE_QTYPES if args.kind == "image" else VIDEO_QTYPES):
         parser.error(f"--qtypes {','.join(args.qtypes)}: a {args.kind} model answers "
                      f"{', '.join(IMAGE_QTYPES if args.kind == 'image' else VIDEO_QTYPES)}")
     train(args.kind, args.steps, args.batch_size, args.lr, args.seed, args.out or model_path(args.kind, args.seed), args.threads,
-          args.minutes, args.device, qtypes=args.qtypes)
+          args.minutes, args.device, qtypes=args.qtypes, init=args.init)
 
 
 if __name__ == "__main__":
