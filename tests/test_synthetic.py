@@ -189,6 +189,26 @@ def test_relation_target_is_the_named_objects_columns() -> None:
         assert (samples[i].answer == "yes") == bool(columns[i, 0] < columns[i, 1])
 
 
+def test_relation_heads_read_the_colour_words_and_the_answer_position() -> None:
+    """The relation heads' loss reaches the decoder only at the question's colour words (after
+    WORD_LAYER layers) and at the answer position (after ANSWER_LAYER), and only on relation samples."""
+    from vlm_prune.eval.synthetic.train import ANSWER_LAYER, WORD_LAYER, AuxHeads
+
+    samples = make_dataset("image", "train", 5)  # one of each family; index 2 is the relation question
+    torch.manual_seed(0)
+    heads = AuxHeads(96, "image", text_width=16)
+    patches = torch.randn(5, 64, 96)
+    hidden = tuple(torch.randn(5, 20, 16, requires_grad=True) for _ in range(7))
+    words = torch.tensor([[0, 0], [3, 0], [5, 9], [0, 0], [0, 0]])
+    with_heads = heads.loss(patches, None, samples, hidden, words)
+    with_heads.backward()
+    assert with_heads > heads.loss(patches, None, samples)
+    for layer, h in enumerate(hidden):
+        touched = set() if h.grad is None else {tuple(ix) for ix in h.grad.abs().sum(-1).nonzero().tolist()}
+        expected = {(2, 5), (2, 9)} if layer == WORD_LAYER else {(2, 17)} if layer == ANSWER_LAYER else set()
+        assert touched == expected, layer
+
+
 def test_colour_word_positions_find_the_question_colours() -> None:
     samples = [s for s in make_dataset("image", "train", 10) if s.qtype in ("relation", "count")]
     processor = build_processor("image")
@@ -391,7 +411,7 @@ def test_fine_tuning_continues_the_model_and_its_training_stream(tmp_path, monke
         train_module.train("image", steps=2, batch_size=2, lr=1e-3, seed=3, out=first, threads=1, val_samples=2, test_samples=2)
         before = load_file(first / "model.safetensors")
         train_module.train("image", steps=1, batch_size=3, lr=0.0, seed=3, out=second, threads=1, val_samples=2,
-                           test_samples=2, init=first)
+                           test_samples=2, init=first, relation_heads=True)
     finally:
         torch.set_num_threads(threads)
     assert indices == [0, 1, 2, 3, 4, 5, 6]  # two steps of two, then one step of three after them
@@ -399,6 +419,7 @@ def test_fine_tuning_continues_the_model_and_its_training_stream(tmp_path, monke
     assert all(torch.equal(before[k], after[k]) for k in before)  # lr 0: the weights it started from
     card = json.loads((second / "synthetic.json").read_text())
     assert card["first_sample"] == 4 and card["init"]["steps"] == 2 and card["init"]["first_sample"] == 0
+    assert card["relation_heads"] and not card["init"]["relation_heads"]
     with pytest.raises(FileNotFoundError, match="--init"):
         train_module.train("image", steps=1, batch_size=1, lr=0.0, seed=3, out=tmp_path / "x", threads=1, init=tmp_path)
     with pytest.raises(ValueError, match="holds a model of kind .image."):

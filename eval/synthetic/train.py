@@ -7,13 +7,13 @@ it and, on images, its column, so the tiny tower learns what, which and where fa
 CLIP tower also trains its CLS token, as CLIP pre-training does: a head predicts from the CLS output
 which colours the image holds (multi-label). LLaVA drops the CLS output, so without this its
 last-layer query would stay at its random initialisation, and the methods that rank patches by CLS
-attention (VisionZip, AS-ViT) would rank by noise. On relation questions two heads read the
-decoder: after ``WORD_LAYER`` layers each colour word of the question predicts the patch column
+attention (VisionZip, AS-ViT) would rank by noise. With ``--relation-heads`` (off by default: the
+shipped models were trained without them), on relation questions two more heads read the decoder: after ``WORD_LAYER`` layers each colour word of the question predicts the patch column
 of the object of that colour, and after ``ANSWER_LAYER`` layers the answer position predicts both.
 The one-bit answer alone is too weak a signal to learn "find both objects, then compare" (without
 these heads a relation-only run stays at chance); they teach the look-ups one step at a time and
-leave the comparison to the last layer. ``--init`` goes on training a trained model (BENCHMARKS.md
-has the shipped models' two fine-tuning stages).
+leave the comparison to the last layer (BENCHMARKS.md has what they achieved so far). ``--init`` goes
+on training a trained model.
 
 AdamW with a one-cycle schedule (warm-up, cosine) over ``--steps``, or over ``--minutes`` of
 wall-clock time on a shared machine (then not step-reproducible). Saves float16 safetensors and the
@@ -180,12 +180,13 @@ def write_card(out: Path, **record: Any) -> None:
 
 def train(kind: str, steps: int, batch_size: int, lr: float, seed: int, out: Path, threads: int,
           minutes: float | None = None, device: str = "cpu", val_samples: int = 96, test_samples: int = 256,
-          qtypes: tuple[str, ...] | None = None, init: Path | None = None) -> None:
+          qtypes: tuple[str, ...] | None = None, init: Path | None = None, relation_heads: bool = False) -> None:
     """Train ``steps`` steps, or with ``minutes`` for that much wall-clock time: the schedule then
     follows elapsed time instead of the step count (for a shared machine; not step-reproducible).
     ``qtypes``: the families to train on (default ``TRAIN_QTYPES[kind]``); the test still asks them all.
     ``init``: a trained model directory to go on training (fine-tuning) instead of a fresh model; its
-    training stream continues where the model card says it stopped, and the new card keeps the old one."""
+    training stream continues where the model card says it stopped, and the new card keeps the old one.
+    ``relation_heads``: add the decoder heads for relation questions (image only)."""
     qtypes = tuple(qtypes or TRAIN_QTYPES[kind])
     torch.set_num_threads(threads)
     torch.manual_seed(seed)
@@ -193,7 +194,8 @@ def train(kind: str, steps: int, batch_size: int, lr: float, seed: int, out: Pat
     init_card = _init_card(init, kind) if init is not None else {}
     model = (build_model(kind) if init is None else
              AutoModelForImageTextToText.from_pretrained(init, local_files_only=True, dtype=torch.float32)).to(device).train()
-    heads = AuxHeads(model.config.vision_config.hidden_size, kind, model.config.text_config.hidden_size).to(device)
+    text_width = model.config.text_config.hidden_size if relation_heads else 0
+    heads = AuxHeads(model.config.vision_config.hidden_size, kind, text_width).to(device)
     captured: dict[str, torch.Tensor] = {}
     hooks = [model.model.multi_modal_projector.register_forward_hook(lambda m, args, o: captured.__setitem__("x", args[0]))]
     if kind == "image":  # CLIP's CLS token: row 0 of the tower's last hidden state
@@ -218,7 +220,7 @@ def train(kind: str, steps: int, batch_size: int, lr: float, seed: int, out: Pat
         batch = encode(processor, samples, with_answers=True).to(device)
         labels = torch.full_like(batch["input_ids"], -100)
         labels[:, -2:] = batch["input_ids"][:, -2:]  # left padded: the last two tokens are "answer </s>"
-        output = model(**batch, labels=labels, output_hidden_states=True)
+        output = model(**batch, labels=labels, output_hidden_states=relation_heads)
         lm_loss = output.loss
         words = colour_word_positions(batch["input_ids"], colour_ids)
         aux_loss = heads.loss(captured["x"], captured.get("cls"), samples, output.hidden_states, words)
@@ -245,7 +247,7 @@ def train(kind: str, steps: int, batch_size: int, lr: float, seed: int, out: Pat
     learned, chance = learned_families(test, accs)
     write_card(out, kind=kind, seed=seed, eval_qtypes=learned, train_qtypes=list(qtypes), chance=chance,
                steps=step + 1, batch_size=batch_size, lr=lr, minutes=minutes, threads=threads, device=device, seconds=round(seconds),
-               test_samples=test_samples, test_accuracy=accs, first_sample=first,
+               test_samples=test_samples, test_accuracy=accs, first_sample=first, relation_heads=relation_heads,
                **({"init": init_card} if init is not None else {}))
     print(f"trained {kind} in {seconds:.0f}s, {step + 1} steps; test accuracy (float16 weights) {accs}", flush=True)
 
@@ -282,14 +284,18 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None, help="output directory (default: the shipped model path)")
     parser.add_argument("--qtypes", type=_families, default=None,
                         help="comma-separated families to train on (default: every family of --kind); the test asks them all")
+    parser.add_argument("--relation-heads", action="store_true",
+                        help="image: train decoder heads that teach relation questions' two look-ups (see the module docstring)")
     parser.add_argument("--init", type=Path, default=None,
                         help="go on training this trained model directory (fine-tune) instead of a fresh model")
     args = parser.parse_args()
     if args.qtypes and set(args.qtypes) - set(IMAGE_QTYPES if args.kind == "image" else VIDEO_QTYPES):
         parser.error(f"--qtypes {','.join(args.qtypes)}: a {args.kind} model answers "
                      f"{', '.join(IMAGE_QTYPES if args.kind == 'image' else VIDEO_QTYPES)}")
+    if args.relation_heads and args.kind != "image":
+        parser.error("--relation-heads: only the image model answers relation questions; drop it for --kind video")
     train(args.kind, args.steps, args.batch_size, args.lr, args.seed, args.out or model_path(args.kind, args.seed), args.threads,
-          args.minutes, args.device, qtypes=args.qtypes, init=args.init)
+          args.minutes, args.device, qtypes=args.qtypes, init=args.init, relation_heads=args.relation_heads)
 
 
 if __name__ == "__main__":
