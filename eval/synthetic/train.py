@@ -8,8 +8,9 @@ CLIP tower also trains its CLS token, as CLIP pre-training does: a head predicts
 which colours the image holds (multi-label). LLaVA drops the CLS output, so without this its
 last-layer query would stay at its random initialisation, and the methods that rank patches by CLS
 attention (VisionZip, AS-ViT) would rank by noise. With ``--relation-heads`` (off by default: the
-shipped models were trained without them), on relation questions two more heads read the decoder: after ``WORD_LAYER`` layers each colour word of the question predicts the patch column
-of the object of that colour, and after ``ANSWER_LAYER`` layers the answer position predicts both.
+shipped models were trained without them), on relation questions two more heads read the decoder:
+after ``WORD_LAYER`` layers each colour word of the question predicts the patch column of the object
+of that colour, and after ``ANSWER_LAYER`` layers the answer position predicts both.
 The one-bit answer alone is too weak a signal to learn "find both objects, then compare" (without
 these heads a relation-only run stays at chance); they teach the look-ups one step at a time and
 leave the comparison to the last layer (BENCHMARKS.md has what they achieved so far). ``--init`` goes
@@ -112,9 +113,9 @@ class AuxHeads(nn.Module):
         super().__init__()
         self.colour = nn.Linear(width, len(COLOURS) + 1)
         self.kind = nn.Linear(width, len(OBJECT_KINDS)) if kind == "image" else None
-        self.column = nn.Linear(width, IMAGE_SIZE // PATCH_SIZE) if kind == "image" else None
-        self.cls = nn.Linear(width, len(COLOURS)) if kind == "image" else None
         columns = IMAGE_SIZE // PATCH_SIZE
+        self.column = nn.Linear(width, columns) if kind == "image" else None
+        self.cls = nn.Linear(width, len(COLOURS)) if kind == "image" else None
         self.word = nn.Linear(text_width, columns) if kind == "image" and text_width else None
         self.answer = nn.Linear(text_width, 2 * columns) if kind == "image" and text_width else None
         self.register_buffer("colour_weight", torch.tensor([1.0] + [5.0] * len(COLOURS)))
@@ -133,9 +134,11 @@ class AuxHeads(nn.Module):
                 loss = loss + ce(head(patches).flatten(0, 1), targets[name].flatten(), ignore_index=IGNORE)
         if self.cls is not None and cls is not None:
             loss = loss + nn.functional.binary_cross_entropy_with_logits(self.cls(cls), colours_present(samples).to(cls.device))
+        if self.word is None or hidden is None or words is None:
+            return loss
         columns = relation_columns(samples).to(patches.device)
         rows = (columns != IGNORE).all(1).nonzero().squeeze(1)
-        if self.word is not None and hidden is not None and words is not None and rows.numel():
+        if rows.numel():
             target = columns[rows].flatten()
             at_words = hidden[WORD_LAYER][rows[:, None], words[rows]]  # [R, 2, width]
             loss = loss + ce(self.word(at_words).flatten(0, 1), target)
@@ -222,7 +225,7 @@ def train(kind: str, steps: int, batch_size: int, lr: float, seed: int, out: Pat
         labels[:, -2:] = batch["input_ids"][:, -2:]  # left padded: the last two tokens are "answer </s>"
         output = model(**batch, labels=labels, output_hidden_states=relation_heads)
         lm_loss = output.loss
-        words = colour_word_positions(batch["input_ids"], colour_ids)
+        words = colour_word_positions(batch["input_ids"], colour_ids) if relation_heads else None
         aux_loss = heads.loss(captured["x"], captured.get("cls"), samples, output.hidden_states, words)
         loss = lm_loss + aux_loss
         opt.zero_grad()
