@@ -7,14 +7,14 @@ it and, on images, its column, so the tiny tower learns what, which and where fa
 CLIP tower also trains its CLS token, as CLIP pre-training does: a head predicts from the CLS output
 which colours the image holds (multi-label). LLaVA drops the CLS output, so without this its
 last-layer query would stay at its random initialisation, and the methods that rank patches by CLS
-attention (VisionZip, AS-ViT) would rank by noise. With ``--relation-heads`` (off by default: the
-shipped models were trained without them), on relation questions two more heads read the decoder:
+attention (VisionZip, AS-ViT) would rank by noise. With ``--relation-heads`` (off by default; the
+shipped image models were trained with them), on relation questions two more heads read the decoder:
 after ``WORD_LAYER`` layers each colour word of the question predicts the patch column of the object
 of that colour, and after ``ANSWER_LAYER`` layers the answer position predicts both.
 The one-bit answer alone is too weak a signal to learn "find both objects, then compare" (without
 these heads a relation-only run stays at chance); they teach the look-ups one step at a time and
-leave the comparison to the last layer (BENCHMARKS.md has what they achieved so far). ``--init`` goes
-on training a trained model.
+leave the comparison to the last layer. ``--init`` goes on training a trained model (the shipped
+image models: 4,000 steps from scratch, then 1,500 more at ``--lr 1e-3``; commands in BENCHMARKS.md).
 
 AdamW with a one-cycle schedule (warm-up, cosine) over ``--steps``, or over ``--minutes`` of
 wall-clock time on a shared machine (then not step-reproducible). Saves float16 safetensors and the
