@@ -12,9 +12,10 @@ from pathlib import Path
 
 import torch
 from transformers import AutoModelForImageTextToText, AutoProcessor
-from vlm_prune.eval.synthetic import accuracy_by_qtype, make_dataset, model_path
 
 import vlm_prune
+from vlm_prune.adapters import find_adapter
+from vlm_prune.eval.synthetic import accuracy_by_qtype, make_dataset, model_path
 from vlm_prune.methods.pact import PACT
 
 FAMILIES = ("all", "count", "binding", "relation", "global", "digit")
@@ -22,7 +23,7 @@ SEEDS = (0, 1, 2)
 
 
 def settings() -> list[tuple[int, float | None, float]]:
-    """(layer, rho, keep): every layer at the default rho (0.55), then rho at the default layer 4."""
+    """(layer, rho, keep): every layer at the default rho (None), then rho at the default layer 4."""
     by_layer = [(layer, None, keep) for layer in (1, 2, 3, 4, 5) for keep in (0.5, 0.11)]
     by_rho = [(4, rho, keep) for rho in (0.8, 1.0) for keep in (0.5, 0.11)]
     return by_layer + by_rho
@@ -37,16 +38,18 @@ def main() -> None:
     samples = make_dataset("image", "test", args.samples)
     results: dict[tuple, list[dict[str, float]]] = {}
     for seed in SEEDS:
-        name = "image" if seed == 0 else f"image-seed{seed}"
-        path = model_path("image", seed) if args.models is None else args.models / name
+        path = model_path("image", seed)
+        path = path if args.models is None else args.models / path.name
         model = AutoModelForImageTextToText.from_pretrained(path, local_files_only=True, dtype=torch.float32).eval()
         processor = AutoProcessor.from_pretrained(path, local_files_only=True)
         results.setdefault(("unpruned", "-", 1.0), []).append(accuracy_by_qtype(model, processor, samples, batch_size=32))
         for layer, rho, keep in settings():
-            vlm_prune.wrap(model, PACT(layer=layer, rho=rho), keep=keep, processor=processor)
+            method = PACT(layer=layer, rho=rho)
+            vlm_prune.wrap(model, method, keep=keep, processor=processor)
             accs = accuracy_by_qtype(model, processor, samples, batch_size=32)
             vlm_prune.unwrap(model)
-            results.setdefault((layer, rho or 0.55, keep), []).append(accs)
+            rho_used = method.settings(find_adapter(model).family)[0]
+            results.setdefault((layer, rho_used, keep), []).append(accs)
         print(f"seed {seed} done", flush=True)
     print("| layer L | rho | keep | " + " | ".join(FAMILIES) + " |")
     print("|---|---|---|" + "---|" * len(FAMILIES))
