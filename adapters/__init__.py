@@ -6,6 +6,11 @@ so optional dependencies (timm) stay optional and cheap.
 """
 from __future__ import annotations
 
+if __name__ != "vlm_prune.adapters":  # imported as the bare `adapters` from the checkout root: see vlm_prune/_bare_names.py
+    from vlm_prune._bare_names import hand_over
+
+    hand_over(__name__, __file__)
+
 import importlib
 from typing import Any
 

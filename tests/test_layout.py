@@ -1,0 +1,102 @@
+"""The checkout root is a place users run Python from (`python -m pytest`, `python -m
+vlm_prune.eval`, the README's snippets): its top-level folders adapters/, kernels/, eval/ and demo/
+must not stand in for the third-party packages of those names (Hugging Face's `kernels`, which
+transformers imports; AdapterHub's `adapters`; PyPI's `eval` and `demo`). Each test starts a fresh
+interpreter in the checkout root, which Python puts on sys.path (vlm_prune/_bare_names.py)."""
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+BARE_NAMES = ("adapters", "kernels", "eval", "demo")
+
+
+def run_at_root(code: str, *args: str, env: dict[str, str] | None = None,
+                timeout: int = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *args, *(["-c", code] if code else [])], cwd=ROOT, capture_output=True,
+                          text=True, timeout=timeout, env={**os.environ, **(env or {})})
+
+
+def installed(distribution: str) -> bool:
+    try:
+        importlib.metadata.distribution(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not installed("kernels"), reason="Hugging Face's kernels package is not installed")
+def test_transformers_gets_hugging_faces_kernels_from_the_checkout_root():
+    result = run_at_root("from transformers import LlavaForConditionalGeneration, Qwen2VLForConditionalGeneration\n"
+                         "import kernels\nprint(kernels.__file__)")
+    assert result.returncode == 0, result.stderr
+    location = Path(result.stdout.strip()).resolve()
+    assert ROOT not in location.parents, location
+    assert location.parent.name == "kernels"
+
+
+def test_third_party_packages_win_over_the_checkout_folders(tmp_path):
+    """Stand-ins for the four third-party packages, installed behind the checkout root on the path
+    (as site-packages is): a bare import finds them, submodules included."""
+    for name in BARE_NAMES:
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "__init__.py").write_text(f"ORIGIN = 'third-party {name}'\n")
+        (tmp_path / name / "part.py").write_text("VALUE = 7\n")
+    code = ("import importlib\n"
+            f"for name in {BARE_NAMES!r}:\n"
+            "    module = importlib.import_module(name)\n"
+            "    assert module.ORIGIN == 'third-party ' + name, module\n"
+            "    assert importlib.import_module(name + '.part').VALUE == 7\n"
+            "import vlm_prune.kernels, vlm_prune.adapters, vlm_prune.eval, vlm_prune.demo\n"
+            "assert callable(vlm_prune.kernels.attention_to_keys) and callable(vlm_prune.adapters.find_adapter)\n"
+            "print('ok')")
+    result = run_at_root(code, env={"PYTHONPATH": str(tmp_path)})
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "ok"
+
+
+@pytest.mark.parametrize("name", [n for n in BARE_NAMES if not installed(n)])
+def test_a_bare_name_with_nothing_installed_is_not_found(name):
+    result = run_at_root(f"import {name}")
+    assert result.returncode == 1
+    assert f"ModuleNotFoundError: No module named '{name}'" in result.stderr
+
+
+def test_the_package_names_still_import_from_the_checkout_root():
+    result = run_at_root("import vlm_prune.kernels as k, vlm_prune.adapters as a\n"
+                         "from vlm_prune.eval.synthetic import model_path\n"
+                         "print(k.__name__, a.__name__, k.euti_scores.__module__)")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["vlm_prune.kernels", "vlm_prune.adapters", "vlm_prune.kernels.euti"]
+
+
+def test_python_m_entry_points_work_from_the_checkout_root():
+    result = run_at_root("", "-m", "vlm_prune.eval", "--help")
+    assert result.returncode == 0, result.stderr
+    assert "usage: python -m vlm_prune.eval" in result.stdout
+    result = run_at_root("", "-m", "pytest", "-q", "-p", "no:cacheprovider", "--collect-only", "tests/test_api.py")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert re.search(r"\d+ tests? collected", result.stdout), result.stdout
+
+
+def test_the_readme_first_snippet_runs_pasted_at_the_checkout_root():
+    """What a newcomer does first: the README's first block in a fresh `python` started at the root
+    (it opens demo/examples/coffee.jpg by a relative path), with the shipped OneVision toy as the
+    checkpoint and timm's ViT without downloaded weights."""
+    pytest.importorskip("timm")
+    from vlm_prune.eval.synthetic import model_path
+
+    block = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), flags=re.S)[0]
+    checkpoint = '"llava-hf/llava-onevision-qwen2-7b-ov-hf"'
+    assert checkpoint in block, "the README's first snippet changed: update this test"
+    code = block.replace(checkpoint, repr(str(model_path("video"))))
+    result = run_at_root(code, env={"HF_HUB_OFFLINE": "1"})
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip(), "the snippet prints the pruned answer"
