@@ -31,10 +31,12 @@ def _videomme(sample: Sample, subtitles: str | None) -> str:
     body = "\n".join([VIDEOMME_INSTRUCTION, sample.question, *_lettered(sample, "dot")])
     if subtitles is None:
         return body + "\n\n" + MC_INSTRUCTION
-    return SUBTITLES_HEADER + (subtitles or "No subtitles available") + "\n" + body + "\nThe best answer is:"
+    return SUBTITLES_HEADER + subtitles + "\n" + body + "\nThe best answer is:"
 
 
 def _mlvu(sample: Sample, subtitles: str | None) -> str:
+    if sample.prompt_text is not None:  # lmms-eval's copy: the question with its options, verbatim
+        return sample.prompt_text + "\nOnly give the best option.\nBest option: ("
     lines = [f"Question: {sample.question}", "Options:", *_lettered(sample, "paren")]
     return "\n".join(lines) + "\nOnly give the best option.\nBest option: ("
 
@@ -69,7 +71,8 @@ def format_prompt(sample: Sample, subtitles: str | None = None) -> str:
     """The user turn's text for ``sample``: its benchmark's prompt (lmms-eval's task prompts:
     Video-MME, MLVU, MVBench, NExT-QA, EgoSchema), else the question, lettered options and
     "Answer with the option's letter ..." (or a one-phrase instruction without options).
-    subtitles: Video-MME's "w/ subs" setting; the subtitle lines shown with the frames."""
+    subtitles: Video-MME's "w/ subs" setting; the subtitle text shown with the frames, verbatim
+    ("" when no cue is on screen; the runner passes "No subtitles available" without an .srt)."""
     return PROMPTS.get(sample.benchmark, _generic)(sample, subtitles)
 
 

@@ -106,10 +106,13 @@ def run(args: argparse.Namespace) -> int:
 
 
 def summary_line(row: dict) -> str:
-    """One setting on the console: official score first, then accuracy and the counts."""
+    """One setting on the console: the leaderboard figure (lmms-eval's rules) first, the harness's
+    lenient reading and how many answers the two read differently, then accuracy and the counts."""
     from vlm_prune.eval.metrics import counts_line
 
     head = f"{row['name']:28s} {row['official_name']} {row['official']:.3f}"
+    if row.get("read_differently") is not None:
+        head += f"  {row['lenient_name']} {row['lenient']:.3f} (read differently: {row['read_differently']})"
     if row["official_name"] != "accuracy":
         head += f"  accuracy {row['accuracy']:.3f}"
     return f"{head}  {counts_line(row)}"

@@ -40,6 +40,8 @@ import string
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
+import numpy as np
+
 LETTERS = string.ascii_uppercase
 VIDEO_EXTS = (".mp4", ".MP4", ".mkv", ".webm", ".avi", ".mov")
 
@@ -61,6 +63,10 @@ class Sample:
     benchmark: which benchmark's prompt and official score apply ("videomme", "mlvu", ...;
         "generic" for the generic layouts).
     subtitles: path of the video's .srt subtitles (Video-MME), or None.
+    raw_options: the options as lmms-eval's copy of the benchmark writes them (EgoSchema:
+        "A. ..."), which its answer parser matches; None: "<letter>. <option>".
+    prompt_text: the question as lmms-eval's copy stores it with its options (MLVU dev), used
+        verbatim in the prompt; None: built from question and options.
     """
 
     id: str
@@ -74,6 +80,8 @@ class Sample:
     frames_fps: float | None = None
     benchmark: str = "generic"
     subtitles: str | None = None
+    raw_options: list[str] | None = None
+    prompt_text: str | None = None
 
 
 def _fail(msg: str) -> DatasetLayoutError:
@@ -207,11 +215,35 @@ def _existing(path: str) -> str | None:
     return path if os.path.exists(path) else None
 
 
+# lmms-eval's downloads: the videos unzipped into $HF_HOME/<cache_dir> (the folder given as --data),
+# the annotation tables in the Hugging Face hub cache beside it, $HF_HOME/hub/datasets--<org>--<name>.
+LMMS_REPOS = {"videomme": "lmms-lab/Video-MME", "mlvu": "sy1998/MLVU_dev", "mvbench": "OpenGVLab/MVBench",
+              "nextqa": "lmms-lab/NExTQA", "egoschema": "lmms-lab/egoschema"}
+
+
+def hub_snapshots(root: str, dataset: str) -> list[str]:
+    """Snapshot folders of ``dataset``'s lmms-eval repository in the hub cache beside ``root``
+    ($HF_HOME/hub/datasets--<org>--<name>/snapshots/*), newest first."""
+    org, name = LMMS_REPOS[dataset].split("/")
+    pattern = os.path.join(os.path.dirname(os.path.abspath(root)), "hub", f"datasets--{org}--{name}", "snapshots", "*")
+    return sorted(glob.glob(pattern), key=os.path.getmtime, reverse=True)
+
+
+def _tables(root: str, dataset: str, pattern: str) -> list[str]:
+    """Files matching ``pattern`` under ``root``, else under the newest hub snapshot holding any."""
+    for folder in [root, *hub_snapshots(root, dataset)]:
+        found = sorted(glob.glob(os.path.join(folder, pattern)))
+        if found:
+            return found
+    return []
+
+
 # ---------------------------------------------------------------------------------- Video-MME
 def load_videomme(root: str) -> list[Sample]:
     """Video-MME (Fu et al., 2024) in the lmms-lab/Video-MME layout; subtitles (for the "w/ subs"
-    score) are read from subtitle/<videoID>.srt when present."""
-    tables = sorted(glob.glob(os.path.join(root, "videomme", "*.parquet"))) or sorted(
+    score) are read from subtitle/<videoID>.srt when present. lmms-eval's download works as it is:
+    --data $HF_HOME/videomme (data/, subtitle/) with the table in the hub cache beside it."""
+    tables = _tables(root, "videomme", os.path.join("videomme", "*.parquet")) or sorted(
         p for ext in ("parquet", "json", "jsonl") for p in glob.glob(os.path.join(root, f"*.{ext}"))
     )
     if not tables:
@@ -241,54 +273,73 @@ def load_videomme(root: str) -> list[Sample]:
     return samples
 
 
-_SRT_TIME = re.compile(r"(\d+):(\d+):(\d+)[,.](\d+)")
 _VIDEOMME_FONT = re.compile(r'<font color="white" size=".72c">(.*?)</font>')
-_TAG = re.compile(r"<[^>]+>")
+NO_SUBTITLES = "No subtitles available"
 
 
-def read_srt(path: str) -> list[tuple[float, float, str]]:
-    """(start_s, end_s, text) of each cue of an .srt file, in file order. The text is what
-    Video-MME's subtitles hold inside their ``<font ...>`` tag (as lmms-eval extracts it), else
-    the cue's lines without markup."""
-    with open(path, encoding="utf-8", errors="replace") as f:
-        blocks = f.read().replace("\r\n", "\n").split("\n\n")
-    cues = []
+def _srt_seconds(stamp: str) -> float:
+    hours, minutes, rest = stamp.split(":")
+    seconds, millis = rest.split(",")
+    return int(hours) * 3600 + int(minutes) * 60 + int(seconds) + int(millis) / 1000
+
+
+def read_srt(path: str) -> dict[tuple[float, float], str]:
+    """{(start_s, end_s): text} of an .srt file as lmms-eval 0.7.3's Video-MME task reads it
+    (``load_subtitles`` in lmms_eval/tasks/videomme/utils.py): blocks split at blank lines, a
+    block's lines after the time line joined by spaces, a repeated time range keeping its first
+    place and its last text."""
+    with open(path, encoding="utf-8") as f:
+        blocks = f.read().split("\n\n")
+    cues: dict[tuple[float, float], str] = {}
     for block in blocks:
-        lines = block.strip("\n").split("\n")
-        if len(lines) < 3 or "-->" not in lines[1]:
-            continue
-        times = [_SRT_TIME.search(t) for t in lines[1].split("-->")]
-        if not all(times):
-            continue
-        start, end = (int(h) * 3600 + int(m) * 60 + int(sec) + int(ms) / 1000 for h, m, sec, ms in (t.groups() for t in times))
-        raw = " ".join(lines[2:])
-        found = _VIDEOMME_FONT.findall(raw)
-        text = found[0] if found else _TAG.sub("", raw).strip()
-        if text:
-            cues.append((start, end, text))
+        lines = block.split("\n")
+        if block.strip() and len(lines) >= 3:
+            start, end = lines[1].split(" --> ")
+            cues[(_srt_seconds(start), _srt_seconds(end))] = " ".join(lines[2:])
     return cues
 
 
-def subtitles_at(cues: list[tuple[float, float, str]], times: Iterable[float]) -> str:
-    """The cues shown at any of the frame ``times`` (start <= t < end), one a line, in order:
-    Video-MME's frame-aligned subtitles (lmms-eval's selection, on the frames the model sees)."""
-    times = list(times)
-    return "\n".join(text for start, end, text in cues if any(start <= t < end for t in times))
+def subtitles_at(cues: dict[tuple[float, float], str], n_frames: int, fps: float, frame_num: int) -> str:
+    """Video-MME's subtitles for ``frame_num`` frames of a video of ``n_frames`` frames at ``fps``,
+    as lmms-eval 0.7.3 writes them (``videomme_doc_to_text_subtitle``): frames
+    ``linspace(0, n_frames - 1, frame_num)`` truncated to integers, a cue from frame int(start * fps)
+    up to (not including) int(end * fps), each cue on screen at any of those frames once (in the
+    order of a Python set of their indices), its text inside Video-MME's ``<font>`` tag (cues
+    without it left out), one a line; "" when no cue is on screen."""
+    spans = [(int(start * fps), int(end * fps), text) for (start, end), text in cues.items()]
+    frames = np.linspace(0, n_frames - 1, frame_num, dtype=int).tolist()
+    shown = [i for f in frames for i, (lo, hi, _) in enumerate(spans) if lo <= f < hi]
+    texts = [_VIDEOMME_FONT.findall(spans[i][2]) for i in list(set(shown))]
+    return "\n".join(found[0] for found in texts if found)
 
 
 # --------------------------------------------------------------------------------------- MLVU
 MLVU_OPEN_ENDED = ("8_sub_scene", "9_summary")
 
 
+def _mlvu_task(stem: str) -> str:
+    """"2_needle" -> "needle": the task type lmms-eval's MLVU dev scores by (its 7 fixed types)."""
+    return stem.split("_", 1)[1] if re.match(r"^\d+_", stem) else stem
+
+
 def load_mlvu(root: str) -> list[Sample]:
-    """MLVU dev (Zhou et al., 2024): json/<n>_<task>.json + video/<n>_<task>/<video>."""
+    """MLVU dev (Zhou et al., 2024): json/<n>_<task>.json + video/<n>_<task>/<video>; the task is
+    the file's name without its number (lmms-eval's task types: plotQA, needle, ego, ...).
+
+    lmms-eval's download (sy1998/MLVU_dev) works as it is: --data $HF_HOME/mlvu (the unzipped
+    videos, at ``video_name``) with mlvu/test-*.parquet there or in the hub cache beside it.
+    """
     if not os.path.isdir(os.path.join(root, "json")) and os.path.isdir(os.path.join(root, "MLVU", "json")):
         root = os.path.join(root, "MLVU")
     files = sorted(glob.glob(os.path.join(root, "json", "*.json")))
     if not files:
+        lmms = _tables(root, "mlvu", os.path.join("mlvu", "test-*.parquet"))
+        if lmms:
+            return [_mlvu_lmms_row(row, n, root, f"{path} row {n}") for path in lmms
+                    for n, row in enumerate(_read_table(path))]
         raise _fail(
             f"mlvu: no json/*.json in {root}; expected json/1_plotQA.json ... 7_topic_reasoning.json "
-            "and videos in video/<same name>/<video>"
+            "and videos in video/<same name>/<video> (or lmms-eval's mlvu/test-*.parquet)"
         )
     samples = []
     for path in files:
@@ -310,9 +361,26 @@ def load_mlvu(root: str) -> list[Sample]:
                 question=str(row["question"]),
                 options=options,
                 answer=_letter_of(row["answer"], options, where, text_answer=True),
-                categories={"task": str(row.get("question_type", task))},
+                categories={"task": _mlvu_task(task)},
             ))
     return samples
+
+
+def _mlvu_lmms_row(row: dict[str, Any], n: int, root: str, where: str) -> Sample:
+    _need(row, ("video_name", "question", "candidates", "answer", "task_type"), where)
+    options = [str(c) for c in row["candidates"]]
+    question = str(row["question"])
+    return Sample(
+        id=f"{row['task_type']}/{n}",
+        media=[os.path.join(root, str(row["video_name"]))],
+        media_type="video",
+        benchmark="mlvu",
+        question=question.split("\n", 1)[0],
+        options=options,
+        answer=_letter_of(row["answer"], options, where),
+        categories={"task": str(row["task_type"])},
+        prompt_text=question,
+    )
 
 
 # ------------------------------------------------------------------------------------ MVBench
@@ -344,21 +412,67 @@ TVQA_FPS = 3.0
 
 MVBENCH_RELOCATED = "data0613"  # the downloadable MVBench keeps some clevrer / star clips under video/data0613/
 
+# lmms-eval's download (OpenGVLab/MVBench, revision "video"; lmms_eval/tasks/mvbench/utils.py DATA_LIST):
+# the bounded clips already cut to their segment (star/Charades_segment, sta/sta_video_segment, TVQA
+# as mp4 segments), ssv2 and NTU RGB+D converted to mp4; their start / end are not applied again.
+MVBENCH_LMMS_FOLDERS: dict[str, str] = {
+    "action_sequence": "star/Charades_segment",
+    "action_prediction": "star/Charades_segment",
+    "action_antonym": "ssv2_video_mp4",
+    "object_interaction": "star/Charades_segment",
+    "action_localization": "sta/sta_video_segment",
+    "fine_grained_pose": "nturgbd_convert",
+    "episodic_reasoning": "tvqa/video_fps3_hq_segment",
+}
 
-def _mvbench_media(base: str, folder: str, name: str) -> str:
-    """base/folder/name, or its relocated copy base/data0613/folder/name when only that exists."""
-    path = os.path.join(base, folder, name)
-    moved = os.path.join(base, MVBENCH_RELOCATED, folder, name)
-    return moved if not os.path.exists(path) and os.path.exists(moved) else path
+
+def _first_existing(paths: list[str]) -> str | None:
+    return next((p for p in paths if os.path.exists(p)), None)
+
+
+def _mvbench_sample(task: str, n: int, row: dict[str, Any], root: str, base: str, where: str) -> Sample:
+    """One MVBench question: its clip in the original layout (bounds and TVQA frame folders
+    applied), else lmms-eval's already-cut copy (no bounds, every clip a video file)."""
+    folder, bounded, is_frames = MVBENCH_TASKS[task]
+    _need(row, ("video", "question", "candidates", "answer"), where)
+    name = str(row["video"])
+    original = _first_existing([os.path.join(base, folder, name), os.path.join(base, MVBENCH_RELOCATED, folder, name)])
+    cut_folder = MVBENCH_LMMS_FOLDERS.get(task)
+    cut = None
+    if original is None and cut_folder is not None:
+        candidates = [os.path.join(d, cut_folder, name) for d in dict.fromkeys((root, base))]
+        unbounded = bounded and not ("start" in row and "end" in row)  # lmms-eval's json of cut clips
+        cut = _first_existing(candidates) or (
+            candidates[0] if unbounded or os.path.isdir(os.path.join(root, cut_folder)) else None)
+    if cut is None:
+        if bounded:
+            _need(row, ("start", "end"), where)
+        media = original or os.path.join(base, folder, name)
+    options = [str(c) for c in row["candidates"]]
+    return Sample(
+        id=f"{task}/{n}",
+        media=[cut or media],
+        media_type="video",
+        benchmark="mvbench",
+        question=str(row["question"]),
+        options=options,
+        answer=_letter_of(row["answer"], options, where, text_answer=True),
+        categories={"task": task},
+        clip=(float(row["start"]), float(row["end"])) if bounded and cut is None else None,
+        frames_fps=TVQA_FPS if is_frames and cut is None else None,
+    )
 
 
 def load_mvbench(root: str) -> list[Sample]:
     """MVBench (Li et al., 2024): json/<task>.json + video/<source>/...; tasks present are loaded.
 
-    Clips moved to video/data0613/<source>/ are found there. lmms-eval's copy (the unzipped
-    videos with the sources at the top, no video/ folder, plus the json/ folder) works too.
+    Clips moved to video/data0613/<source>/ are found there. lmms-eval's download works as it
+    is: --data $HF_HOME/mvbench_video (the sources at the top, no video/ folder; json/ there or
+    in the hub snapshot beside it), its already-cut folders (``MVBENCH_LMMS_FOLDERS``) included.
     """
-    present = [t for t in MVBENCH_TASKS if os.path.exists(os.path.join(root, "json", f"{t}.json"))]
+    json_dirs = [os.path.join(d, "json") for d in [root, *hub_snapshots(root, "mvbench")]]
+    tables = {t: _first_existing([os.path.join(d, f"{t}.json") for d in json_dirs]) for t in MVBENCH_TASKS}
+    present = [t for t, path in tables.items() if path is not None]
     if not present:
         raise _fail(
             f"mvbench: no task file in {os.path.join(root, 'json')}; expected one or more of "
@@ -367,24 +481,9 @@ def load_mvbench(root: str) -> list[Sample]:
     base = os.path.join(root, "video") if os.path.isdir(os.path.join(root, "video")) else root
     samples = []
     for task in present:
-        folder, bounded, is_frames = MVBENCH_TASKS[task]
-        path = os.path.join(root, "json", f"{task}.json")
-        for n, row in enumerate(_read_json(path)):
-            where = f"{path} record {n}"
-            _need(row, ("video", "question", "candidates", "answer") + (("start", "end") if bounded else ()), where)
-            options = [str(c) for c in row["candidates"]]
-            samples.append(Sample(
-                id=f"{task}/{n}",
-                media=[_mvbench_media(base, folder, row["video"])],
-                media_type="video",
-                benchmark="mvbench",
-                question=str(row["question"]),
-                options=options,
-                answer=_letter_of(row["answer"], options, where, text_answer=True),
-                categories={"task": task},
-                clip=(float(row["start"]), float(row["end"])) if bounded else None,
-                frames_fps=TVQA_FPS if is_frames else None,
-            ))
+        path = tables[task]
+        samples += [_mvbench_sample(task, n, row, root, base, f"{path} record {n}")
+                    for n, row in enumerate(_read_json(path))]
     return samples
 
 
@@ -395,7 +494,7 @@ NEXTQA_GROUPS = {"C": "causal", "T": "temporal", "D": "descriptive"}
 def _nextqa_table(root: str, split: str) -> str:
     """<split>.csv of the official release, else lmms-eval's MC/<split>-*.parquet."""
     table = os.path.join(root, f"{split}.csv")
-    found = sorted(glob.glob(os.path.join(root, "MC", f"{split}-*.parquet")))
+    found = _tables(root, "nextqa", os.path.join("MC", f"{split}-*.parquet"))
     if os.path.exists(table) or not found:
         return table
     return found[0]
@@ -442,7 +541,7 @@ def load_egoschema(root: str) -> list[Sample]:
     or lmms-eval's copy: Subset/test-*.parquet (``question``, ``option`` ["A. ...", ...],
     ``answer`` index, ``video_idx``, ``q_uid``) + videos/<video_idx>.mp4."""
     video_dir = os.path.join(root, "videos") if os.path.isdir(os.path.join(root, "videos")) else root
-    lmms_tables = sorted(glob.glob(os.path.join(root, "Subset", "test-*.parquet")))
+    lmms_tables = _tables(root, "egoschema", os.path.join("Subset", "test-*.parquet"))
     if not os.path.exists(os.path.join(root, "questions.json")) and lmms_tables:
         return [_egoschema_lmms_row(row, video_dir, f"{path} row {n}")
                 for path in lmms_tables for n, row in enumerate(_read_table(path))]
@@ -477,8 +576,10 @@ def _egoschema_sample(uid: str, video_dir: str, video: str, question: str, optio
 def _egoschema_lmms_row(row: dict[str, Any], video_dir: str, where: str) -> Sample:
     _need(row, ("q_uid", "video_idx", "question", "option", "answer"), where)
     options = [_strip_letter(str(o), i) for i, o in enumerate(row["option"])]
-    return _egoschema_sample(str(row["q_uid"]), video_dir, str(row["video_idx"]), row["question"], options,
-                             _letter_of(int(row["answer"]), options, where))
+    sample = _egoschema_sample(str(row["q_uid"]), video_dir, str(row["video_idx"]), row["question"], options,
+                               _letter_of(int(row["answer"]), options, where))
+    sample.raw_options = [str(o) for o in row["option"]]
+    return sample
 
 
 # ------------------------------------------------------------------------- generic and images

@@ -18,6 +18,7 @@ from typing import Any, Callable, Iterable
 
 import torch
 
+from vlm_prune.eval import leaderboard
 from vlm_prune.eval.sharding import status
 
 
@@ -124,9 +125,10 @@ def _mean_over(field: str) -> Callable[[list[dict[str, Any]]], float]:
     return score
 
 
-# The figure each benchmark's leaderboard reports, over the answered questions:
-# MLVU's M-Avg and MVBench's average are means over tasks; the others are plain accuracy.
-OFFICIAL: dict[str, tuple[str, Callable[[list[dict[str, Any]]], float]]] = {
+# The harness's lenient reading of each benchmark's aggregate, over the answered questions:
+# MLVU's M-Avg and MVBench's average are means over the tasks present; the others plain accuracy.
+# The headline is lmms-eval's own figure (vlm_prune.eval.leaderboard).
+LENIENT: dict[str, tuple[str, Callable[[list[dict[str, Any]]], float]]] = {
     "mlvu": ("M-Avg (mean over tasks)", _mean_over("task")),
     "mvbench": ("mean over tasks", _mean_over("task")),
     "videomme": ("accuracy", _accuracy),
@@ -145,14 +147,23 @@ def _reason(record: dict[str, Any]) -> str:
 def summarize(records: list[dict[str, Any]], dataset: str = "generic") -> dict[str, Any]:
     """Counts (questions, evaluated, skipped, failed, with reasons), the official score of the
     dataset and the accuracy over the evaluated questions (overall and per category value),
-    mean tokens, decode / model seconds, FLOPs and peak memory of one run."""
+    mean tokens, decode / model seconds, FLOPs and peak memory of one run.
+
+    official: the benchmark's leaderboard figure by lmms-eval's rules, from the records'
+    ``leaderboard_*`` fields (:func:`vlm_prune.eval.leaderboard.annotate`; NaN without them);
+    lenient: the same aggregate over the harness's own reading (``pred`` / ``correct``);
+    read_differently: answered questions the two read as different letters. Datasets without a
+    leaderboard rule: official = lenient = accuracy, read_differently None."""
     ok = [r for r in records if status(r) == "ok"]
     lost = {k: [r for r in records if status(r) == k] for k in ("skipped", "failed")}
     by_cat: dict[str, dict[str, list[bool]]] = defaultdict(lambda: defaultdict(list))
     for r in ok:
         for k, v in r.get("categories", {}).items():
             by_cat[k][v].append(bool(r["correct"]))
-    name, official = OFFICIAL.get(dataset, ("accuracy", _accuracy))
+    lenient_name, lenient = LENIENT.get(dataset, ("accuracy", _accuracy))
+    lenient_score = lenient(ok) if ok else math.nan
+    ruled = dataset in leaderboard.NAMES
+    headline = leaderboard.figure(dataset, ok) if ruled else lenient_score
     tokens_in = _mean(r.get("visual_tokens_in") for r in ok)
     tokens_out = _mean(r.get("visual_tokens_out") for r in ok)
     flops = _mean(r.get("prefill_flops") for r in ok)
@@ -167,8 +178,12 @@ def summarize(records: list[dict[str, Any]], dataset: str = "generic") -> dict[s
             {"id": r["id"], "status": status(r), "why": r.get("reason") or r.get("error")}
             for r in (lost["skipped"] + lost["failed"])[:10]
         ],
-        "official_name": name,
-        "official": official(ok) if ok else math.nan,
+        "official_name": leaderboard.NAMES.get(dataset, lenient_name),
+        "official": math.nan if headline is None else headline,
+        "lenient_name": f"harness {lenient_name}",
+        "lenient": lenient_score,
+        "read_differently": leaderboard.read_differently(ok) if ruled else None,
+        "random_draws": sum(bool(r.get("leaderboard_random")) for r in ok) if ruled else None,
         "correct": sum(bool(r["correct"]) for r in ok),
         "accuracy": _accuracy(ok),
         "unanswered": sum(r.get("pred") is None for r in ok),

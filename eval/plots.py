@@ -18,6 +18,8 @@ from typing import Any
 COLUMNS = [
     ("name", "setting", "{}"),
     ("official", "official", "{:.3f}"),
+    ("lenient", "lenient", "{:.3f}"),
+    ("read_differently", "read differently", "{}"),
     ("accuracy", "accuracy", "{:.3f}"),
     ("evaluated", "evaluated", "{}"),
     ("skipped", "skipped", "{}"),
@@ -75,6 +77,10 @@ def markdown_table(rows: list[dict[str, Any]], title: str) -> str:
     names = sorted({r["official_name"] for r in rows if r.get("official_name")})
     if names:
         lines += ["", f"official: {', '.join(names)} over the evaluated questions; accuracy: correct / evaluated."]
+    lenient = sorted({r["lenient_name"] for r in rows if r.get("read_differently") is not None})
+    if lenient:
+        lines += ["", f"lenient: {', '.join(lenient)} (the harness's own answer reading); read differently: "
+                  "answered questions whose letter the two readings disagree on."]
     lost = [r for r in rows if r.get("skipped") or r.get("failed")]
     if lost:
         lines += ["", "## Not evaluated (left out of every score)", ""]

@@ -26,10 +26,10 @@ from tqdm.auto import tqdm
 from transformers import LogitsProcessor, LogitsProcessorList
 
 import vlm_prune
-from vlm_prune.eval import metrics, sharding
+from vlm_prune.eval import leaderboard, metrics, sharding
 from vlm_prune.eval.answers import format_prompt, prompt_style, score
-from vlm_prune.eval.datasets import (Sample, missing_media_error, read_samples, read_srt, split_missing,
-                                    subtitles_at)
+from vlm_prune.eval.datasets import (NO_SUBTITLES, Sample, missing_media_error, read_samples, read_srt,
+                                    split_missing, subtitles_at)
 
 IMAGE_EXTS = (".jpg", ".jpeg", ".png", ".bmp", ".webp")
 
@@ -177,6 +177,8 @@ class Visuals:
     decode_s: float = 0.0
     warnings: list[str] = field(default_factory=list)
     times: np.ndarray | None = None  # seconds of each video frame (None for images)
+    n_frames: int | None = None  # frames the video file lists, and its frame rate (video files only)
+    fps: float | None = None
 
 
 def load_visuals(sample: Sample, frames: int | str, decode_timeout: float | None = None) -> Visuals:
@@ -197,7 +199,8 @@ def load_visuals(sample: Sample, frames: int | str, decode_timeout: float | None
         items, notes = [video], []
     else:
         out = decode(sample.media[0], num_frames=frames, timeout=decode_timeout, bound=sample.clip)
-        items, notes, times = [out.frames], out.warnings, out.times
+        return Visuals([out.frames], time.perf_counter() - start, out.warnings, out.times, out.n_frames,
+                       out.native_fps)
     return Visuals(items, time.perf_counter() - start, notes, times)
 
 
@@ -526,10 +529,12 @@ def _answer(predictor: Predictor, sample: Sample, setting: Setting, visuals: Vis
 
 
 def _subtitles(sample: Sample, visuals: Visuals) -> str:
-    """The subtitle cues on screen at the frames the model sees ("" without a subtitle file)."""
-    if sample.subtitles is None or visuals.times is None:
-        return ""
-    return subtitles_at(read_srt(sample.subtitles), visuals.times)
+    """Video-MME's subtitle text for as many frames as the model sees, as lmms-eval writes it
+    (:func:`subtitles_at`): "" when no cue is on screen then, "No subtitles available" without an
+    .srt file (or for a folder of frames, which has no frame rate)."""
+    if sample.subtitles is None or visuals.times is None or not visuals.n_frames or not visuals.fps:
+        return NO_SUBTITLES
+    return subtitles_at(read_srt(sample.subtitles), visuals.n_frames, visuals.fps, len(visuals.times))
 
 
 def merge_setting(run_dir: str, questions: list[Sample], skipped: dict[str, str], dataset: str) -> dict[str, Any]:
@@ -537,6 +542,7 @@ def merge_setting(run_dir: str, questions: list[Sample], skipped: dict[str, str]
     reason) into results.jsonl, and the setting's summary into summary.json."""
     records = sharding.wait_for(run_dir, [s.id for s in questions if s.id not in skipped], log=tqdm.write)
     merged = [skipped_record(s, skipped[s.id]) if s.id in skipped else records[s.id] for s in questions]
+    leaderboard.annotate(dataset, merged, {s.id: s for s in questions})
     sharding.write_merged(run_dir, merged)
     summary = metrics.summarize(merged, dataset)
     with open(os.path.join(run_dir, "summary.json"), "w", encoding="utf-8") as f:
