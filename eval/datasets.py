@@ -315,6 +315,7 @@ def subtitles_at(cues: dict[tuple[float, float], str], n_frames: int, fps: float
 
 # --------------------------------------------------------------------------------------- MLVU
 MLVU_OPEN_ENDED = ("8_sub_scene", "9_summary")
+MLVU_TASK_TYPES = ("anomaly_reco", "count", "ego", "needle", "order", "plotQA", "topic_reasoning")  # lmms-eval's
 
 
 def _mlvu_task(stem: str) -> str:
@@ -346,6 +347,9 @@ def load_mlvu(root: str) -> list[Sample]:
         task = os.path.splitext(os.path.basename(path))[0]
         if task in MLVU_OPEN_ENDED:
             continue
+        if _mlvu_task(task) not in MLVU_TASK_TYPES:
+            raise _fail(f"mlvu: {path} is not one of MLVU dev's multiple-choice tasks "
+                        f"({', '.join(MLVU_TASK_TYPES)}, as json/<n>_<task>.json), whose 7 types M-Avg averages")
         rows = _read_json(path)
         if not isinstance(rows, list):
             raise _fail(f"{path} should hold a JSON list of questions")
@@ -368,6 +372,8 @@ def load_mlvu(root: str) -> list[Sample]:
 
 def _mlvu_lmms_row(row: dict[str, Any], n: int, root: str, where: str) -> Sample:
     _need(row, ("video_name", "question", "candidates", "answer", "task_type"), where)
+    if row["task_type"] not in MLVU_TASK_TYPES:
+        raise _fail(f"{where}: task_type {row['task_type']!r} is not one of MLVU dev's {', '.join(MLVU_TASK_TYPES)}")
     options = [str(c) for c in row["candidates"]]
     question = str(row["question"])
     return Sample(

@@ -31,9 +31,10 @@ import re
 from collections import defaultdict
 from typing import Any, Sequence
 
+from vlm_prune.eval.datasets import MLVU_TASK_TYPES
+
 LETTERS = "ABCDE"
 SEED = 0
-MLVU_TASK_TYPES = ("anomaly_reco", "count", "ego", "needle", "order", "plotQA", "topic_reasoning")
 NAMES = {
     "videomme": "lmms-eval accuracy",
     "mlvu": "lmms-eval M-Avg (7 task types)",

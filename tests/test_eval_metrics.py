@@ -5,6 +5,7 @@ import json
 import math
 import os
 
+import pytest
 from transformers import LlavaOnevisionConfig, Qwen2Config
 
 from vlm_prune.eval import metrics, plots
@@ -55,16 +56,24 @@ def test_summarize():
     assert (s["kept_fraction"], s["ttft_s"], s["flops_ratio"], s["peak_memory_bytes"]) == (0.5, 2.0, 0.5, 9)
 
 
-def test_official_scores_are_means_over_tasks_where_the_leaderboard_says_so():
+def test_lenient_scores_are_means_over_tasks_where_the_leaderboard_says_so():
     # task a: 3 of 4 right, task b: 0 of 1 -> overall 3/5 = 0.6, mean over tasks (0.75 + 0) / 2 = 0.375
-    recs = [{"id": str(i), "categories": {"task": t}, "correct": c}
+    recs = [{"id": str(i), "categories": {"task": t}, "correct": c, "pred": "A" if c else "B",
+             "leaderboard_pred": "A" if c else None, "leaderboard_correct": c}
             for i, (t, c) in enumerate([("a", True), ("a", True), ("a", True), ("a", False), ("b", False)])]
     recs.append({"id": "x", "status": "failed", "categories": {"task": "c"}, "correct": False, "error": "E: e"})
-    for dataset in ("mlvu", "mvbench"):
-        s = metrics.summarize(recs, dataset)
-        assert math.isclose(s["accuracy"], 0.6) and math.isclose(s["official"], 0.375)  # failed task c not a task
-    assert metrics.summarize(recs, "mlvu")["official_name"] == "M-Avg (mean over tasks)"
-    assert math.isclose(metrics.summarize(recs, "videomme")["official"], 0.6)
+    s = metrics.summarize(recs, "mvbench")
+    assert math.isclose(s["accuracy"], 0.6) and math.isclose(s["lenient"], 0.375)  # failed task c not a task
+    assert math.isclose(s["official"], 0.375) and s["read_differently"] == 2  # B against none, twice
+    with pytest.raises(ValueError, match="not among lmms-eval's"):  # MLVU's task types are fixed
+        metrics.summarize(recs, "mlvu")
+    for r in recs:
+        r["categories"]["task"] = {"a": "count", "b": "ego", "c": "order"}[r["categories"]["task"]]
+    s = metrics.summarize(recs, "mlvu")  # lmms-eval divides by its 7 task types, the harness by those present
+    assert math.isclose(s["official"], 0.75 / 7) and math.isclose(s["lenient"], 0.375)
+    s = metrics.summarize(recs, "videomme")
+    assert (s["official_name"], s["lenient_name"]) == ("lmms-eval accuracy", "harness accuracy")
+    assert math.isclose(s["official"], 0.6) and math.isclose(s["lenient"], 0.6)
     assert math.isnan(metrics.summarize(recs[-1:], "mlvu")["official"])
 
 
@@ -81,7 +90,7 @@ def test_sweep_outputs(tmp_path):
     saved = json.load(open(paths["json"]))
     assert [(r["ttft_speedup"], r["flops_speedup"]) for r in saved] == [(1.0, 1.0), (2.0, 2.5), (None, 1.0)]
     md = open(paths["markdown"]).read()
-    assert "| random_keep0.5 | - | 0.500 | - | - | - | 0.500 |" in md and "2.00x | 2.50x" in md
+    assert "| random_keep0.5 | - | - | - | 0.500 | - | - | - | 0.500 |" in md and "2.00x | 2.50x" in md
     with open(paths["plot"], "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
     assert os.path.getsize(paths["plot"]) > 5000
