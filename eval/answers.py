@@ -47,7 +47,12 @@ def _mvbench(sample: Sample, subtitles: str | None) -> str:
 
 
 def _nextqa(sample: Sample, subtitles: str | None) -> str:
-    return "\n".join([sample.question.strip(), *_lettered(sample, "dot")])
+    return "\n".join([sample.question.strip(), *(f"{LETTERS[i]}. {o.strip()}" for i, o in enumerate(sample.options))])
+
+
+def _egoschema(sample: Sample, subtitles: str | None) -> str:
+    options = sample.raw_options if sample.raw_options is not None else _lettered(sample, "dot")
+    return "\n".join([sample.question, *options, MC_INSTRUCTION])
 
 
 def _generic(sample: Sample, subtitles: str | None) -> str:
@@ -58,8 +63,8 @@ def _generic(sample: Sample, subtitles: str | None) -> str:
 
 # Each benchmark's prompt as lmms-eval 0.7's task of that name builds it ("default" kwargs).
 PROMPTS = {"videomme": _videomme, "mlvu": _mlvu, "mvbench": _mvbench, "nextqa": _nextqa,
-           "egoschema": _generic}
-PROMPT_VERSION = "lmms-eval-0.7"
+           "egoschema": _egoschema}
+PROMPT_VERSION = "lmms-eval-0.7.3"  # 0.7.3: Video-MME subtitles as lmms-eval 0.7.3 writes them
 
 
 def prompt_style(dataset: str) -> str:
