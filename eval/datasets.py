@@ -20,6 +20,11 @@ never sees a dataset's own format. Supported layouts (``root`` is the ``--data``
 - ``egoschema`` EgoSchema subset: ``questions.json`` (``q_uid, question, option 0..4``),
   ``subset_answers.json`` ({q_uid: index}), videos ``videos/<q_uid>.mp4``; or lmms-eval's copy
   ``Subset/test-*.parquet`` with ``videos/<video_idx>.mp4``.
+
+lmms-eval's downloads load as they are: ``--data $HF_HOME/<cache_dir>`` (the videos it unzipped),
+the tables there or in the hub cache beside it (:func:`hub_snapshots`); MLVU dev's
+``mlvu/test-*.parquet`` (``video_name, question, candidates, answer, task_type``) and MVBench's
+already-cut clip folders (:data:`MVBENCH_LMMS_FOLDERS`) included.
 - ``jsonl``     generic: one ``*.jsonl`` or ``*.csv`` file (or ``--data`` pointing at it) with
   ``video, question, options, answer`` and optional ``id``, ``category``.
 - ``image``     image VQA: ``*.jsonl`` with ``image, question, answer`` and optional ``options``.

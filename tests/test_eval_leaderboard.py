@@ -179,3 +179,15 @@ def test_mcq_extract_and_mcq_acc_on_more_styles(lmms):
         assert leaderboard.mcq_extract(text) == extract_mcq_answer(text, choices=["A", "B", "C", "D"]), text
         for gt in "ABCDE":
             assert (leaderboard.mvbench_reading(text) == leaderboard.mvbench_reading(gt)) == bool(mv.mcq_acc(gt, text))
+
+
+def test_console_and_table_show_both_columns():
+    from vlm_prune.eval.cli import summary_line
+    from vlm_prune.eval.plots import markdown_table
+
+    row = {"name": "none", "method": "none", **metrics.summarize(run_records("mlvu"), "mlvu")}
+    assert summary_line(row).startswith("none                         lmms-eval M-Avg (7 task types) 0.097  "
+                                        "harness M-Avg (mean over tasks) 0.464 (read differently: 8)  accuracy 0.455")
+    md = markdown_table([row], "t")
+    assert "| setting | official | lenient | read differently | accuracy |" in md and "| none | 0.097 | 0.464 | 8 | 0.455 |" in md
+    assert "lenient: harness M-Avg (mean over tasks) (the harness's own answer reading)" in md
