@@ -29,7 +29,7 @@ from __future__ import annotations
 import random
 import re
 from collections import defaultdict
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from vlm_prune.eval.datasets import MLVU_TASK_TYPES
 
@@ -116,37 +116,49 @@ def _trimmed(response: str) -> str:
     return f" {response} "
 
 
-def nextqa_parse(response: str, options: Sequence[str], rng: random.Random) -> tuple[str, bool]:
-    """(letter, drawn at random) as lmms-eval's NExT-QA ``parse_multi_choice_response``."""
+def _candidates(response: str, options: Sequence[str], written: Callable[[str], list[str]]
+                ) -> tuple[str, dict[str, str], list[str], bool]:
+    """MMMU's parser's first steps: (padded text, letter -> option, candidates, found by option
+    text): the letters ``written`` finds, else (outputs of more than 5 words) the options whose
+    text the output holds."""
     text = _trimmed(response)
     answers = {c: str(o).strip() for c, o in zip(LETTERS, options)}
-    brackets = [c for c in LETTERS if f"({c})" in text]
-    found = brackets or [c for c in LETTERS if f"{c} " in text] or [c for c in LETTERS if f"{c}." in text]
-    by_text = False
-    if not found and len(text.split()) > 5:
-        found = [c for c in LETTERS if answers[c].lower() in text.lower()]
-        by_text = bool(found)
+    found = written(text)
+    if found or len(text.split()) <= 5:
+        return text, answers, found, False
+    found = [c for c in LETTERS if answers[c].lower() in text.lower()]
+    return text, answers, found, bool(found)
+
+
+def _nextqa_written(text: str) -> list[str]:
+    """"(B)" forms, else "B " forms, else "B." forms."""
+    return ([c for c in LETTERS if f"({c})" in text] or [c for c in LETTERS if f"{c} " in text]
+            or [c for c in LETTERS if f"{c}." in text])
+
+
+def nextqa_parse(response: str, options: Sequence[str], rng: random.Random) -> tuple[str, bool]:
+    """(letter, drawn at random) as lmms-eval's NExT-QA ``parse_multi_choice_response``."""
+    text, answers, found, by_text = _candidates(response, options, _nextqa_written)
     if not found:
         return rng.choice(list(LETTERS)), True
     if by_text:
         where = [text.lower().rfind(answers[c].lower()) for c in found]
-    elif brackets:
+    elif f"({found[0]})" in text:
         where = [text.rfind(f"({c})") for c in found]
     else:
         where = [text.rfind(f" {c} ") for c in found]
     return found[where.index(max(where))], False
 
 
+def _egoschema_written(text: str) -> list[str]:
+    """Every "(B)", then every "B ", then every "B." form present."""
+    return [f for form in ("({})", "{} ", "{}.") for f in (form.format(c) for c in LETTERS) if f in text]
+
+
 def egoschema_parse(response: str, raw_options: Sequence[str], rng: random.Random) -> tuple[str, bool]:
     """(letter, drawn at random) as lmms-eval's EgoSchema ``parse_multi_choice_response``
     (``raw_options``: the options as its copy writes them, "A. ...")."""
-    text = _trimmed(response)
-    answers = {c: str(o).strip() for c, o in zip(LETTERS, raw_options)}
-    found = [f for form in ("({})", "{} ", "{}.") for f in (form.format(c) for c in LETTERS) if f in text]
-    by_text = False
-    if not found and len(text.split()) > 5:
-        found = [c for c in LETTERS if answers[c].lower() in text.lower()]
-        by_text = bool(found)
+    text, answers, found, by_text = _candidates(response, raw_options, _egoschema_written)
     if not found:
         return rng.choice(list(LETTERS)), True
     where = [text.lower().rfind(answers[f].lower()) if by_text else text.rfind(f) for f in found]

@@ -191,3 +191,33 @@ def test_console_and_table_show_both_columns():
     md = markdown_table([row], "t")
     assert "| setting | official | lenient | read differently | accuracy |" in md and "| none | 0.097 | 0.464 | 8 | 0.455 |" in md
     assert "lenient: harness M-Avg (mean over tasks) (the harness's own answer reading)" in md
+
+
+def test_random_outputs_read_as_lmms_eval_reads_them(lmms):
+    """Fuzz: strings of letters, punctuation, option words and answer phrases give lmms-eval's
+    reading under all five rules (the random fallbacks from the same seeded generator)."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+    from lmms_eval.tasks._task_utils.mcq_extract import extract_mcq_answer
+
+    mv, nq, eg = lmms("mvbench"), lmms("nextqa"), lmms("egoschema")
+    nq_index, choices = nq.get_multi_choice_info({f"a{i}": o for i, o in enumerate(OPTIONS)})
+    raw = [f"{c}. {o}" for c, o in zip("ABCDE", OPTIONS)]
+    eg_index, _ = eg.get_multi_choice_info({"option": raw})
+    pieces = st.sampled_from(list("ABCDEabcde ().:,!?;'\"\n-/1") + OPTIONS + ["the answer is ", "A. red", "1,000",
+                                                                              "I choose ", "答案是", "Option "])
+
+    @settings(max_examples=400, deadline=None, derandomize=True)
+    @given(st.lists(pieces, max_size=12).map("".join), st.integers(0, 2**16))
+    def check(text, seed):
+        assert leaderboard.mcq_extract(text) == extract_mcq_answer(text, choices=["A", "B", "C", "D"])
+        for gt in "ABCDE":
+            assert (leaderboard.mvbench_reading(text) == leaderboard.mvbench_reading(gt)) == bool(mv.mcq_acc(gt, text))
+        random.seed(seed)
+        want = nq.parse_multi_choice_response(text, choices, nq_index)
+        assert leaderboard.nextqa_parse(text, OPTIONS, random.Random(seed))[0] == want
+        random.seed(seed)
+        want = eg.parse_multi_choice_response(text, choices, eg_index)[0]
+        assert leaderboard.egoschema_parse(text, raw, random.Random(seed))[0] == want
+
+    check()
