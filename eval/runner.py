@@ -539,7 +539,8 @@ def _subtitles(sample: Sample, visuals: Visuals) -> str:
 
 def merge_setting(run_dir: str, questions: list[Sample], skipped: dict[str, str], dataset: str) -> dict[str, Any]:
     """Rank 0: every question's record in dataset order (answered, failed, or skipped with its
-    reason) into results.jsonl, and the setting's summary into summary.json."""
+    reason; answered ones with lmms-eval's reading of the output, :func:`leaderboard.annotate`)
+    into results.jsonl, and the setting's summary into summary.json."""
     records = sharding.wait_for(run_dir, [s.id for s in questions if s.id not in skipped], log=tqdm.write)
     merged = [skipped_record(s, skipped[s.id]) if s.id in skipped else records[s.id] for s in questions]
     leaderboard.annotate(dataset, merged, {s.id: s for s in questions})
