@@ -26,6 +26,7 @@ from tqdm.auto import tqdm
 from transformers import LogitsProcessor, LogitsProcessorList
 
 import vlm_prune
+from vlm_prune.cli import cannot_load
 from vlm_prune.eval import metrics, sharding
 from vlm_prune.eval.answers import format_prompt, prompt_style, score
 from vlm_prune.eval.datasets import (Sample, missing_media_error, read_samples, read_srt, split_missing,
@@ -273,6 +274,11 @@ class Prefetcher:
 SUBTITLES = ("without", "with", "both")
 
 
+class EvalConfigError(ValueError):
+    """A mistake in the configuration or its inputs (a flag, a method, the model), found before any
+    question runs; the message says what to change. ``vlm-prune eval`` prints it as one line."""
+
+
 @dataclass
 class EvalConfig:
     """Everything one ``vlm-prune eval`` invocation needs; see ``vlm_prune.eval.cli``.
@@ -336,17 +342,17 @@ def settings(cfg: EvalConfig) -> list[Setting]:
             out.append(Setting("none"))
             continue
         if not cfg.keeps and not cfg.budgets:
-            raise ValueError(f"method {method!r} needs --keep (fractions) or --budget (tokens per image/frame)")
+            raise EvalConfigError(f"method {method!r} needs --keep (fractions) or --budget (tokens per image/frame)")
         plan = [Setting(method, keep=k) for k in cfg.keeps] + [Setting(method, budget=b) for b in cfg.budgets]
         try:
             build_pipeline(method.split("+"), keep=plan[0].keep, budget=plan[0].budget)
         except (ValueError, TypeError) as err:
-            raise ValueError(f"--method {method!r}: {err}") from None
+            raise EvalConfigError(f"--method {method!r}: {err}") from None
         out += plan
     if cfg.subtitles not in SUBTITLES:
-        raise ValueError(f"subtitles must be one of {', '.join(SUBTITLES)}, got {cfg.subtitles!r}")
+        raise EvalConfigError(f"subtitles must be one of {', '.join(SUBTITLES)}, got {cfg.subtitles!r}")
     if cfg.subtitles != "without" and cfg.dataset != "videomme":
-        raise ValueError(f"--subtitles {cfg.subtitles} applies to --dataset videomme only, not {cfg.dataset}")
+        raise EvalConfigError(f"--subtitles {cfg.subtitles} applies to --dataset videomme only, not {cfg.dataset}")
     with_subs = [replace(st, subtitles=True) for st in out]
     return {"without": out, "with": with_subs, "both": [x for pair in zip(out, with_subs) for x in pair]}[cfg.subtitles]
 
@@ -357,8 +363,22 @@ def spread(samples: list[Sample], limit: int | None) -> list[Sample]:
     if limit is None or limit >= len(samples):
         return samples
     if limit < 1:
-        raise ValueError(f"--limit must be at least 1, got {limit}")
+        raise EvalConfigError(f"--limit must be at least 1, got {limit}")
     return [samples[i] for i in np.unique(np.round(np.linspace(0, len(samples) - 1, limit)).astype(np.int64))]
+
+
+def check_settings(model: torch.nn.Module, plan: list[Setting], processor: Any, seed: int = 0) -> None:
+    """wrap() and unwrap the model with every setting once, so that a method the model cannot run
+    (an unsupported model class, a stage its family lacks) stops the run before any question."""
+    for setting in plan:
+        if setting.method == "none":
+            continue
+        try:
+            vlm_prune.wrap(model, setting.method.split("+"), keep=setting.keep, budget=setting.budget,
+                           processor=processor, seed=seed)
+        except (ValueError, TypeError) as err:
+            raise EvalConfigError(f"--method {setting.method}: {err}") from None
+        vlm_prune.unwrap(model)
 
 
 def load_model(cfg: EvalConfig, dist: sharding.Dist) -> tuple[torch.nn.Module, Any]:
@@ -375,8 +395,11 @@ def load_model(cfg: EvalConfig, dist: sharding.Dist) -> tuple[torch.nn.Module, A
         kwargs["device_map"] = cfg.device_map
     if cfg.attn_implementation:
         kwargs["attn_implementation"] = cfg.attn_implementation
-    processor = AutoProcessor.from_pretrained(cfg.model)
-    model = AutoModelForImageTextToText.from_pretrained(cfg.model, **kwargs)
+    try:
+        processor = AutoProcessor.from_pretrained(cfg.model)
+        model = AutoModelForImageTextToText.from_pretrained(cfg.model, **kwargs)
+    except (OSError, ValueError) as err:  # not found, not downloadable, not an image-text-to-text model
+        raise EvalConfigError(cannot_load(cfg.model, err)) from None
     if not cfg.device_map:
         model.to(torch.device(f"cuda:{dist.local_rank}") if cuda else torch.device("cpu"))
     return model.eval(), processor
@@ -391,7 +414,7 @@ def _check_run_dir(run_dir: str, identity: dict[str, Any], dist: sharding.Dist) 
             old = json.load(f)
         if old != identity:
             diff = sorted(k for k in set(old) | set(identity) if old.get(k) != identity.get(k))
-            raise ValueError(
+            raise EvalConfigError(
                 f"{run_dir} holds results of a different configuration (differs in {', '.join(diff)}); "
                 "use another --out folder or delete that one"
             )
@@ -571,6 +594,7 @@ def run_eval(
         model, processor = load_model(cfg, dist)
     if processor is None:
         raise ValueError("run_eval needs the model's processor when a model object is given")
+    check_settings(model, plan, processor, cfg.seed)
     run_dirs = {}
     for setting in plan:
         run_dirs[setting.name] = os.path.join(cfg.out, setting.name)
