@@ -68,7 +68,6 @@ class Request:
 class HFVLMAdapter(Adapter):
     """Base of adapters for ``*ForConditionalGeneration`` VLMs with ``model.model.language_model``."""
 
-    stages: ClassVar[tuple[str, ...]] = ("vision", "llm")
     #: names of the feature functions on the inner model, by modality
     feature_functions: ClassVar[dict[str, str]] = {"image": "get_image_features"}
 

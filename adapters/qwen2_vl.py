@@ -14,6 +14,7 @@ import torch
 
 from transformers.modeling_outputs import BaseModelOutputWithPooling
 
+from vlm_prune.adapters import FAMILY_STAGES
 from vlm_prune.adapters.hf_vlm import HFVLMAdapter, Item, fit_grid, source_of
 from vlm_prune.engine import LMSpec, PositionRewrite, default_positions
 from vlm_prune.methods.base import FramesContext
@@ -34,7 +35,7 @@ def _qwen_positions(position_ids, b, s, past, device, segs):
 class Qwen2VLAdapter(HFVLMAdapter):
     family = "qwen2_vl"
     model_classes = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration")
-    stages: ClassVar[tuple[str, ...]] = ("frames", "vision", "llm")
+    stages: ClassVar[tuple[str, ...]] = FAMILY_STAGES[family]
     feature_functions: ClassVar[dict[str, str]] = {"image": "get_image_features", "video": "get_video_features"}
 
     def lm_spec(self) -> LMSpec:

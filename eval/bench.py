@@ -154,12 +154,9 @@ def plan(model: torch.nn.Module, processor: Any, keeps: tuple[float, ...], only:
         if only is not None and name not in only:
             continue
         cls = method_class(name)
-        if cls.stage not in adapter.stages:
-            skipped.append({"method": name, "reason": f"{cls.stage}-stage method; the {adapter.family} adapter "
-                                                      f"offers {', '.join(adapter.stages)}"})
-            continue
-        if cls.supported is not None and adapter.family not in cls.supported:
-            skipped.append({"method": name, "reason": f"supports {', '.join(cls.supported)} models only"})
+        refusal = cls.refusal(adapter.family, adapter.stages)
+        if refusal:
+            skipped.append({"method": name, "reason": refusal})
             continue
         try:
             make, note = single(name)

@@ -367,6 +367,29 @@ def spread(samples: list[Sample], limit: int | None) -> list[Sample]:
     return [samples[i] for i in np.unique(np.round(np.linspace(0, len(samples) - 1, limit)).astype(np.int64))]
 
 
+def check_family(cfg: EvalConfig, plan: list[Setting]) -> None:
+    """Before the model loads: its class (config.json ``architectures``) has an adapter, and every
+    method of the plan runs on that family (``Method.refusal``, the rule wrap() applies)."""
+    from transformers import AutoConfig
+
+    from vlm_prune.adapters import FAMILY_STAGES, family_of, supported_model_classes
+    from vlm_prune.registry import method_class
+
+    try:
+        architectures = AutoConfig.from_pretrained(cfg.model).architectures or []
+    except (OSError, ValueError) as err:
+        raise EvalConfigError(cannot_load(cfg.model, err)) from None
+    family = next(filter(None, map(family_of, architectures)), None)
+    if family is None:
+        raise EvalConfigError(f"--model {cfg.model} is a {', '.join(architectures) or 'model of no stated class'}; "
+                              f"vlm_prune supports {', '.join(supported_model_classes())}")
+    for setting in plan:
+        for name in setting.method.split("+") if setting.method != "none" else []:
+            refusal = method_class(name).refusal(family, FAMILY_STAGES[family])
+            if refusal:
+                raise EvalConfigError(f"--method {setting.method}: {refusal}")
+
+
 def check_settings(model: torch.nn.Module, plan: list[Setting], processor: Any, seed: int = 0) -> None:
     """wrap() and unwrap the model with every setting once, so that a method the model cannot run
     (an unsupported model class, a stage its family lacks) stops the run before any question."""
@@ -591,6 +614,7 @@ def run_eval(
         tqdm.write(f"skipping {len(missing)} of {len(questions)} questions whose media is missing "
                    f"(--skip-missing), first: {missing[0][1]}")
     if model is None:
+        check_family(cfg, plan)
         model, processor = load_model(cfg, dist)
     if processor is None:
         raise ValueError("run_eval needs the model's processor when a model object is given")

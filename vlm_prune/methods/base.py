@@ -215,6 +215,9 @@ class Method:
     paper: ClassVar[str] = ""
     #: model families (adapter names) the method supports; None means all.
     supported: ClassVar[tuple[str, ...] | None] = None
+    #: family -> what the method runs on within it, where that is less than the family's models
+    #: (listed by ``vlm-prune methods``), e.g. {"llava_onevision": "video only"}
+    family_notes: ClassVar[dict[str, str]] = {}
     #: True when the method sets its own budget schedule (keep / budget then optional).
     own_schedule: ClassVar[bool] = False
 
@@ -271,13 +274,21 @@ class Method:
         wrap() emits it once as a :class:`BudgetWarning` and keeps it in ``last_stats``."""
         return None
 
+    @classmethod
+    def refusal(cls, family: str, stages: tuple[str, ...]) -> str | None:
+        """Why wrap() refuses this method on every model of adapter ``family`` (whose adapter runs
+        ``stages``), or None: the one rule behind wrap()'s check and the models column of
+        ``vlm-prune methods`` (:func:`vlm_prune.registry.method_families`)."""
+        if cls.stage not in stages:
+            return (f"method {cls.name!r} works in the {cls.stage!r} stage, which the {family} adapter does not "
+                    f"offer; it offers: {', '.join(stages)}")
+        if cls.supported is not None and family not in cls.supported:
+            return f"method '{cls.name}' supports {', '.join(cls.supported)} models; this model is handled by the '{family}' adapter"
+        return None
+
     def check_model(self, adapter: Any) -> None:
-        """Raise ValueError at wrap time when the model does not meet the method's needs."""
-        if self.supported is not None and adapter.family not in self.supported:
-            raise ValueError(
-                f"method '{self.name}' supports {', '.join(self.supported)} models; "
-                f"this model is handled by the '{adapter.family}' adapter"
-            )
+        """Raise ValueError at wrap time when this model does not meet the method's further needs
+        (its family has passed :meth:`refusal` already: ``Adapter.check_methods``)."""
 
     def describe(self) -> dict[str, Any]:
         """The configuration as plain values (for stats, results files and plots)."""
