@@ -66,8 +66,7 @@ class Qwen2VLAdapter(HFVLMAdapter):
         flat = torch.nonzero(self.request.masks[modality])
         n_native = it.grid[0] * it.grid[1]
         coords = plan.token_coords.to(flat.device)
-        k = coords.shape[0]
-        rows = flat[offset : offset + k, 1]
+        rows = flat[offset + plan.reduction.indices.to(flat.device), 1]  # the slots the kept tokens fill
         frame_rows = flat[offset + coords[:, 0] * n_native, 1]
         self.request.pending.position_rewrites.append(
             PositionRewrite(int(flat[offset, 0]), rows, frame_rows, int(flat[offset, 1]), coords[:, 1:])

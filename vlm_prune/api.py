@@ -97,6 +97,13 @@ def build_pipeline(
     for i, m in enumerate(ordered, start=1):
         m._share = (i, len(ordered))
         m.configure_budget(keep, budget)
+    frames_m, vision_m = by_stage.get("frames"), by_stage.get("vision")
+    if getattr(frames_m, "resizes_frames", False) and getattr(vision_m, "needs_tower_attention", False):
+        raise ValueError(
+            f"{vision_m.name!r} reads the vision tower's attention to each token, which the frames "
+            f"{frames_m.name!r} resizes away; after {frames_m.name!r} use random, pool, divprune or cdpruner, "
+            f"or put {vision_m.name!r} after uniform or keyscore"
+        )
     if "vision" in by_stage and "vit" in by_stage:
         raise ValueError(
             f"methods {by_stage['vit'].name!r} (inside the ViT) and {by_stage['vision'].name!r} "

@@ -80,12 +80,60 @@ class Reduction:
         out[self.indices] = self.indices
         return out
 
+    def then(self, after: "Reduction", n: int) -> "Reduction":
+        """This reduction of N = ``n`` rows followed by ``after``, a reduction of this one's kept rows:
+        one Reduction of the N rows. Each row ``after`` keeps stays at this reduction's slot for it;
+        merged sizes and ``merged_into`` compose (a row's size sums the sizes folded into it)."""
+        rows = self.indices
+        kept = rows[after.indices.to(rows.device)]
+        features = after.features
+        if features is None and self.features is not None:
+            features = self.features[after.indices.to(self.features.device)]
+        sizes = after.sizes
+        if self.sizes is not None:
+            own = self.sizes.float()
+            if after.merged_into is not None:
+                into = after.merged_into.to(own.device)
+                folded = torch.zeros_like(own).index_add_(0, into[into >= 0], own[into >= 0])
+                sizes = folded[after.indices.to(own.device)]
+            else:
+                sizes = own[after.indices.to(own.device)] * (1 if after.sizes is None else after.sizes.float())
+        merged_into = None
+        if self.merged_into is not None or after.merged_into is not None:
+            inner = after.membership(rows.numel()).to(rows.device)
+            slot_of = torch.where(inner >= 0, rows[inner.clamp(min=0)], -1)  # this reduction's kept row -> final slot
+            first = self.membership(n).to(rows.device)
+            position = torch.full((n,), -1, dtype=torch.long, device=rows.device)
+            position[rows] = torch.arange(rows.numel(), device=rows.device)
+            via = position[first.clamp(min=0)]
+            merged_into = torch.where(first >= 0, slot_of[via.clamp(min=0)], -1)
+        return Reduction(kept, features, sizes, merged_into)
+
     @staticmethod
     def top_k(scores: torch.Tensor, k: int) -> "Reduction":
         """Keep the k highest scores (ties broken by lower index), returned in index order."""
         k = max(0, min(int(k), scores.numel()))
         idx = torch.topk(scores.float(), k, sorted=False).indices
         return Reduction(torch.sort(idx).values)
+
+
+def apportion(total: int, sizes: list[int]) -> list[int]:
+    """``total`` kept tokens shared over parts of ``sizes`` tokens in proportion to their sizes
+    (largest remainder, ties to the earlier part): the shares sum to min(total, sum(sizes)), none
+    exceeds its size, and every part keeps at least one when ``total`` allows."""
+    total = max(0, min(int(total), sum(sizes)))
+    floor_one = total >= len(sizes)
+    base = [1 if floor_one else 0 for _ in sizes]
+    room = [s - b for s, b in zip(sizes, base)]
+    rest, capacity = total - sum(base), sum(room)
+    if rest <= 0 or capacity <= 0:
+        return base
+    exact = [rest * r / capacity for r in room]
+    shares = [math.floor(x) for x in exact]
+    order = sorted(range(len(sizes)), key=lambda i: (-(exact[i] - shares[i]), i))
+    for i in order[: rest - sum(shares)]:
+        shares[i] += 1
+    return [b + s for b, s in zip(base, shares)]
 
 
 @dataclass
@@ -341,6 +389,8 @@ class FramesMethod(Method):
     """A method that chooses frames and their token budgets for a video (frames stage)."""
 
     stage: ClassVar[str] = "frames"
+    #: True when kept frames come back resized (new features without a tower row of their own)
+    resizes_frames: ClassVar[bool] = False
 
     def allocate(self, ctx: FramesContext) -> FramesPlan:  # pragma: no cover - abstract
         raise NotImplementedError
@@ -350,6 +400,8 @@ class VisionMethod(Method):
     """A method that reduces the tokens of each image independently (vision stage)."""
 
     stage: ClassVar[str] = "vision"
+    #: True when it reads the vision tower's attention to each token (VisionContext.tower_attention)
+    needs_tower_attention: ClassVar[bool] = False
 
     def reduce_image(self, ctx: VisionContext) -> Reduction:  # pragma: no cover - abstract
         raise NotImplementedError
