@@ -10,42 +10,17 @@ import warnings
 import pytest
 import torch
 
-import tiny_models as T
 import vlm_prune
-from vlm_prune.frames.quota import QuoTA
 from vlm_prune.methods.base import BudgetWarning, Reduction, apportion
 from vlm_prune.registry import available_methods, method_class
+from test_budgets import _model, _spec, prefill
 
 FRAMES = [n for n in available_methods() if method_class(n).stage == "frames"]
 VISION = [n for n in available_methods() if method_class(n).stage == "vision"]
 TARGETS = [("keep", 1.0), ("keep", 0.5), ("keep", 0.25), ("keep", 0.11), ("budget", 3)]
-MODELS = {
-    "onevision": (T.tiny_onevision, lambda m: T.onevision_video_inputs(m, frames=4)),
-    "qwen2_vl": (T.tiny_qwen2_vl, lambda m: T.qwen2_vl_inputs(m, video=True)),
-}
-_built: dict = {}
-
-
-def _model(name):
-    if name not in _built:
-        make, inputs = MODELS[name]
-        model = make()
-        _built[name] = (model, inputs(model))
-    return _built[name]
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-def _frames(name):
-    if name == "quota":  # a fixed scorer: no processor / prompting needed to test budgets
-        return QuoTA(scorer=lambda pixels, prompt: torch.linspace(0.2, 0.9, pixels.shape[0]), variant="v2")
-    return name
+#: the video cases of test_budgets (tiny OneVision, 4 frames of 2 x 2 tokens; tiny Qwen2-VL, 2 temporal
+#: slices of 4 x 4), with their adapter families
+MODELS = {"onevision_video": "llava_onevision", "qwen2_vl_video": "qwen2_vl"}
 
 
 def _refusal(frames, vision, family):
@@ -63,16 +38,15 @@ def _refusal(frames, vision, family):
 @pytest.mark.parametrize("frames", FRAMES)
 def test_frames_and_vision_pipeline_meets_the_target(frames, vision, model_name, kind, value):
     model, inp = _model(model_name)
-    family = {"onevision": "llava_onevision"}.get(model_name, model_name)
-    refusal = _refusal(frames, vision, family)
+    refusal = _refusal(frames, vision, MODELS[model_name])
     if refusal:
         with pytest.raises(ValueError, match=refusal):
-            vlm_prune.wrap(model, [_frames(frames), vision], **{kind: value})
+            vlm_prune.wrap(model, [_spec(frames), vision], **{kind: value})
         assert not vlm_prune.api.is_wrapped(model)
         return
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", BudgetWarning)
-        vlm_prune.wrap(model, [_frames(frames), vision], **{kind: value})
+        vlm_prune.wrap(model, [_spec(frames), vision], **{kind: value})
     try:
         with torch.no_grad():
             out = model(**inp)
@@ -107,14 +81,7 @@ def test_frames_and_vision_pipeline_meets_the_target(frames, vision, model_name,
 
 def test_the_issue_case_keyscore_divprune_at_a_quarter():
     """keyscore+divprune at keep 0.25 (the demo's preset): a quarter of the video, not a half."""
-    model, inp = _model("onevision")
-    vlm_prune.wrap(model, ["keyscore", "divprune"], keep=0.25)
-    try:
-        with torch.no_grad():
-            model(**inp)
-        stats = model.vlm_prune.last_stats
-    finally:
-        vlm_prune.unwrap(model)
+    stats = prefill(*_model("onevision_video"), ["keyscore", "divprune"], keep=0.25)[1]
     assert stats["visual_tokens_in"] == [16, 16] and stats["visual_tokens_out"] == [4, 4]
     assert [r["tokens_out"] for r in stats["stages"]] == [[8, 8], [4, 4]]  # sqrt(0.25) of 16, then the target
 
@@ -122,27 +89,13 @@ def test_the_issue_case_keyscore_divprune_at_a_quarter():
 def test_three_stage_pipeline_shares_the_reduction_evenly():
     """uniform+divprune+pact at keep 0.25 of 16: stage i of 3 leaves round(16 * 0.25 ** (i / 3))
     at most (uniform keeps whole frames of 4 tokens: 8 of its 10), the last lands on 4."""
-    model, inp = _model("onevision")
-    vlm_prune.wrap(model, ["uniform", "divprune", "pact"], keep=0.25)
-    try:
-        with torch.no_grad():
-            model(**inp)
-        stats = model.vlm_prune.last_stats
-    finally:
-        vlm_prune.unwrap(model)
+    stats = prefill(*_model("onevision_video"), ["uniform", "divprune", "pact"], keep=0.25)[1]
     assert [r["stage"] for r in stats["stages"]] == ["frames", "vision", "llm"]
     assert [r["tokens_out"] for r in stats["stages"]] == [[8, 8], [round(16 * 0.25 ** (2 / 3))] * 2, [4, 4]]
 
 
 def test_visionzip_after_uniform_reports_merges_over_the_video_slots():
-    model, inp = _model("onevision")
-    vlm_prune.wrap(model, ["uniform", "visionzip"], keep=0.25)
-    try:
-        with torch.no_grad():
-            model(**inp)
-        stats = model.vlm_prune.last_stats
-    finally:
-        vlm_prune.unwrap(model)
+    stats = prefill(*_model("onevision_video"), ["uniform", "visionzip"], keep=0.25)[1]
     record = stats["stages"][1]
     assert [v["targets"] for v in record["videos"]] == [[2, 0, 0, 2]] * 2  # uniform keeps frames 0 and 3 of 4
     for into, frames in zip(record["merged_into"], stats["stages"][0]["videos"]):

@@ -134,7 +134,8 @@ def wrap(
         budget: the same as a count per image (per video for frames methods). Give exactly one
             of keep / budget unless the method has its own defaults (fastv, pact, adaptinfer).
             In a pipeline it is the final count: stage i of m keeps an even share of the
-            reduction and the last stage lands on it. A target the model cannot reach (e.g.
+            reduction and the last stage lands on it (per video when the pipeline has a frames
+            method: its vision stage shares the count over the frames the frames stage kept). A target the model cannot reach (e.g.
             ToMe's half per block) is warned once (``BudgetWarning``) with the reachable value.
         frames, tokens: the frames-stage and token-stage methods, as an alternative spelling of
             ``method=[frames, tokens]``.
