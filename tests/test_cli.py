@@ -293,6 +293,18 @@ def test_serve_error_paths_come_before_vllm(capsys, tmp_path):
     assert_usage_error(["serve", str(bert), "--method", "divprune", "--keep", "0.5"], capsys, "BertModel")
 
 
+def test_demo_refuses_an_unreachable_hub_model_before_loading(capsys, monkeypatch, offline_hub):
+    pytest.importorskip("gradio")
+    from vlm_prune.demo import app
+
+    monkeypatch.setattr(app, "make_sessions", lambda *a, **k: pytest.fail("models loaded before the checks"))
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    assert_usage_error(["demo", "--model", "not/a-model", "--port", str(port)], capsys, "--model not/a-model",
+                       "not in the local Hugging Face cache")
+
+
 def test_methods_error_path(capsys):
     assert_usage_error(["methods", "--all"], capsys, "unrecognized arguments: --all")
 
