@@ -14,14 +14,26 @@ if __name__ != "vlm_prune.adapters":  # imported as the bare `adapters` from the
 import importlib
 from typing import Any
 
-# model class name -> (adapter module, adapter class)
+# model class name -> (adapter module, adapter class, its family)
 SUPPORTED = {
-    "LlavaForConditionalGeneration": ("vlm_prune.adapters.llava", "LlavaAdapter"),
-    "LlavaNextForConditionalGeneration": ("vlm_prune.adapters.llava_next", "LlavaNextAdapter"),
-    "LlavaOnevisionForConditionalGeneration": ("vlm_prune.adapters.llava_onevision", "LlavaOnevisionAdapter"),
-    "Qwen2VLForConditionalGeneration": ("vlm_prune.adapters.qwen2_vl", "Qwen2VLAdapter"),
-    "Qwen2_5_VLForConditionalGeneration": ("vlm_prune.adapters.qwen2_vl", "Qwen2VLAdapter"),
-    "VisionTransformer": ("vlm_prune.adapters.timm_vit", "TimmViTAdapter"),
+    "LlavaForConditionalGeneration": ("vlm_prune.adapters.llava", "LlavaAdapter", "llava"),
+    "LlavaNextForConditionalGeneration": ("vlm_prune.adapters.llava_next", "LlavaNextAdapter", "llava_next"),
+    "LlavaOnevisionForConditionalGeneration": ("vlm_prune.adapters.llava_onevision", "LlavaOnevisionAdapter",
+                                               "llava_onevision"),
+    "Qwen2VLForConditionalGeneration": ("vlm_prune.adapters.qwen2_vl", "Qwen2VLAdapter", "qwen2_vl"),
+    "Qwen2_5_VLForConditionalGeneration": ("vlm_prune.adapters.qwen2_vl", "Qwen2VLAdapter", "qwen2_vl"),
+    "VisionTransformer": ("vlm_prune.adapters.timm_vit", "TimmViTAdapter", "timm_vit"),
+}
+
+#: adapter family -> the method stages its adapter runs. The adapter classes take their ``stages``
+#: from here, so that ``vlm-prune methods`` lists the families each method runs on (with
+#: ``Method.refusal``, the rule wrap() applies) without importing the adapters.
+FAMILY_STAGES: dict[str, tuple[str, ...]] = {
+    "llava": ("vision", "vit", "llm"),
+    "llava_next": ("vision", "vit", "llm"),
+    "llava_onevision": ("frames", "vision", "llm"),
+    "qwen2_vl": ("frames", "vision", "llm"),
+    "timm_vit": ("vit",),
 }
 
 
@@ -29,10 +41,17 @@ def supported_model_classes() -> list[str]:
     return list(SUPPORTED)
 
 
+def family_of(model_class: str) -> str | None:
+    """The adapter family of a model class name (a checkpoint's config ``architectures``), or None
+    when no adapter handles it; nothing is imported."""
+    entry = SUPPORTED.get(model_class)
+    return entry[2] if entry else None
+
+
 def find_adapter(model: Any) -> type:
     for cls in type(model).__mro__:
         if cls.__name__ in SUPPORTED:
-            module, name = SUPPORTED[cls.__name__]
+            module, name, _ = SUPPORTED[cls.__name__]
             return getattr(importlib.import_module(module), name)
     raise TypeError(
         f"vlm_prune does not support {type(model).__name__}. Supported model classes: "

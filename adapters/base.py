@@ -77,12 +77,10 @@ class Adapter:
         self.patches = Patcher()
 
     def check_methods(self) -> None:
-        for stage, method in self.state.methods.items():
-            if stage not in self.stages:
-                raise ValueError(
-                    f"method {method.name!r} works in the {stage!r} stage, which the {self.family} "
-                    f"adapter ({type(self.model).__name__}) does not offer; it offers: {', '.join(self.stages)}"
-                )
+        for method in self.state.methods.values():
+            refusal = method.refusal(self.family, self.stages)
+            if refusal:
+                raise ValueError(refusal)
             if getattr(method, "needs_processor", False) and self.state.processor is None:
                 raise ValueError(
                     f"method {method.name!r} prompts the model, so it needs the model's processor: "

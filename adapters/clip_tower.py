@@ -243,7 +243,6 @@ class CLIPTowerAdapter(HFVLMAdapter):
     and attaches it; subclasses hand its survivors to the engine in ``reduce_features``.
     """
 
-    stages = ("vision", "vit", "llm")
     tower_stage: CLIPTowerStage | None = None
 
     def __init__(self, model: torch.nn.Module, state: Any) -> None:

@@ -18,6 +18,7 @@ import copy
 import functools
 import importlib
 import inspect
+import itertools
 import math
 import time
 import warnings
@@ -30,7 +31,7 @@ import torch
 from vlm_prune.adapters.base import Adapter, ContextSlot
 from vlm_prune.adapters.vision_towers import FeatureLayerTap, pool_grid
 from vlm_prune.engine import LMSpec, Pending, PrunedDecoder
-from vlm_prune.methods.base import FramesContext, Reduction, VisionContext
+from vlm_prune.methods.base import FramesContext, FramesPlan, Reduction, VisionContext, apportion
 
 
 @dataclass
@@ -42,6 +43,30 @@ class Item:
     frames: int
     grid: tuple[int, int] | None
     tail: int = 0
+
+
+@dataclass
+class Piece:
+    """Rows ``start .. start + length`` of an item's tokens that a vision method reduces on their own
+    (one frame) to ``n_keep`` tokens; ``grid`` and ``tower_attention`` as in ``VisionContext``."""
+
+    start: int
+    length: int
+    n_keep: int
+    grid: tuple[int, int] | None = None
+    tower_attention: Callable[[], tuple[torch.Tensor, ...]] | None = None
+
+
+def coords_grid(coords: torch.Tensor) -> tuple[int, int] | None:
+    """(rows, cols) when the (row, col) ``coords`` [K, 2] of a frame's tokens fill a grid in
+    row-major order (a resized frame map), else None."""
+    if coords.numel() == 0:
+        return None
+    rows, cols = int(coords[:, 0].max()) + 1, int(coords[:, 1].max()) + 1
+    if rows * cols != coords.shape[0]:
+        return None
+    k = torch.arange(rows * cols, device=coords.device)
+    return (rows, cols) if torch.equal(coords[:, 0] * cols + coords[:, 1], k) else None
 
 
 @dataclass
@@ -68,7 +93,6 @@ class Request:
 class HFVLMAdapter(Adapter):
     """Base of adapters for ``*ForConditionalGeneration`` VLMs with ``model.model.language_model``."""
 
-    stages: ClassVar[tuple[str, ...]] = ("vision", "llm")
     #: names of the feature functions on the inner model, by modality
     feature_functions: ClassVar[dict[str, str]] = {"image": "get_image_features"}
 
@@ -427,21 +451,32 @@ class HFVLMAdapter(Adapter):
         samples = self.sample_of_items(modality, [it.features.shape[0] for it in items])
         t0, c0 = time.perf_counter(), time.process_time()
         new_feats, keep_list, size_list, n_in, n_out, extra, merges = [], [], [], [], [], [], []
+        # a frames + vision pipeline: the frames stage's count per video, then the vision stage's record
+        mid: list[int] = []
+        vision_videos: list[dict[str, list[int]]] = []
+        vision_secs = vision_cpu = 0.0
         merged = False
         offset = 0
         for i, it in enumerate(items):
             body = it.features.shape[0] - it.tail
+            # seeded by the item's rank within its sample, so a batch equals its samples run alone
+            rank = samples[:i].count(samples[i])
+            gen = torch.Generator().manual_seed(self.state.seed * 1_000_003 + rank)
             with torch.no_grad():
                 if frames_m is not None:
                     plan = frames_m.allocate(self.frames_context(frames_m, it, i, samples[i]))
-                    self.frames_planned(modality, it, offset, plan)
-                    red = plan.reduction
                     extra.append({"tokens_per_frame": plan.tokens_per_frame, "kept_frames": plan.kept_frames,
                                   "frame_scores": None if plan.frame_scores is None else plan.frame_scores.tolist()})
+                    if vision_m is not None:
+                        v0, vc0 = time.perf_counter(), time.process_time()
+                        mid.append(int(plan.reduction.indices.numel()))
+                        plan, targets = self.vision_after_frames(vision_m, it, plan, samples[i], gen, i)
+                        vision_videos.append({"targets": targets, "tokens_per_frame": plan.tokens_per_frame})
+                        vision_secs += time.perf_counter() - v0
+                        vision_cpu += time.process_time() - vc0
+                    self.frames_planned(modality, it, offset, plan)
+                    red = plan.reduction
                 else:
-                    # seeded by the item's rank within its sample, so a batch equals its samples run alone
-                    rank = samples[:i].count(samples[i])
-                    gen = torch.Generator().manual_seed(self.state.seed * 1_000_003 + rank)
                     red = self.reduce_frames(vision_m, it, samples[i], gen, i)
             merges.append(red)
             merged = merged or red.merged_into is not None
@@ -461,12 +496,18 @@ class HFVLMAdapter(Adapter):
             request.pending.renumber = True  # the official code feeds the LLM the shorter sequence
         record = {"stage": "frames" if frames_m is not None else "vision",
                   "method": (frames_m or vision_m).name, "modality": modality,
-                  "tokens_in": n_in, "tokens_out": n_out, "seconds": secs, "cpu_seconds": cpu_secs}
+                  "tokens_in": n_in, "tokens_out": mid or n_out, "seconds": secs - vision_secs,
+                  "cpu_seconds": cpu_secs - vision_cpu}
         if extra:
             record["videos"] = extra
+        records = [record]
+        if mid:  # the vision stage of a frames + vision pipeline, on the frames the frames stage kept
+            records.append({"stage": "vision", "method": vision_m.name, "modality": modality, "tokens_in": mid,
+                            "tokens_out": n_out, "seconds": vision_secs, "cpu_seconds": vision_cpu,
+                            "videos": vision_videos})
         if merged:  # a merging method (VisionZip): each item's token -> its token's slot (Reduction.merged_into)
-            record["merged_into"] = [r.membership(n).tolist() for r, n in zip(merges, n_in)]
-        request.pending.records.append(record)
+            records[-1]["merged_into"] = [r.membership(n).tolist() for r, n in zip(merges, n_in)]
+        request.pending.records.extend(records)
         return self.rebuild(modality, out, new_feats)
 
     def not_visual_rows(self, it: "Item", index: int) -> torch.Tensor | None:
@@ -497,33 +538,91 @@ class HFVLMAdapter(Adapter):
         """Apply a vision method to each frame of an item whose rows are all visual tokens."""
         n = (it.features.shape[0] - it.tail) // it.frames
         tower_attention = self.request.tower_attention
+        pieces = [Piece(t * n, n, method.n_keep(n, 1), it.grid,
+                        (lambda i=index, t=t: tower_attention(i, t)) if tower_attention else None)
+                  for t in range(it.frames)]
+        return self.reduce_pieces(method, it.features[: it.frames * n], pieces, sample, gen, index)
+
+    def reduce_pieces(self, method: Any, features: torch.Tensor, pieces: list["Piece"], sample: int,
+                      gen: torch.Generator, index: int) -> Reduction:
+        """Apply a vision method to each piece (a frame) of ``features`` [K, D] on its own, with the
+        piece's count; one Reduction over the K rows (a piece with count 0 is dropped whole)."""
         text = self.text_embeds(sample).detach()
-        parts, frame_into, merged = [], [], False
-        for t in range(it.frames):
-            frame = it.features[t * n : (t + 1) * n]
-            ctx = VisionContext(
-                features=frame,
-                n_keep=method.n_keep(n, 1),
-                grid=it.grid,
-                text_embeds=text,
-                tower_attention=(lambda i=index, t=t: tower_attention(i, t)) if tower_attention else None,
-                generator=gen,
-                image_index=index,
-            )
-            red = method.reduce_image(ctx)
-            into = red.membership(n)
-            frame_into.append(torch.where(into >= 0, into + t * n, -1))
+        k = features.shape[0]
+        parts, merged = [], False
+        into_all = torch.full((k,), -1, dtype=torch.long, device=features.device)
+        for piece in pieces:
+            if piece.n_keep <= 0:
+                continue
+            rows = features[piece.start : piece.start + piece.length]
+            red = method.reduce_image(VisionContext(
+                features=rows, n_keep=piece.n_keep, grid=piece.grid, text_embeds=text,
+                tower_attention=piece.tower_attention, generator=gen, image_index=index,
+            ))
+            if len(pieces) == 1:
+                return red
+            into = red.membership(piece.length).to(into_all.device)
+            into_all[piece.start : piece.start + piece.length] = torch.where(into >= 0, into + piece.start, -1)
             merged = merged or red.merged_into is not None
-            parts.append(Reduction(red.indices + t * n, red.features, red.sizes))
-        if len(parts) == 1:
-            return red
+            parts.append(Reduction(red.indices + piece.start, red.features, red.sizes))
+        if not parts:
+            return Reduction(torch.zeros(0, dtype=torch.long, device=features.device))
         feats = None
         if any(p.features is not None for p in parts):
-            feats = torch.cat([p.features if p.features is not None else it.features[p.indices] for p in parts])
+            feats = torch.cat([p.features if p.features is not None else features[p.indices] for p in parts])
         sizes = None
         if any(p.sizes is not None for p in parts):
             sizes = torch.cat([p.sizes if p.sizes is not None else torch.ones(p.indices.numel()) for p in parts])
-        return Reduction(torch.cat([p.indices for p in parts]), feats, sizes, torch.cat(frame_into) if merged else None)
+        return Reduction(torch.cat([p.indices for p in parts]), feats, sizes, into_all if merged else None)
+
+    def vision_after_frames(self, method: Any, it: "Item", plan: FramesPlan, sample: int, gen: torch.Generator,
+                            index: int) -> tuple[FramesPlan, list[int]]:
+        """The vision stage of a frames + vision pipeline on one video: ``method`` reduces each frame
+        the frames stage kept, on its own. The stage's count is the pipeline rule's share of the
+        video's target (``Method.n_keep`` over the video's tokens: the target itself when it is the
+        last stage), shared over the kept frames in proportion to their tokens (:func:`apportion`).
+        Kept tokens stay at the slots the frames stage gave them. Returns the composed plan and the
+        count asked of each frame (0 for the frames the frames stage dropped)."""
+        n = (it.features.shape[0] - it.tail) // it.frames
+        first = plan.reduction
+        native = first.features is None  # whole frames (or a part of one) at their own slots
+        features = it.features[first.indices] if native else first.features
+        frames = [t for t, k in enumerate(plan.tokens_per_frame) if k > 0]
+        lengths = [plan.tokens_per_frame[t] for t in frames]
+        shares = apportion(method.n_keep(features.shape[0], 1, n_original=it.frames * n), lengths)
+        tower_attention = self.request.tower_attention
+        pieces, start = [], 0
+        for t, length, share in zip(frames, lengths, shares):
+            local = first.indices[start : start + length] - t * n if native else None
+            whole = native and length == n
+            if whole:
+                grid = it.grid
+            elif plan.token_coords is not None:
+                grid = coords_grid(plan.token_coords[start : start + length, 1:])
+            else:
+                grid = None
+            attention = None
+            if tower_attention is not None and native:
+                attention = ((lambda t=t: tower_attention(index, t)) if whole else
+                             (lambda t=t, local=local: tuple(x[local] for x in tower_attention(index, t)[:2])))
+            pieces.append(Piece(start, length, share, grid, attention))
+            start += length
+        second = self.reduce_pieces(method, features, pieces, sample, gen, index)
+        kept_rows = second.indices
+        per_frame = [0] * it.frames
+        bounds = torch.tensor([0, *itertools.accumulate(lengths)], device=kept_rows.device)
+        for j, t in enumerate(frames):
+            per_frame[t] = int(((kept_rows >= bounds[j]) & (kept_rows < bounds[j + 1])).sum())
+        targets = [0] * it.frames
+        for t, share in zip(frames, shares):
+            targets[t] = share
+        return FramesPlan(
+            reduction=first.then(second, it.frames * n),
+            kept_frames=[t for t in range(it.frames) if per_frame[t] > 0],
+            tokens_per_frame=per_frame,
+            frame_scores=plan.frame_scores,
+            token_coords=None if plan.token_coords is None else plan.token_coords[kept_rows.to(plan.token_coords.device)],
+        ), targets
 
     def frames_planned(self, modality: str, it: "Item", offset: int, plan: Any) -> None:
         """Hook after a frames plan for the item whose slots start at flat placeholder ``offset``

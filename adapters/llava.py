@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+from vlm_prune.adapters import FAMILY_STAGES
 from vlm_prune.adapters.clip_tower import CLIPTowerAdapter
 from vlm_prune.adapters.hf_vlm import scatter_reduction, source_of
 from vlm_prune.adapters.vision_towers import FeatureLayerTap
@@ -19,6 +20,7 @@ class LlavaAdapter(CLIPTowerAdapter):
     """
 
     family = "llava"
+    stages = FAMILY_STAGES[family]
     model_classes = ("LlavaForConditionalGeneration",)
     def placeholder_count(self, out: Any, item: Any) -> int:
         """An image fills the tower's feature tokens of placeholders, however many survive ToMe / AS-ViT."""

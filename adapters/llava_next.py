@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from vlm_prune.adapters import FAMILY_STAGES
 from vlm_prune.adapters.base import PerThread
 from vlm_prune.adapters.clip_tower import CLIPTowerAdapter
 from vlm_prune.adapters.hf_vlm import Item, source_of
@@ -40,6 +41,7 @@ from vlm_prune.methods.base import Reduction, VisionContext
 
 class LlavaNextAdapter(CLIPTowerAdapter):
     family = "llava_next"
+    stages = FAMILY_STAGES[family]
     model_classes = ("LlavaNextForConditionalGeneration",)
 
     #: the image_newline rows are not visual tokens (never counted, pruned or merged)

@@ -19,6 +19,7 @@ import torch
 
 from transformers.modeling_outputs import BaseModelOutputWithPooling
 
+from vlm_prune.adapters import FAMILY_STAGES
 from vlm_prune.adapters.base import PerThread
 from vlm_prune.adapters.hf_vlm import HFVLMAdapter, Item, fit_grid, source_of
 from vlm_prune.adapters.vision_towers import FeatureLayerTap, pool_grid
@@ -28,7 +29,7 @@ from vlm_prune.methods.base import FramesContext
 class LlavaOnevisionAdapter(HFVLMAdapter):
     family = "llava_onevision"
     model_classes = ("LlavaOnevisionForConditionalGeneration",)
-    stages: ClassVar[tuple[str, ...]] = ("frames", "vision", "llm")
+    stages: ClassVar[tuple[str, ...]] = FAMILY_STAGES[family]
     feature_functions: ClassVar[dict[str, str]] = {"image": "get_image_features", "video": "get_video_features"}
 
     #: the image / video newline tokens are not visual tokens: in-LLM methods never prune or merge

@@ -14,6 +14,7 @@ import torch
 
 from transformers.modeling_outputs import BaseModelOutputWithPooling
 
+from vlm_prune.adapters import FAMILY_STAGES
 from vlm_prune.adapters.hf_vlm import HFVLMAdapter, Item, fit_grid, source_of
 from vlm_prune.engine import LMSpec, PositionRewrite, default_positions
 from vlm_prune.methods.base import FramesContext
@@ -34,7 +35,7 @@ def _qwen_positions(position_ids, b, s, past, device, segs):
 class Qwen2VLAdapter(HFVLMAdapter):
     family = "qwen2_vl"
     model_classes = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration")
-    stages: ClassVar[tuple[str, ...]] = ("frames", "vision", "llm")
+    stages: ClassVar[tuple[str, ...]] = FAMILY_STAGES[family]
     feature_functions: ClassVar[dict[str, str]] = {"image": "get_image_features", "video": "get_video_features"}
 
     def lm_spec(self) -> LMSpec:
@@ -65,8 +66,7 @@ class Qwen2VLAdapter(HFVLMAdapter):
         flat = torch.nonzero(self.request.masks[modality])
         n_native = it.grid[0] * it.grid[1]
         coords = plan.token_coords.to(flat.device)
-        k = coords.shape[0]
-        rows = flat[offset : offset + k, 1]
+        rows = flat[offset + plan.reduction.indices.to(flat.device), 1]  # the slots the kept tokens fill
         frame_rows = flat[offset + coords[:, 0] * n_native, 1]
         self.request.pending.position_rewrites.append(
             PositionRewrite(int(flat[offset, 0]), rows, frame_rows, int(flat[offset, 1]), coords[:, 1:])

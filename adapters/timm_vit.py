@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from timm.layers import Attention
 from timm.models.vision_transformer import Block
 
+from vlm_prune.adapters import FAMILY_STAGES
 from vlm_prune.adapters.base import Adapter, PerThread
 from vlm_prune.vit_blocks import AttentionResult, ViTRun, weighted_softmax
 
@@ -89,7 +90,7 @@ class TimmViTAdapter(Adapter):
 
     family = "timm_vit"
     model_classes = ("VisionTransformer",)
-    stages = ("vit",)
+    stages = FAMILY_STAGES[family]
     #: the calling thread's latest forward pass through the blocks
     run: ViTRun | None = PerThread()
 

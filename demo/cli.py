@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import socket
 
-from vlm_prune.cli import UsageError, checkpoint, positive_int
+from vlm_prune.cli import UsageError, checkpoint, hub_model_problem, positive_int
 
 DESCRIPTION = """\
 Launch the Gradio demo in the browser: upload an image or a video, ask a question, and compare
@@ -39,6 +39,9 @@ def check_port(host: str, port: int) -> None:
 
 def run(args: argparse.Namespace) -> int:
     check_port(args.host, args.port)
+    problem = next(filter(None, map(hub_model_problem, args.model)), None)
+    if problem:
+        raise UsageError(problem)
     try:
         from vlm_prune.demo.app import build_app, launch, make_sessions
     except ModuleNotFoundError as err:

@@ -1,14 +1,18 @@
 """``python -m vlm_prune.eval`` (and ``accelerate launch -m vlm_prune.eval``): the eval command."""
-import argparse
 import sys
 
+from vlm_prune.cli import Parser, UsageError, one_line
 from vlm_prune.eval.cli import configure, run
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m vlm_prune.eval", description=__doc__)
+    parser = Parser(prog="python -m vlm_prune.eval", description=__doc__)
     configure(parser)
-    return run(parser.parse_args(argv))
+    try:
+        return run(parser.parse_args(argv))
+    except UsageError as err:  # one line and exit code 2, as `vlm-prune eval`
+        print(f"{parser.prog}: error: {one_line(str(err))}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -40,7 +40,7 @@ from vlm_prune.eval.synthetic.scenes import COLOURS, Sample
 
 import vlm_prune
 from vlm_prune.api import is_wrapped
-from vlm_prune.cli import fit_terminal, fresh_output, method_list, plain_doc
+from vlm_prune.cli import UsageError, cannot_load, fit_terminal, fresh_output
 from vlm_prune.registry import method_class
 
 IMAGE_KEEPS = (0.5, 0.25, 0.11, 0.05)
@@ -154,12 +154,9 @@ def plan(model: torch.nn.Module, processor: Any, keeps: tuple[float, ...], only:
         if only is not None and name not in only:
             continue
         cls = method_class(name)
-        if cls.stage not in adapter.stages:
-            skipped.append({"method": name, "reason": f"{cls.stage}-stage method; the {adapter.family} adapter "
-                                                      f"offers {', '.join(adapter.stages)}"})
-            continue
-        if cls.supported is not None and adapter.family not in cls.supported:
-            skipped.append({"method": name, "reason": f"supports {', '.join(cls.supported)} models only"})
+        refusal = cls.refusal(adapter.family, adapter.stages)
+        if refusal:
+            skipped.append({"method": name, "reason": refusal})
             continue
         try:
             make, note = single(name)
@@ -420,14 +417,14 @@ def targets(args: argparse.Namespace) -> Iterator[tuple[str, int, torch.nn.Modul
     totals = {k: args.limit or (QUICK_SAMPLES if quick else SAMPLES)[k] for k in ("image", "video")}
     if args.model is None:
         if args.device != "cpu":
-            raise SystemExit("the shipped synthetic models run on CPU; --device cuda applies to --model and --speed")
+            raise UsageError("the shipped synthetic models run on CPU; --device cuda applies to --model and --speed")
         for kind in args.kinds:
             seeds = shipped_seeds(kind)[: args.seeds or (1 if quick else None)]
             if not seeds:
-                raise SystemExit(f"no shipped {kind} model; train one with `python -m vlm_prune.eval.synthetic.train --kind {kind}`")
+                raise UsageError(f"no shipped {kind} model; train one with `python -m vlm_prune.eval.synthetic.train --kind {kind}`")
             seeds, families = seeds_and_families(kind, seeds)
             if not families:
-                raise SystemExit(f"the shipped {kind} seeds {seeds} share no task family they answer better than chance")
+                raise UsageError(f"the shipped {kind} seeds {seeds} share no task family they answer better than chance")
             samples = make_dataset(kind, "test", per_seed(totals[kind], seeds), qtypes=families)
             for seed in seeds:
                 model, processor = load(kind, seed)
@@ -437,9 +434,15 @@ def targets(args: argparse.Namespace) -> Iterator[tuple[str, int, torch.nn.Modul
     from vlm_prune.adapters import find_adapter
 
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
-    model = AutoModelForImageTextToText.from_pretrained(args.model, dtype=dtype).to(args.device).eval()
-    processor = AutoProcessor.from_pretrained(args.model)
-    kind = "video" if "frames" in find_adapter(model).stages else "image"
+    try:
+        processor = AutoProcessor.from_pretrained(args.model)
+        model = AutoModelForImageTextToText.from_pretrained(args.model, dtype=dtype).to(args.device).eval()
+    except (OSError, ValueError) as err:  # not found, not downloadable, not an image-text-to-text model
+        raise UsageError(cannot_load(args.model, err)) from None
+    try:
+        kind = "video" if "frames" in find_adapter(model).stages else "image"
+    except TypeError as err:
+        raise UsageError(f"--model {args.model}: {err}") from None
     samples = render_for(make_dataset(kind, "test", totals[kind]), processor_size(processor), with_options=True)
     yield args.model, 0, model, processor, samples, keeps[kind]
 
@@ -572,6 +575,8 @@ def run(args: argparse.Namespace) -> int:
         fresh_output(args.out, ["serve.json"], args.overwrite)
         return bench_serve.run(args)
     fresh_output(args.out, ["speed.json" if args.speed else "bench.json"], args.overwrite)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device cuda: no CUDA device is visible to torch; use --device cpu")
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.speed:
@@ -602,67 +607,3 @@ def run_and_write(mode: str, args: argparse.Namespace, parts: Iterable[tuple[lis
     print(fit_terminal(table, where=paths["markdown"]))
     print("wrote " + ", ".join(paths.values()))
     return 0
-
-
-def _keeps(text: str) -> tuple[float, ...]:
-    try:
-        values = tuple(float(v) for v in text.split(",") if v.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated fractions like 0.5,0.25, got {text!r}") from None
-    if not values or any(not 0 < v <= 1 for v in values):
-        raise argparse.ArgumentTypeError(f"keep fractions must lie in (0, 1], got {text!r}")
-    return values
-
-
-def _kinds(text: str) -> tuple[str, ...]:
-    kinds = tuple(k.strip() for k in text.split(",") if k.strip())
-    if not kinds or set(kinds) - {"image", "video"}:
-        raise argparse.ArgumentTypeError(f"expected image, video or image,video, got {text!r}")
-    return kinds
-
-
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}")
-    return value
-
-
-def add_parser(subparsers: Any) -> None:
-    p = subparsers.add_parser(
-        "bench", help="every method on the shipped synthetic models: accuracy, kept tokens, prefill time",
-        description=plain_doc(__doc__), formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    p.add_argument("--quick", action="store_true",
-                   help="a smoke run: the first seed only, fewer samples (96 image / 48 video) and keep ratios "
-                        "(0.25, 0.05 / 0.25); a row per method, no spread over seeds")
-    p.add_argument("--limit", type=_positive, default=None,
-                   help="test samples per model kind, split over the shipped seeds (default 900; --quick 96 image / 48 video)")
-    p.add_argument("--kinds", type=_kinds, default=("image", "video"), help="shipped model kinds to bench (default image,video)")
-    p.add_argument("--seeds", type=_positive, default=None, help="bench only the first N shipped training seeds (default all; --quick 1)")
-    p.add_argument("--keep", type=_keeps, default=None, help="keep ratios for every model, e.g. 0.5,0.25")
-    p.add_argument("--methods", type=method_list, default=None,
-                   help="comma-separated method names to run (default: all registered)")
-    p.add_argument("--model", default=None, metavar="PATH_OR_HUB_ID",
-                   help="bench a supported checkpoint with its own processor instead of the shipped models")
-    p.add_argument("--out", default="runs/bench", help="output folder (default runs/bench)")
-    p.add_argument("--overwrite", action="store_true", help="replace the results of an earlier run in --out")
-    p.add_argument("--batch-size", type=_positive, default=32)
-    p.add_argument("--repeats", type=_positive, default=3, help="prefill timings per batch, the median counts (default 3)")
-    p.add_argument("--time-batches", type=_positive, default=1, help="batches timed per setting (default 1)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the sampling methods (random; default 0)")
-    p.add_argument("--threads", type=_positive, default=None,
-                   help="torch CPU threads (default: torch's choice); 1 gives stable timings on a shared machine")
-    s = p.add_argument_group("--speed: time-to-first-token on random models of real shapes")
-    s.add_argument("--speed", action="store_true", help="time LLaVA-1.5-7B / OneVision-7B shapes instead")
-    s.add_argument("--serve", action="store_true",
-                   help="vLLM serving throughput with / without pruning (vLLM environment, docs/vllm.md; --limit = requests)")
-    s.add_argument("--scale", type=_positive, default=8,
-                   help="divide hidden sizes, heads and layers by S (default 8; 1 = the real 7B shapes)")
-    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
-                   help="cpu (float32) or cuda (bfloat16) for --model and --speed; the shipped models run on CPU")
-    s.add_argument("--frames", type=_positive, default=32, help="video frames of the OneVision shape (default 32)")
-    s.add_argument("--speed-keeps", type=_keeps, default=(0.25, 0.11), help="keep ratios timed (default 0.25,0.11)")
-    s.add_argument("--shapes", default="image,video,image-deep",
-                   help="model shapes timed: image, video, image-deep (default all three)")
-    p.set_defaults(func=run)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from vlm_prune.cli import UsageError, checkpoint, hub_model_problem, positive_float, positive_int
 from vlm_prune.eval.datasets import LOADERS
 
 
@@ -26,9 +27,22 @@ def _floats(text: str) -> list[float]:
 
 def _ints(text: str) -> list[int]:
     try:
-        return [int(v) for v in text.split(",") if v.strip()]
+        values = [int(v) for v in text.split(",") if v.strip()]
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated token counts like 4096,2048, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected comma-separated token counts >= 1 like 4096,2048, got {text!r}")
+    return values
+
+
+def _workers(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 0, got {text!r}")
+    return value
 
 
 def _frames(text: str) -> int | str:
@@ -44,7 +58,7 @@ def _frames(text: str) -> int | str:
 
 
 def configure(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True, help="hub id or local folder of a supported HF VLM")
+    p.add_argument("--model", required=True, type=checkpoint, help="hub id or local folder of a supported HF VLM")
     p.add_argument("--data", required=True, help="dataset folder (or file, for --dataset jsonl/image)")
     p.add_argument("--dataset", required=True, choices=sorted(LOADERS), help="layout of --data")
     p.add_argument("--method", default="none",
@@ -52,19 +66,19 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--keep", type=_floats, default=[], help="kept fractions to sweep, e.g. 1.0,0.5,0.25,0.11")
     p.add_argument("--budget", type=_ints, default=[], help="visual tokens kept per image/frame, to sweep")
     p.add_argument("--frames", type=_frames, default=32, help="frames per video, or 'quota' (default 32)")
-    p.add_argument("--limit", type=int, default=None,
+    p.add_argument("--limit", type=positive_int, default=None,
                    help="evaluate N questions spread evenly over the dataset (every task represented)")
     p.add_argument("--split", default=None, help="split where the layout has several (nextqa: val or test)")
     p.add_argument("--skip-missing", action="store_true",
                    help="evaluate the questions whose media exist; the others are counted as skipped")
-    p.add_argument("--max-new-tokens", type=int, default=16)
+    p.add_argument("--max-new-tokens", type=positive_int, default=16)
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="auto: bfloat16 on CUDA, float32 on CPU")
     p.add_argument("--device-map", default=None, help="e.g. auto: spread one large model over the GPUs")
     p.add_argument("--attn-implementation", default=None, help="sdpa, eager or flash_attention_2")
     p.add_argument("--seed", type=int, default=0, help="seed of sampling methods (random)")
-    p.add_argument("--decode-timeout", type=float, default=300.0, help="seconds allowed to decode one video")
-    p.add_argument("--decode-workers", type=int, default=2,
+    p.add_argument("--decode-timeout", type=positive_float, default=300.0, help="seconds allowed to decode one video")
+    p.add_argument("--decode-workers", type=_workers, default=2,
                    help="threads decoding the next videos while the model runs (0: decode in turn; default 2)")
     p.add_argument("--subtitles", default="without", choices=["without", "with", "both"],
                    help="Video-MME: prompt with the subtitles at the sampled frames ('w/ subs'), or both scores")
@@ -80,7 +94,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from vlm_prune.eval.runner import EvalConfig, run_eval
+    problem = hub_model_problem(args.model)
+    if problem:
+        raise UsageError(problem)
+    from vlm_prune.eval.datasets import DatasetLayoutError
+    from vlm_prune.eval.runner import EvalConfig, EvalConfigError, run_eval
 
     cfg = EvalConfig(
         model=args.model, data=args.data, dataset=args.dataset, out=args.out,
@@ -91,7 +109,10 @@ def run(args: argparse.Namespace) -> int:
         decode_timeout=args.decode_timeout, decode_workers=args.decode_workers,
         subtitles=args.subtitles,
     )
-    rows = run_eval(cfg)
+    try:
+        rows = run_eval(cfg)
+    except (EvalConfigError, DatasetLayoutError) as err:  # the user's: a flag, a path, a method, the model
+        raise UsageError(str(err)) from None
     if rows is None:  # not rank 0: rank 0 reports
         return 0
     for row in rows:

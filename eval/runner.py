@@ -26,6 +26,7 @@ from tqdm.auto import tqdm
 from transformers import LogitsProcessor, LogitsProcessorList
 
 import vlm_prune
+from vlm_prune.cli import cannot_load
 from vlm_prune.eval import leaderboard, metrics, sharding
 from vlm_prune.eval.answers import format_prompt, prompt_style, score
 from vlm_prune.eval.datasets import (NO_SUBTITLES, Sample, missing_media_error, read_samples, read_srt,
@@ -276,6 +277,11 @@ class Prefetcher:
 SUBTITLES = ("without", "with", "both")
 
 
+class EvalConfigError(ValueError):
+    """A mistake in the configuration or its inputs (a flag, a method, the model), found before any
+    question runs; the message says what to change. ``vlm-prune eval`` prints it as one line."""
+
+
 @dataclass
 class EvalConfig:
     """Everything one ``vlm-prune eval`` invocation needs; see ``vlm_prune.eval.cli``.
@@ -339,17 +345,17 @@ def settings(cfg: EvalConfig) -> list[Setting]:
             out.append(Setting("none"))
             continue
         if not cfg.keeps and not cfg.budgets:
-            raise ValueError(f"method {method!r} needs --keep (fractions) or --budget (tokens per image/frame)")
+            raise EvalConfigError(f"method {method!r} needs --keep (fractions) or --budget (tokens per image/frame)")
         plan = [Setting(method, keep=k) for k in cfg.keeps] + [Setting(method, budget=b) for b in cfg.budgets]
         try:
             build_pipeline(method.split("+"), keep=plan[0].keep, budget=plan[0].budget)
         except (ValueError, TypeError) as err:
-            raise ValueError(f"--method {method!r}: {err}") from None
+            raise EvalConfigError(f"--method {method!r}: {err}") from None
         out += plan
     if cfg.subtitles not in SUBTITLES:
-        raise ValueError(f"subtitles must be one of {', '.join(SUBTITLES)}, got {cfg.subtitles!r}")
+        raise EvalConfigError(f"subtitles must be one of {', '.join(SUBTITLES)}, got {cfg.subtitles!r}")
     if cfg.subtitles != "without" and cfg.dataset != "videomme":
-        raise ValueError(f"--subtitles {cfg.subtitles} applies to --dataset videomme only, not {cfg.dataset}")
+        raise EvalConfigError(f"--subtitles {cfg.subtitles} applies to --dataset videomme only, not {cfg.dataset}")
     with_subs = [replace(st, subtitles=True) for st in out]
     return {"without": out, "with": with_subs, "both": [x for pair in zip(out, with_subs) for x in pair]}[cfg.subtitles]
 
@@ -360,8 +366,45 @@ def spread(samples: list[Sample], limit: int | None) -> list[Sample]:
     if limit is None or limit >= len(samples):
         return samples
     if limit < 1:
-        raise ValueError(f"--limit must be at least 1, got {limit}")
+        raise EvalConfigError(f"--limit must be at least 1, got {limit}")
     return [samples[i] for i in np.unique(np.round(np.linspace(0, len(samples) - 1, limit)).astype(np.int64))]
+
+
+def check_family(cfg: EvalConfig, plan: list[Setting]) -> None:
+    """Before the model loads: its class (config.json ``architectures``) has an adapter, and every
+    method of the plan runs on that family (``Method.refusal``, the rule wrap() applies)."""
+    from transformers import AutoConfig
+
+    from vlm_prune.adapters import FAMILY_STAGES, family_of, supported_model_classes
+    from vlm_prune.registry import method_class
+
+    try:
+        architectures = AutoConfig.from_pretrained(cfg.model).architectures or []
+    except (OSError, ValueError) as err:
+        raise EvalConfigError(cannot_load(cfg.model, err)) from None
+    family = next(filter(None, map(family_of, architectures)), None)
+    if family is None:
+        raise EvalConfigError(f"--model {cfg.model} is a {', '.join(architectures) or 'model of no stated class'}; "
+                              f"vlm_prune supports {', '.join(supported_model_classes())}")
+    for setting in plan:
+        for name in setting.method.split("+") if setting.method != "none" else []:
+            refusal = method_class(name).refusal(family, FAMILY_STAGES[family])
+            if refusal:
+                raise EvalConfigError(f"--method {setting.method}: {refusal}")
+
+
+def check_settings(model: torch.nn.Module, plan: list[Setting], processor: Any, seed: int = 0) -> None:
+    """wrap() and unwrap the model with every setting once, so that a method the model cannot run
+    (an unsupported model class, a stage its family lacks) stops the run before any question."""
+    for setting in plan:
+        if setting.method == "none":
+            continue
+        try:
+            vlm_prune.wrap(model, setting.method.split("+"), keep=setting.keep, budget=setting.budget,
+                           processor=processor, seed=seed)
+        except (ValueError, TypeError) as err:
+            raise EvalConfigError(f"--method {setting.method}: {err}") from None
+        vlm_prune.unwrap(model)
 
 
 def load_model(cfg: EvalConfig, dist: sharding.Dist) -> tuple[torch.nn.Module, Any]:
@@ -378,8 +421,11 @@ def load_model(cfg: EvalConfig, dist: sharding.Dist) -> tuple[torch.nn.Module, A
         kwargs["device_map"] = cfg.device_map
     if cfg.attn_implementation:
         kwargs["attn_implementation"] = cfg.attn_implementation
-    processor = AutoProcessor.from_pretrained(cfg.model)
-    model = AutoModelForImageTextToText.from_pretrained(cfg.model, **kwargs)
+    try:
+        processor = AutoProcessor.from_pretrained(cfg.model)
+        model = AutoModelForImageTextToText.from_pretrained(cfg.model, **kwargs)
+    except (OSError, ValueError) as err:  # not found, not downloadable, not an image-text-to-text model
+        raise EvalConfigError(cannot_load(cfg.model, err)) from None
     if not cfg.device_map:
         model.to(torch.device(f"cuda:{dist.local_rank}") if cuda else torch.device("cpu"))
     return model.eval(), processor
@@ -394,7 +440,7 @@ def _check_run_dir(run_dir: str, identity: dict[str, Any], dist: sharding.Dist) 
             old = json.load(f)
         if old != identity:
             diff = sorted(k for k in set(old) | set(identity) if old.get(k) != identity.get(k))
-            raise ValueError(
+            raise EvalConfigError(
                 f"{run_dir} holds results of a different configuration (differs in {', '.join(diff)}); "
                 "use another --out folder or delete that one"
             )
@@ -575,9 +621,11 @@ def run_eval(
         tqdm.write(f"skipping {len(missing)} of {len(questions)} questions whose media is missing "
                    f"(--skip-missing), first: {missing[0][1]}")
     if model is None:
+        check_family(cfg, plan)
         model, processor = load_model(cfg, dist)
     if processor is None:
         raise ValueError("run_eval needs the model's processor when a model object is given")
+    check_settings(model, plan, processor, cfg.seed)
     run_dirs = {}
     for setting in plan:
         run_dirs[setting.name] = os.path.join(cfg.out, setting.name)

@@ -53,6 +53,7 @@ from vlm_prune.eval.bench import (
 )
 
 import vlm_prune
+from vlm_prune.cli import UsageError
 
 LLAVA_VISION = {"hidden_size": 1024, "intermediate_size": 4096, "num_hidden_layers": 24, "num_attention_heads": 16,
                 "image_size": 336, "patch_size": 14}
@@ -335,11 +336,9 @@ def markdown(rows: list[dict[str, Any]], skipped: list[dict[str, Any]]) -> str:
 
 def run(args: argparse.Namespace) -> int:
     """The --speed mode of ``vlm-prune bench``."""
-    if args.device == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("--device cuda: no CUDA device is visible to torch; use --device cpu")
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     kinds = [k for k in args.shapes.split(",") if k]
     unknown = [k for k in kinds if k not in KINDS]
     if unknown:
-        raise SystemExit(f"--shapes: unknown shape(s) {', '.join(unknown)}; choose from {', '.join(KINDS)}")
+        raise UsageError(f"--shapes: unknown shape(s) {', '.join(unknown)}; choose from {', '.join(KINDS)}")
     return run_and_write("speed", args, (run_kind(kind, args, dtype) for kind in kinds), markdown, plot=False)

@@ -169,3 +169,186 @@ def test_fit_terminal_drops_wide_columns_and_says_where_they_are():
     assert rows[0].startswith("| model") and "synthetic-image" in rows[2]
     assert any(ln.startswith("(") and ln.endswith("more columns in bench.md)") for ln in fitted)
     assert cli.fit_terminal("| a | b |\n|---|---|", width=80) == "| a | b |\n|---|---|"
+
+
+# ---- every subcommand: --help stays light, mistakes are one line and exit code 2 -------------------
+@pytest.mark.parametrize("command", list(cli.SUBCOMMANDS))
+def test_every_subcommand_help_imports_neither_torch_nor_transformers(command):
+    code = ("import sys, time, contextlib, io\n"
+            "t = time.process_time()\n"
+            "from vlm_prune.cli import main\n"
+            "with contextlib.redirect_stdout(io.StringIO()) as out:\n"
+            "    try: main([sys.argv[1], '--help'])\n"
+            "    except SystemExit: pass\n"
+            "heavy = [m for m in ('torch', 'transformers') if m in sys.modules]\n"
+            "print(time.process_time() - t, ','.join(heavy) or '-', len(out.getvalue()))\n")
+    proc = subprocess.run([sys.executable, "-c", code, command], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    cpu_seconds, heavy, help_chars = proc.stdout.split()
+    assert heavy == "-", f"`vlm-prune {command} --help` imported {heavy}"
+    assert int(help_chars) > 200 and f"usage: vlm-prune {command}" in subprocess.run(
+        [sys.executable, "-c", code.replace("io.StringIO()) as out", "sys.stderr) as out").replace(
+            "len(out.getvalue())", "0"), command], capture_output=True, text=True, timeout=120).stderr
+    assert float(cpu_seconds) < 1.5, f"`vlm-prune {command} --help` took {cpu_seconds} CPU-seconds"
+
+
+def test_a_real_eval_process_without_data_is_one_line_and_exit_code_2(tmp_path):
+    """`vlm-prune eval` and `python -m vlm_prune.eval` alike."""
+    model = str(Path(__file__).resolve().parents[1] / "eval" / "synthetic" / "models" / "image")
+    args = ["eval", "--model", model, "--dataset", "jsonl", "--out", str(tmp_path)]
+    for argv, prog in (([sys.executable, "-m", "vlm_prune.cli", *args], "vlm-prune eval"),
+                       ([sys.executable, "-m", "vlm_prune.eval", *args[1:], "--data", str(tmp_path / "none")],
+                        "python -m vlm_prune.eval")):
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+        lines = proc.stderr.strip().splitlines()
+        assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith(f"{prog}: error: "), proc.stderr
+    assert "required: --data" in subprocess.run([sys.executable, "-m", "vlm_prune.cli", *args], capture_output=True,
+                                                text=True, timeout=120).stderr
+
+
+@pytest.fixture
+def offline_hub(monkeypatch):
+    """The Hugging Face hub as on a machine without it: nothing cached, HF_HUB_OFFLINE set."""
+    import huggingface_hub
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+
+
+SYNTHETIC = Path(__file__).resolve().parents[1] / "eval" / "synthetic" / "models"
+
+
+def test_eval_error_paths(capsys, tmp_path, offline_hub):
+    model = str(SYNTHETIC / "image")
+    base = ["eval", "--model", model, "--out", str(tmp_path / "out")]
+    videos = tmp_path / "videos"
+    videos.mkdir()
+    (videos / "q.jsonl").write_text(json.dumps({"video": "gone.mp4", "question": "what colour?",
+                                                "options": ["red", "blue"], "answer": "A"}) + "\n")
+    data = ["--data", str(videos), "--dataset", "jsonl"]
+    assert_usage_error(["eval", "--model", model, "--dataset", "jsonl", "--out", "o"], capsys, "required: --data")
+    assert_usage_error([*base, *data, "--method", "pactt", "--keep", "0.5"], capsys, "--method 'pactt'",
+                       "Did you mean 'pact'?")
+    assert_usage_error([*base, *data, "--method", "random"], capsys, "method 'random' needs --keep")
+    assert_usage_error([*base, "--data", str(tmp_path / "nowhere"), "--dataset", "jsonl"], capsys,
+                       f"--data {tmp_path / 'nowhere'} does not exist")
+    assert_usage_error([*base, *data], capsys, "1 of 1 samples have missing media", "--skip-missing")
+    assert_usage_error([*base, *data, "--keep", "1.5"], capsys, "--keep", "(0, 1]")
+    assert_usage_error([*base, *data, "--budget", "0"], capsys, "--budget")
+    assert_usage_error([*base, *data, "--limit", "0"], capsys, "--limit", ">= 1")
+    assert_usage_error([*base, *data, "--frames", "x"], capsys, "--frames")
+    assert_usage_error([*base, *data, "--dataset", "nope"], capsys, "--dataset", "invalid choice")
+    assert_usage_error(["eval", "--model", "./no-such-model", *data, "--out", "o"], capsys, "--model",
+                       "does not exist")
+    assert_usage_error(["eval", "--model", "not/a-model", *data, "--out", "o"], capsys, "--model not/a-model",
+                       "not in the local Hugging Face cache", "HF_HUB_OFFLINE")
+    assert not (tmp_path / "out").exists()
+
+
+def test_eval_refuses_a_method_the_model_cannot_run_before_any_question(capsys, tmp_path):
+    """A frames method on the LLaVA (image) model: wrap()'s refusal, one line, before answering."""
+    images = tmp_path / "images"
+    images.mkdir()
+    (images / "q.jsonl").write_text(json.dumps({"image": str(EXAMPLES / "synthetic_colour_0.png"),
+                                                "question": "what colour?", "answer": "red"}) + "\n")
+    line = assert_usage_error(["eval", "--model", str(SYNTHETIC / "image"), "--data", str(images), "--dataset",
+                               "image", "--method", "uniform", "--keep", "0.5", "--out", str(tmp_path / "out")],
+                              capsys, "--method uniform", "'frames' stage, which the llava adapter does not offer")
+    assert "offers: vision, vit, llm" in line
+    assert not list((tmp_path / "out").rglob("results.jsonl"))
+
+
+def test_bench_error_paths(capsys, tmp_path, offline_hub):
+    out = ["--out", str(tmp_path / "b")]
+    assert_usage_error(["bench", "--model", "not/a-model", *out], capsys, "--model not/a-model",
+                       "not in the local Hugging Face cache")
+    assert_usage_error(["bench", "--model", "./no-such-model", *out], capsys, "--model", "does not exist")
+    assert_usage_error(["bench", "--limit", "0", *out], capsys, "--limit", ">= 1, got '0'")
+    assert_usage_error(["bench", "--keep", "2", *out], capsys, "--keep", "(0, 1]")
+    assert_usage_error(["bench", "--kinds", "audio", *out], capsys, "--kinds")
+    assert_usage_error(["bench", "--device", "tpu", *out], capsys, "--device", "invalid choice")
+    import torch
+
+    if not torch.cuda.is_available():
+        assert_usage_error(["bench", "--device", "cuda", *out], capsys, "--device cuda", "--device cpu")
+    assert_usage_error(["bench", "--speed", "--shapes", "image,cube", *out], capsys, "--shapes", "cube")
+
+
+def test_serve_error_paths_come_before_vllm(capsys, tmp_path):
+    """vLLM is not needed to find these: the checkpoint, the method and the budget are checked first."""
+    model = str(SYNTHETIC / "image")
+    assert_usage_error(["serve", str(tmp_path / "none"), "--method", "divprune", "--keep", "0.5"], capsys,
+                       "config.json not found", "local checkpoint folder")
+    assert_usage_error(["serve", model, "--method", "pactt", "--keep", "0.5"], capsys, "unknown method 'pactt'",
+                       "Did you mean 'pact'?")
+    assert_usage_error(["serve", model, "--method", "pact", "--keep", "0.5"], capsys, "inside the language model",
+                       "vision-stage method")
+    assert_usage_error(["serve", model, "--method", "divprune"], capsys, "--keep --budget is required")
+    assert_usage_error(["serve", model, "--method", "divprune", "--keep", "2"], capsys, "--keep", "(0, 1]")
+    assert_usage_error(["serve", model, "--method", "divprune", "--budget", "0"], capsys, "--budget")
+    assert_usage_error(["serve", model, "--method", "divprune", "--keep", "0.5", "--vllm", "'--port"], capsys,
+                       "--vllm", "No closing quotation")
+    bert = tmp_path / "bert"
+    bert.mkdir()
+    (bert / "config.json").write_text(json.dumps({"architectures": ["BertModel"], "model_type": "bert"}))
+    assert_usage_error(["serve", str(bert), "--method", "divprune", "--keep", "0.5"], capsys, "BertModel")
+
+
+def test_demo_refuses_an_unreachable_hub_model_before_loading(capsys, monkeypatch, offline_hub):
+    pytest.importorskip("gradio")
+    from vlm_prune.demo import app
+
+    monkeypatch.setattr(app, "make_sessions", lambda *a, **k: pytest.fail("models loaded before the checks"))
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    assert_usage_error(["demo", "--model", "not/a-model", "--port", str(port)], capsys, "--model not/a-model",
+                       "not in the local Hugging Face cache")
+
+
+def test_methods_error_path(capsys):
+    assert_usage_error(["methods", "--all"], capsys, "unrecognized arguments: --all")
+
+
+# ---- `vlm-prune methods`: the models column is what wrap() accepts ---------------------------------
+def _tiny_family_models() -> dict:
+    import tiny_models as T
+    from timm.models.vision_transformer import VisionTransformer
+
+    return {"llava": T.tiny_llava(tower_layers=4), "llava_next": T.tiny_llava_next(tower_layers=4),
+            "llava_onevision": T.tiny_onevision(), "qwen2_vl": T.tiny_qwen2_vl(),
+            "timm_vit": VisionTransformer(img_size=32, patch_size=4, embed_dim=32, depth=12, num_heads=2).eval()}
+
+
+def test_methods_lists_the_model_families_wrap_accepts(capsys):
+    import torch
+
+    import vlm_prune
+    from vlm_prune.adapters import FAMILY_STAGES
+    from vlm_prune.frames.quota import QuoTA
+    from vlm_prune.registry import available_methods
+
+    pytest.importorskip("timm")
+    rc, out, _ = run_cli(["methods"], capsys)
+    assert rc == 0
+    lines = out.splitlines()
+    listed = {}
+    for name in available_methods():
+        at = next(i for i, ln in enumerate(lines) if ln.startswith(f"{name} "))
+        models = next(ln for ln in lines[at + 1:] if ln.strip().startswith("models: "))
+        listed[name] = {m.split(" (")[0] for m in models.split("models: ")[1].split(", ")}
+    assert "all supported models" not in out
+    models = _tiny_family_models()
+    assert set(models) == set(FAMILY_STAGES)
+    for name in available_methods():
+        for family, model in models.items():
+            spec = QuoTA(scorer=lambda pixels, prompt: torch.ones(pixels.shape[0])) if name == "quota" else name
+            try:
+                vlm_prune.wrap(model, spec, keep=0.5)
+            except ValueError as err:
+                assert family not in listed[name], f"`vlm-prune methods` lists {name} on {family}, wrap() refuses: {err}"
+                assert "does not offer" in str(err) or "supports" in str(err), err
+            else:
+                vlm_prune.unwrap(model)
+                assert family in listed[name], f"wrap() accepts {name} on {family}, `vlm-prune methods` omits it"
+    assert listed["visionzip"] == {"llava", "llava_onevision"} and "(video only" in out
+    assert listed["uniform"] == {"llava_onevision", "qwen2_vl"} and listed["tome"] == {"llava", "llava_next", "timm_vit"}

@@ -29,12 +29,13 @@ def _llama(**kw):
     return LlamaConfig(**base)
 
 
-def tiny_llava(attn: str = "sdpa", seed: int = 0):
+def tiny_llava(attn: str = "sdpa", seed: int = 0, tower_layers: int = 2):
+    """tower_layers: CLIP layers (the feature layer is the second to last: ViT-stage methods need 3)."""
     from transformers import CLIPVisionConfig, LlavaConfig, LlavaForConditionalGeneration
 
     torch.manual_seed(seed)
     cfg = LlavaConfig(
-        vision_config=CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        vision_config=CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=tower_layers,
                                        num_attention_heads=2, image_size=32, patch_size=8),
         text_config=_llama(),
         image_token_id=IMAGE_TOKEN,
@@ -83,12 +84,13 @@ def _finish(model, attn):
     return model.eval()
 
 
-def tiny_llava_next(attn: str = "sdpa", seed: int = 0):
+def tiny_llava_next(attn: str = "sdpa", seed: int = 0, tower_layers: int = 2):
+    """tower_layers: as for :func:`tiny_llava`."""
     from transformers import CLIPVisionConfig, LlavaNextConfig, LlavaNextForConditionalGeneration
 
     torch.manual_seed(seed)
     cfg = LlavaNextConfig(
-        vision_config=CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        vision_config=CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=tower_layers,
                                        num_attention_heads=2, image_size=32, patch_size=8),
         text_config=_llama(),
         image_token_id=IMAGE_TOKEN,

@@ -97,6 +97,13 @@ def build_pipeline(
     for i, m in enumerate(ordered, start=1):
         m._share = (i, len(ordered))
         m.configure_budget(keep, budget)
+    frames_m, vision_m = by_stage.get("frames"), by_stage.get("vision")
+    if getattr(frames_m, "resizes_frames", False) and getattr(vision_m, "needs_tower_attention", False):
+        raise ValueError(
+            f"{vision_m.name!r} reads the vision tower's attention to each token, which the frames "
+            f"{frames_m.name!r} resizes away; after {frames_m.name!r} use random, pool, divprune or cdpruner, "
+            f"or put {vision_m.name!r} after uniform or keyscore"
+        )
     if "vision" in by_stage and "vit" in by_stage:
         raise ValueError(
             f"methods {by_stage['vit'].name!r} (inside the ViT) and {by_stage['vision'].name!r} "
@@ -127,7 +134,8 @@ def wrap(
         budget: the same as a count per image (per video for frames methods). Give exactly one
             of keep / budget unless the method has its own defaults (fastv, pact, adaptinfer).
             In a pipeline it is the final count: stage i of m keeps an even share of the
-            reduction and the last stage lands on it. A target the model cannot reach (e.g.
+            reduction and the last stage lands on it (per video when the pipeline has a frames
+            method: its vision stage shares the count over the frames the frames stage kept). A target the model cannot reach (e.g.
             ToMe's half per block) is warned once (``BudgetWarning``) with the reachable value.
         frames, tokens: the frames-stage and token-stage methods, as an alternative spelling of
             ``method=[frames, tokens]``.

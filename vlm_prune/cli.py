@@ -8,8 +8,10 @@ mistake by raising :class:`UsageError`: one line on stderr, exit code 2, no trac
 from __future__ import annotations
 
 import argparse
+import ast
 import difflib
 import importlib
+import importlib.util
 import os
 import re
 import shutil
@@ -19,7 +21,7 @@ from typing import Any, NoReturn
 # name -> (module providing add_parser(subparsers), one-line help)
 SUBCOMMANDS = {
     "methods": ("vlm_prune.cli_methods", "list the pruning methods: name, stage, what each does, paper"),
-    "bench": ("vlm_prune.eval.bench", "every method on the shipped synthetic models: accuracy, tokens, FLOPs, time"),
+    "bench": ("vlm_prune.eval.bench_cli", "every method on the shipped synthetic models: accuracy, tokens, FLOPs, time"),
     "eval": ("vlm_prune.eval.cli", "evaluate a model and pruning methods on a video / image QA dataset"),
     "keyframes": ("vlm_prune.frames.cli", "choose keyframes of videos with KeyScore + STACFP (or uniformly)"),
     "demo": ("vlm_prune.demo.cli", "launch the Gradio demo: what a method prunes, and what it saves"),
@@ -87,11 +89,61 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.func(args) or 0)
     except UsageError as err:
-        print(f"vlm-prune {args.command}: error: {err}", file=sys.stderr)
+        print(f"vlm-prune {args.command}: error: {one_line(str(err))}", file=sys.stderr)
         return 2
     except BrokenPipeError:  # `vlm-prune methods | head`: the reader left, nothing is wrong
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
+
+
+def one_line(text: str) -> str:
+    """``text`` on one line: its lines joined, runs of spaces collapsed."""
+    return " ".join(text.split())
+
+
+def cannot_load(model: str, err: BaseException) -> str:
+    """The one-line usage error for a ``--model`` that ``from_pretrained`` could not load."""
+    why = one_line(str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__)
+    return (f"--model {model}: cannot load it ({why}); give a local checkpoint folder (save_pretrained output) or "
+            "a Hugging Face hub id that is in the local cache or downloadable from here")
+
+
+def hub_model_problem(model: str) -> str | None:
+    """Why ``--model`` ``model``, a hub id, cannot be loaded here - not in the local cache and the hub
+    unreachable (offline), no such repository, gated - or None (a local folder, cached, or available).
+    Asks the hub once, without the download retries, before anything heavy is imported."""
+    if os.path.isdir(os.path.expanduser(model)):
+        return None
+    try:
+        import huggingface_hub as hub
+        from huggingface_hub.utils import GatedRepoError, RepositoryNotFoundError
+
+        if isinstance(hub.try_to_load_from_cache(model, "config.json"), str):
+            return None
+    except Exception:  # noqa: BLE001 - no hub client, or an id it cannot parse: from_pretrained will say
+        return None
+    fix = "check the id, or give a local checkpoint folder (save_pretrained output)"
+    if hub.constants.HF_HUB_OFFLINE:
+        return f"--model {model} is not in the local Hugging Face cache and HF_HUB_OFFLINE is set; {fix}"
+    try:
+        hub.HfApi().model_info(model, timeout=10)
+    except GatedRepoError:
+        return f"--model {model} is a gated repository: accept its terms on huggingface.co and log in (hf auth login)"
+    except RepositoryNotFoundError:
+        return f"--model {model}: no such model on the Hugging Face hub (private ones need hf auth login); {fix}"
+    except Exception as err:  # noqa: BLE001 - no network, DNS, proxy, timeout
+        why = one_line(str(err)) or type(err).__name__
+        return f"--model {model} is not in the local Hugging Face cache and the hub is not reachable ({why}); {fix}"
+    return None
+
+
+def module_doc(module: str) -> str:
+    """The docstring of ``module``, read without importing it (so that ``--help`` stays light)."""
+    spec = importlib.util.find_spec(module)
+    if spec is None or not spec.origin:
+        return ""
+    with open(spec.origin, encoding="utf-8") as fh:
+        return ast.get_docstring(ast.parse(fh.read())) or ""
 
 
 # ---- shared argument helpers ---------------------------------------------------------------
@@ -138,6 +190,14 @@ def positive_int(text: str) -> int:
 def positive_float(text: str) -> float:
     """argparse type of a number > 0."""
     return _positive(text, float, "a number > 0")
+
+
+def fraction(text: str) -> float:
+    """argparse type of a fraction in (0, 1] (``--keep``)."""
+    value = _positive(text, float, "a fraction in (0, 1]")
+    if value > 1:
+        raise argparse.ArgumentTypeError(f"expected a fraction in (0, 1], got {text!r}")
+    return value
 
 
 def checkpoint(text: str) -> str:

@@ -35,7 +35,8 @@ def summary(name: str) -> str:
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("methods", description=(
         "List the registered pruning methods: name, stage (frames / vision / vit / llm), what each does in "
-        "one line, and its paper. Use the names with vlm_prune.wrap(model, NAME, keep=...) or --methods."))
+        "one line, its paper, its knobs and the model families wrap() accepts it on (the families are "
+        "vlm_prune.adapters.FAMILY_STAGES). Use the names with vlm_prune.wrap(model, NAME, keep=...) or --methods."))
     p.set_defaults(func=run)
 
 
@@ -46,8 +47,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"{m['name']:11s} {m['stage']:7s} {summary(m['name'])}")
         print(f"{'':19s} {m['paper']}")
         knobs = ", ".join(f"{k}={v!r}" for k, v in m["knobs"].items())
-        models = ", ".join(m["supported"]) if m["supported"] else "all supported models"
-        print(f"{'':19s} knobs: {knobs or '(none)'}; models: {models}")
+        models = ", ".join(f"{f} ({m['family_notes'][f]})" if f in m["family_notes"] else f for f in m["supported"])
+        print(f"{'':19s} knobs: {knobs or '(none)'}")
+        print(f"{'':19s} models: {models}")
         if m.get("budget_note"):
             print(f"{'':19s} budget: {m['budget_note']}")
     return 0

@@ -44,16 +44,26 @@ def method_knobs(name: str) -> dict[str, Any]:
     }
 
 
+def method_families(name: str) -> list[str]:
+    """The adapter families whose models wrap() accepts method ``name`` on (``Method.refusal``
+    against each family's stages), in ``vlm_prune.adapters.FAMILY_STAGES`` order."""
+    from vlm_prune.adapters import FAMILY_STAGES
+
+    cls = method_class(name)
+    return [family for family, stages in FAMILY_STAGES.items() if cls.refusal(family, stages) is None]
+
+
 def describe_methods() -> list[dict[str, Any]]:
-    """One plain dict per registered method: name, stage, paper, supported model families (None:
-    all), whether it runs without keep / budget (its own defaults), its knobs with defaults, and
+    """One plain dict per registered method: name, stage, paper, ``supported``: the model families
+    wrap() accepts it on (:func:`method_families`) and ``family_notes`` (limits within a family),
+    whether it runs without keep / budget (its own defaults), its knobs with defaults, and
     ``budget_note``: how keep / budget relate to the paper's own target, where they differ."""
     out = []
     for name in available_methods():
         cls = method_class(name)
         out.append({
             "name": name, "stage": cls.stage, "paper": cls.paper,
-            "supported": list(cls.supported) if cls.supported is not None else None,
+            "supported": method_families(name), "family_notes": dict(cls.family_notes),
             "own_defaults": bool(cls.own_schedule), "knobs": method_knobs(name),
             "budget_note": getattr(cls, "budget_note", None),
         })

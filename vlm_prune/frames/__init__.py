@@ -1,21 +1,32 @@
 """Frames stage: which frames of a video to keep, and how many tokens each.
 
-Importing registers the frames-stage methods "quota" (QuoTA), "keyscore" (KeyScore + STACFP)
-and "uniform"; :func:`select_frames` chooses keyframes outside any model.
+The frames-stage methods "quota" (QuoTA), "keyscore" (KeyScore + STACFP) and "uniform" register
+when their modules are imported (the registry does that); :func:`select_frames` chooses keyframes
+outside any model. The names below are imported on first use, so that ``vlm-prune keyframes --help``
+(this package's ``cli``) does not import torch.
 """
-from vlm_prune.frames.keyscore import HFImageTextEncoder, KeyScore, load_encoder
-from vlm_prune.frames.quota import QuoTA
-from vlm_prune.frames.scorers import vlm_scorer
-from vlm_prune.frames.select import FrameSelection, select_frames
-from vlm_prune.frames.uniform import Uniform
+from __future__ import annotations
 
-__all__ = [
-    "FrameSelection",
-    "HFImageTextEncoder",
-    "KeyScore",
-    "QuoTA",
-    "vlm_scorer",
-    "Uniform",
-    "load_encoder",
-    "select_frames",
-]
+from typing import Any
+
+from vlm_prune import lazy_attribute
+
+_EXPORTS = {
+    "FrameSelection": "vlm_prune.frames.select",
+    "HFImageTextEncoder": "vlm_prune.frames.keyscore",
+    "KeyScore": "vlm_prune.frames.keyscore",
+    "QuoTA": "vlm_prune.frames.quota",
+    "vlm_scorer": "vlm_prune.frames.scorers",
+    "Uniform": "vlm_prune.frames.uniform",
+    "load_encoder": "vlm_prune.frames.keyscore",
+    "select_frames": "vlm_prune.frames.select",
+}
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    return lazy_attribute(__name__, _EXPORTS, name)
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_EXPORTS])

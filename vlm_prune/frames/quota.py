@@ -411,6 +411,7 @@ class QuoTA(FramesMethod):
 
     name = "quota"
     paper = "QuoTA, arXiv 2503.08689"
+    resizes_frames = True
 
     def __init__(
         self,

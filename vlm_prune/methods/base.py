@@ -80,12 +80,60 @@ class Reduction:
         out[self.indices] = self.indices
         return out
 
+    def then(self, after: "Reduction", n: int) -> "Reduction":
+        """This reduction of N = ``n`` rows followed by ``after``, a reduction of this one's kept rows:
+        one Reduction of the N rows. Each row ``after`` keeps stays at this reduction's slot for it;
+        merged sizes and ``merged_into`` compose (a row's size sums the sizes folded into it)."""
+        rows = self.indices
+        kept = rows[after.indices.to(rows.device)]
+        features = after.features
+        if features is None and self.features is not None:
+            features = self.features[after.indices.to(self.features.device)]
+        sizes = after.sizes
+        if self.sizes is not None:
+            own = self.sizes.float()
+            if after.merged_into is not None:
+                into = after.merged_into.to(own.device)
+                folded = torch.zeros_like(own).index_add_(0, into[into >= 0], own[into >= 0])
+                sizes = folded[after.indices.to(own.device)]
+            else:
+                sizes = own[after.indices.to(own.device)] * (1 if after.sizes is None else after.sizes.float())
+        merged_into = None
+        if self.merged_into is not None or after.merged_into is not None:
+            inner = after.membership(rows.numel()).to(rows.device)
+            slot_of = torch.where(inner >= 0, rows[inner.clamp(min=0)], -1)  # this reduction's kept row -> final slot
+            first = self.membership(n).to(rows.device)
+            position = torch.full((n,), -1, dtype=torch.long, device=rows.device)
+            position[rows] = torch.arange(rows.numel(), device=rows.device)
+            via = position[first.clamp(min=0)]
+            merged_into = torch.where(first >= 0, slot_of[via.clamp(min=0)], -1)
+        return Reduction(kept, features, sizes, merged_into)
+
     @staticmethod
     def top_k(scores: torch.Tensor, k: int) -> "Reduction":
         """Keep the k highest scores (ties broken by lower index), returned in index order."""
         k = max(0, min(int(k), scores.numel()))
         idx = torch.topk(scores.float(), k, sorted=False).indices
         return Reduction(torch.sort(idx).values)
+
+
+def apportion(total: int, sizes: list[int]) -> list[int]:
+    """``total`` kept tokens shared over parts of ``sizes`` tokens in proportion to their sizes
+    (largest remainder, ties to the earlier part): the shares sum to min(total, sum(sizes)), none
+    exceeds its size, and every part keeps at least one when ``total`` allows."""
+    total = max(0, min(int(total), sum(sizes)))
+    floor_one = total >= len(sizes)
+    base = [1 if floor_one else 0 for _ in sizes]
+    room = [s - b for s, b in zip(sizes, base)]
+    rest, capacity = total - sum(base), sum(room)
+    if rest <= 0 or capacity <= 0:
+        return base
+    exact = [rest * r / capacity for r in room]
+    shares = [math.floor(x) for x in exact]
+    order = sorted(range(len(sizes)), key=lambda i: (-(exact[i] - shares[i]), i))
+    for i in order[: rest - sum(shares)]:
+        shares[i] += 1
+    return [b + s for b, s in zip(base, shares)]
 
 
 @dataclass
@@ -215,6 +263,9 @@ class Method:
     paper: ClassVar[str] = ""
     #: model families (adapter names) the method supports; None means all.
     supported: ClassVar[tuple[str, ...] | None] = None
+    #: family -> what the method runs on within it, where that is less than the family's models
+    #: (listed by ``vlm-prune methods``), e.g. {"llava_onevision": "video only"}
+    family_notes: ClassVar[dict[str, str]] = {}
     #: True when the method sets its own budget schedule (keep / budget then optional).
     own_schedule: ClassVar[bool] = False
 
@@ -271,13 +322,21 @@ class Method:
         wrap() emits it once as a :class:`BudgetWarning` and keeps it in ``last_stats``."""
         return None
 
+    @classmethod
+    def refusal(cls, family: str, stages: tuple[str, ...]) -> str | None:
+        """Why wrap() refuses this method on every model of adapter ``family`` (whose adapter runs
+        ``stages``), or None: the one rule behind wrap()'s check and the models column of
+        ``vlm-prune methods`` (:func:`vlm_prune.registry.method_families`)."""
+        if cls.stage not in stages:
+            return (f"method {cls.name!r} works in the {cls.stage!r} stage, which the {family} adapter does not "
+                    f"offer; it offers: {', '.join(stages)}")
+        if cls.supported is not None and family not in cls.supported:
+            return f"method '{cls.name}' supports {', '.join(cls.supported)} models; this model is handled by the '{family}' adapter"
+        return None
+
     def check_model(self, adapter: Any) -> None:
-        """Raise ValueError at wrap time when the model does not meet the method's needs."""
-        if self.supported is not None and adapter.family not in self.supported:
-            raise ValueError(
-                f"method '{self.name}' supports {', '.join(self.supported)} models; "
-                f"this model is handled by the '{adapter.family}' adapter"
-            )
+        """Raise ValueError at wrap time when this model does not meet the method's further needs
+        (its family has passed :meth:`refusal` already: ``Adapter.check_methods``)."""
 
     def describe(self) -> dict[str, Any]:
         """The configuration as plain values (for stats, results files and plots)."""
@@ -330,6 +389,8 @@ class FramesMethod(Method):
     """A method that chooses frames and their token budgets for a video (frames stage)."""
 
     stage: ClassVar[str] = "frames"
+    #: True when kept frames come back resized (new features without a tower row of their own)
+    resizes_frames: ClassVar[bool] = False
 
     def allocate(self, ctx: FramesContext) -> FramesPlan:  # pragma: no cover - abstract
         raise NotImplementedError
@@ -339,6 +400,8 @@ class VisionMethod(Method):
     """A method that reduces the tokens of each image independently (vision stage)."""
 
     stage: ClassVar[str] = "vision"
+    #: True when it reads the vision tower's attention to each token (VisionContext.tower_attention)
+    needs_tower_attention: ClassVar[bool] = False
 
     def reduce_image(self, ctx: VisionContext) -> Reduction:  # pragma: no cover - abstract
         raise NotImplementedError

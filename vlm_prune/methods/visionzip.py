@@ -162,6 +162,8 @@ class VisionZip(VisionMethod):
 
     name = "visionzip"
     supported = ("llava", "llava_onevision")  # adapters that tap the tower feature layer (OneVision: video frames)
+    needs_tower_attention = True
+    family_notes = {"llava_onevision": "video only: its anyres image tiles have no per-token tower row"}
     paper = "VisionZip, Yang et al., CVPR 2025 (dvlab-research/VisionZip)"
 
     def __init__(self, dominant_ratio: float = 54 / 64, variant: str = "official", positions: str | None = None,

@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from vlm_prune.methods.base import Method
+if TYPE_CHECKING:  # (annotations only: `vlm-prune serve --help` stays free of torch)
+    from vlm_prune.methods.base import Method
 
 #: model class of the checkpoint -> the plugin's class that serves it pruned
 ARCHITECTURES = {

@@ -20,7 +20,7 @@ SERVER = "vllm.entrypoints.openai.api_server"
 
 
 def add_parser(sub: Any) -> None:
-    from vlm_prune.cli import positive_float, positive_int
+    from vlm_prune.cli import fraction, positive_int
 
     p = sub.add_parser("serve", help="serve a VLM with vLLM's OpenAI-compatible server, pruned",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -28,7 +28,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--method", required=True, help="vision-stage method: random, pool, divprune, cdpruner, visionzip; "
                    "on video models also the frames methods uniform, keyscore (QuoTA: per request, docs/vllm.md)")
     group = p.add_mutually_exclusive_group(required=True)
-    group.add_argument("--keep", type=positive_float, help="fraction of each image's visual tokens kept, in (0, 1]")
+    group.add_argument("--keep", type=fraction, help="fraction of each image's visual tokens kept, in (0, 1]")
     group.add_argument("--budget", type=positive_int, help="visual tokens kept per image")
     p.add_argument("--seed", type=int, default=0, help="seed of methods that sample (random)")
     p.add_argument("--dry-run", action="store_true", help="print the vllm serve command instead of running it")
@@ -53,7 +53,10 @@ def serve_argv(model: str, method: str, *, keep: float | None = None, budget: in
 def run(args: argparse.Namespace) -> int:
     from vlm_prune.cli import UsageError
 
-    extra = shlex.split(args.vllm)
+    try:
+        extra = shlex.split(args.vllm)
+    except ValueError as err:  # an unclosed quote
+        raise UsageError(f"--vllm {args.vllm!r}: {err}; pass vLLM's options as one quoted string") from None
     try:
         argv = serve_argv(args.model, args.method, keep=args.keep, budget=args.budget, seed=args.seed, extra=extra)
     except (ValueError, FileNotFoundError) as err:
