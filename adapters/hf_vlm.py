@@ -158,6 +158,8 @@ class HFVLMAdapter(Adapter):
         self._patch_loss()
         if "vision" in self.state.methods:
             self.tap = self.make_tap()
+            if self.tap is not None:
+                self.patches.track(self.tap.handle)
         for modality, fname in self.feature_functions.items():
             self._patch_features(modality, fname)
 
