@@ -30,7 +30,7 @@ import torch
 from vlm_prune.adapters.base import Adapter, ContextSlot
 from vlm_prune.adapters.vision_towers import FeatureLayerTap, pool_grid
 from vlm_prune.engine import LMSpec, Pending, PrunedDecoder
-from vlm_prune.methods.base import FramesContext, Reduction, VisionContext
+from vlm_prune.methods.base import FramesContext, Reduction, VisionContext, item_generator
 
 
 @dataclass
@@ -443,7 +443,7 @@ class HFVLMAdapter(Adapter):
                 else:
                     # seeded by the item's rank within its sample, so a batch equals its samples run alone
                     rank = samples[:i].count(samples[i])
-                    gen = torch.Generator().manual_seed(self.state.seed * 1_000_003 + rank)
+                    gen = item_generator(self.state.seed, rank)
                     red = self.reduce_frames(vision_m, it, samples[i], gen, i)
             merges.append(red)
             merged = merged or red.merged_into is not None

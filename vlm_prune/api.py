@@ -9,7 +9,7 @@ from typing import Any, Sequence
 
 import torch
 
-from vlm_prune.methods.base import STAGES, BudgetWarning, Method, validate_budget
+from vlm_prune.methods.base import STAGES, BudgetWarning, Method, validate_budget, validate_seed
 from vlm_prune.registry import make_method
 
 
@@ -143,7 +143,7 @@ def wrap(
         )
     find_adapter(model)
     methods = build_pipeline(method, frames=frames, tokens=tokens, keep=keep, budget=budget)
-    return _attach(model, WrapState(adapter=None, methods=methods, processor=processor, seed=seed))
+    return _attach(model, WrapState(adapter=None, methods=methods, processor=processor, seed=validate_seed(seed)))
 
 
 def _attach(model: torch.nn.Module, state: WrapState) -> torch.nn.Module:
