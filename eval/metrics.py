@@ -167,6 +167,9 @@ def summarize(records: list[dict[str, Any]], dataset: str = "generic") -> dict[s
             {"id": r["id"], "status": status(r), "why": r.get("reason") or r.get("error")}
             for r in (lost["skipped"] + lost["failed"])[:10]
         ],
+        # answered on a truncated video (scored on the frames that decode): counted like the lost ones
+        "truncated": sum(bool(r.get("truncated")) for r in ok),
+        "truncated_examples": [{"id": r["id"], **r["truncated"]} for r in ok if r.get("truncated")][:10],
         "official_name": name,
         "official": official(ok) if ok else math.nan,
         "correct": sum(bool(r["correct"]) for r in ok),
@@ -197,4 +200,6 @@ def counts_line(row: dict[str, Any]) -> str:
         if row.get(kind):
             why = ", ".join(f"{k} {v}" for k, v in row["not_evaluated"][kind].items())
             parts.append(f"{kind} {row[kind]}: {why}")
+    if row.get("truncated"):
+        parts.append(f"{row['truncated']} of the evaluated on truncated videos (scored on the frames that decode)")
     return f"evaluated {row['evaluated']} of {row['n']}" + (f" ({'; '.join(parts)})" if parts else "")

@@ -177,6 +177,8 @@ class Visuals:
     decode_s: float = 0.0
     warnings: list[str] = field(default_factory=list)
     times: np.ndarray | None = None  # seconds of each video frame (None for images)
+    #: a truncated video file: {"listed": frames it lists, "decoded": frames that decode}
+    truncated: dict[str, int] | None = None
 
 
 def load_visuals(sample: Sample, frames: int | str, decode_timeout: float | None = None) -> Visuals:
@@ -198,6 +200,9 @@ def load_visuals(sample: Sample, frames: int | str, decode_timeout: float | None
     else:
         out = decode(sample.media[0], num_frames=frames, timeout=decode_timeout, bound=sample.clip)
         items, notes, times = [out.frames], out.warnings, out.times
+        if out.truncated:
+            cut = {"listed": out.n_frames, "decoded": out.decoded}
+            return Visuals(items, time.perf_counter() - start, notes, times, cut)
     return Visuals(items, time.perf_counter() - start, notes, times)
 
 
@@ -302,6 +307,8 @@ class EvalConfig:
     decode_timeout: float | None = 300.0
     decode_workers: int = 2
     subtitles: str = "without"
+    #: minutes a rank waits for the others at the final sync (several processes; sharding.barrier)
+    sync_timeout_min: float = sharding.SYNC_TIMEOUT_MIN
 
     def __post_init__(self) -> None:  # paths may come as pathlib.Path
         self.model, self.data, self.out = os.fspath(self.model), os.fspath(self.data), os.fspath(self.out)
@@ -416,6 +423,8 @@ def _answered(sample: Sample, gen: Generation, visuals: Visuals, first_use: bool
                 "peak_memory_bytes": metrics.peak_memory_bytes(device)})
     if visuals.warnings:
         rec["warnings"] = visuals.warnings
+    if visuals.truncated:  # scored on the frames that decode; the summary counts these
+        rec["truncated"] = visuals.truncated
     return rec
 
 
@@ -532,10 +541,12 @@ def _subtitles(sample: Sample, visuals: Visuals) -> str:
     return subtitles_at(read_srt(sample.subtitles), visuals.times)
 
 
-def merge_setting(run_dir: str, questions: list[Sample], skipped: dict[str, str], dataset: str) -> dict[str, Any]:
+def merge_setting(run_dir: str, questions: list[Sample], skipped: dict[str, str], dataset: str,
+                  timeout_min: float | None = sharding.SYNC_TIMEOUT_MIN) -> dict[str, Any]:
     """Rank 0: every question's record in dataset order (answered, failed, or skipped with its
     reason) into results.jsonl, and the setting's summary into summary.json."""
-    records = sharding.wait_for(run_dir, [s.id for s in questions if s.id not in skipped], log=tqdm.write)
+    records = sharding.wait_for(run_dir, [s.id for s in questions if s.id not in skipped], log=tqdm.write,
+                                timeout_min=timeout_min)
     merged = [skipped_record(s, skipped[s.id]) if s.id in skipped else records[s.id] for s in questions]
     sharding.write_merged(run_dir, merged)
     summary = metrics.summarize(merged, dataset)
@@ -558,6 +569,9 @@ def run_eval(
     from vlm_prune.eval.plots import write_sweep
 
     dist = sharding.current()
+    if cfg.sync_timeout_min <= 0:
+        raise ValueError(f"sync_timeout_min (--sync-timeout) must be > 0 minutes, got {cfg.sync_timeout_min}")
+    sharding.exit_with_launcher(dist)
     plan = settings(cfg)
     questions = spread(read_samples(cfg.dataset, cfg.data, split=cfg.split), cfg.limit)
     present, missing = split_missing(questions)
@@ -579,10 +593,11 @@ def run_eval(
                     "seed": cfg.seed, "prompt": prompt_style(cfg.dataset), **asdict(setting)}
         _check_run_dir(run_dirs[setting.name], identity, dist)
     evaluate_samples(model, processor, plan, present, run_dirs, cfg, dist)
-    sharding.barrier(dist)
+    sharding.barrier(dist, cfg.sync_timeout_min)
     if not dist.is_main:
         return None
-    rows = [{"name": st.name, **asdict(st), **merge_setting(run_dirs[st.name], questions, skipped, cfg.dataset)}
+    rows = [{"name": st.name, **asdict(st), **merge_setting(run_dirs[st.name], questions, skipped, cfg.dataset,
+                                                    cfg.sync_timeout_min)}
             for st in plan]
     write_sweep(rows, cfg.out, title=f"{cfg.model} on {cfg.dataset}")
     return rows
