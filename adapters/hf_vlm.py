@@ -424,6 +424,7 @@ class HFVLMAdapter(Adapter):
             return out
         items = self.items(modality, out)
         request = self.request
+        self._check_placeholders(modality, out)
         request.out = out
         request.tower_attention = self.tower_attention_fn(out, modality)
         samples = self.sample_of_items(modality, [it.features.shape[0] for it in items])
@@ -470,6 +471,23 @@ class HFVLMAdapter(Adapter):
             record["merged_into"] = [r.membership(n).tolist() for r, n in zip(merges, n_in)]
         request.pending.records.append(record)
         return self.rebuild(modality, out, new_feats)
+
+    def _check_placeholders(self, modality: str, out: Any) -> None:
+        """Refuse, as transformers does, inputs whose placeholder tokens do not match the encoded images /
+        videos, before a method runs on them (it would fail on the mismatch with a bare shape error)."""
+        mask = self.request.masks.get(modality)
+        if mask is None:
+            return
+        rows = [self.placeholder_count(out, p) for p in out.pooler_output]
+        tokens = int(mask.sum())
+        if tokens != sum(rows):
+            name = "Image" if modality == "image" else "Video"
+            raise ValueError(
+                f"{name} features and {modality} tokens do not match, tokens: {tokens}, features: {sum(rows)} rows "
+                f"({len(rows)} {modality}{'s' if len(rows) != 1 else ''} of {', '.join(map(str, rows))} tokens): the input "
+                f"has {tokens} {modality} placeholder tokens; build it with the model's processor, which gives each "
+                f"{modality} exactly its placeholders"
+            )
 
     def not_visual_rows(self, it: "Item", index: int) -> torch.Tensor | None:
         """[N] bool: the rows of item ``index`` that are not visual tokens (the ``image_newline`` rows

@@ -312,6 +312,34 @@ def test_deepcopy_of_a_pruned_cache_speaks_for_itself():
     vlm_prune.unwrap(model)
 
 
+@pytest.mark.parametrize("method", ["divprune", "random", "visionzip"])
+@pytest.mark.parametrize("placeholders, images", [(32, 1), (16, 2), (20, 1)])
+def test_placeholders_that_do_not_match_the_images_get_transformers_message(method, placeholders, images):
+    """Issue 27: inputs whose image placeholders do not match the images raised a bare "shape mismatch
+    [16] vs [32]" from inside a vision-stage method; now transformers' own wording, with the counts and
+    the fix, before the method runs (and the unwrapped model's ValueError type)."""
+    model = T.tiny_llava()
+    g = torch.Generator().manual_seed(0)
+    ids = torch.tensor([[1, 5] + [T.IMAGE_TOKEN] * placeholders + [6]])
+    inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids),
+              "pixel_values": torch.randn(images, 3, 32, 32, generator=g)}
+    with pytest.raises(ValueError, match=f"Image features and image tokens do not match, tokens: {placeholders}"):
+        with torch.no_grad():
+            model(**inputs)  # the unwrapped model says so too
+    vlm_prune.wrap(model, method, keep=0.5)
+    try:
+        with pytest.raises(ValueError) as err, torch.no_grad():
+            model(**inputs)
+        assert str(err.value).startswith(
+            f"Image features and image tokens do not match, tokens: {placeholders}, features: {16 * images} rows")
+        assert "build it with the model's processor" in str(err.value)
+        good = T.llava_inputs()
+        with torch.no_grad():
+            model(**good)  # the model serves on
+    finally:
+        vlm_prune.unwrap(model)
+
+
 def test_adjacent_image_placeholders_count_as_two_images():
     """<image><image>: budget= is per image, counted from the encoder's own images."""
     model = T.tiny_llava()

@@ -162,7 +162,7 @@ def _validated(text: str, arch: str | None, field: str) -> str:
         raise SpecError(f"{field}.method", reason)
     try:
         method_of({k: v for k, v in out.items() if k != "quota"})
-    except (ValueError, TypeError) as err:  # the method's own checks (a knob's range, the stage)
+    except (ValueError, TypeError, ImportError) as err:  # its own checks (a knob's range, the stage, packages)
         raise SpecError(field, str(err)) from None
     return json.dumps(out, sort_keys=True)
 
