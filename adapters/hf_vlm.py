@@ -31,7 +31,7 @@ import torch
 from vlm_prune.adapters.base import Adapter, ContextSlot
 from vlm_prune.adapters.vision_towers import FeatureLayerTap, pool_grid
 from vlm_prune.engine import LMSpec, Pending, PrunedDecoder
-from vlm_prune.methods.base import FramesContext, FramesPlan, Reduction, VisionContext, apportion
+from vlm_prune.methods.base import FramesContext, FramesPlan, Reduction, VisionContext, apportion, item_generator
 
 
 @dataclass
@@ -182,6 +182,8 @@ class HFVLMAdapter(Adapter):
         self._patch_loss()
         if "vision" in self.state.methods:
             self.tap = self.make_tap()
+            if self.tap is not None:
+                self.patches.track(self.tap.handle)
         for modality, fname in self.feature_functions.items():
             self._patch_features(modality, fname)
 
@@ -446,6 +448,7 @@ class HFVLMAdapter(Adapter):
             return out
         items = self.items(modality, out)
         request = self.request
+        self._check_placeholders(modality, out)
         request.out = out
         request.tower_attention = self.tower_attention_fn(out, modality)
         samples = self.sample_of_items(modality, [it.features.shape[0] for it in items])
@@ -461,7 +464,7 @@ class HFVLMAdapter(Adapter):
             body = it.features.shape[0] - it.tail
             # seeded by the item's rank within its sample, so a batch equals its samples run alone
             rank = samples[:i].count(samples[i])
-            gen = torch.Generator().manual_seed(self.state.seed * 1_000_003 + rank)
+            gen = item_generator(self.state.seed, rank)
             with torch.no_grad():
                 if frames_m is not None:
                     plan = frames_m.allocate(self.frames_context(frames_m, it, i, samples[i]))
@@ -509,6 +512,23 @@ class HFVLMAdapter(Adapter):
             records[-1]["merged_into"] = [r.membership(n).tolist() for r, n in zip(merges, n_in)]
         request.pending.records.extend(records)
         return self.rebuild(modality, out, new_feats)
+
+    def _check_placeholders(self, modality: str, out: Any) -> None:
+        """Refuse, as transformers does, inputs whose placeholder tokens do not match the encoded images /
+        videos, before a method runs on them (it would fail on the mismatch with a bare shape error)."""
+        mask = self.request.masks.get(modality)
+        if mask is None:
+            return
+        rows = [self.placeholder_count(out, p) for p in out.pooler_output]
+        tokens = int(mask.sum())
+        if tokens != sum(rows):
+            name = "Image" if modality == "image" else "Video"
+            raise ValueError(
+                f"{name} features and {modality} tokens do not match, tokens: {tokens}, features: {sum(rows)} rows "
+                f"({len(rows)} {modality}{'s' if len(rows) != 1 else ''} of {', '.join(map(str, rows))} tokens): the input "
+                f"has {tokens} {modality} placeholder tokens; build it with the model's processor, which gives each "
+                f"{modality} exactly its placeholders"
+            )
 
     def not_visual_rows(self, it: "Item", index: int) -> torch.Tensor | None:
         """[N] bool: the rows of item ``index`` that are not visual tokens (the ``image_newline`` rows

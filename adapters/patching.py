@@ -1,6 +1,7 @@
 """Instance patching that unwrap can undo exactly (accelerate hooks included)."""
 from __future__ import annotations
 
+import copy
 from typing import Any, Callable
 
 _MISSING = object()
@@ -16,6 +17,40 @@ class Patcher:
 
     def __init__(self) -> None:
         self._saved: list[tuple[Any, str, Any]] = []
+        #: hooks registered on the model's modules (torch RemovableHandle), removed by restore()
+        self._hooks: list[Any] = []
+
+    def track(self, handle: Any) -> Any:
+        """Record a hook handle (``module.register_forward_pre_hook(...)``) as part of the patch."""
+        self._hooks.append(handle)
+        return handle
+
+    def installed(self) -> list[Any]:
+        """Every value the patch put on the model: patched attributes and registered hooks
+        (what ``copy.deepcopy`` of a wrapped model leaves out of the copy)."""
+        values = [vars(obj)[name] for obj, name, _ in self._saved if name in vars(obj)]
+        for handle in self._hooks:
+            hooks = handle.hooks_dict_ref()
+            if hooks is not None and handle.id in hooks:
+                values.append(hooks[handle.id])
+        return values
+
+    def restore_copy(self, memo: dict[int, Any], cut: Any) -> None:
+        """On a deep copy made with ``memo`` in which every :meth:`installed` value became ``cut``:
+        put back what the originals held before the patch (copied) and drop the copied hooks."""
+        for obj, name, old in reversed(self._saved):
+            clone = memo.get(id(obj))
+            if clone is None or vars(clone).get(name, None) is not cut:
+                continue
+            if old is _MISSING:
+                delattr(clone, name)
+            else:
+                setattr(clone, name, copy.deepcopy(old, memo))
+        for handle in self._hooks:
+            hooks = handle.hooks_dict_ref()
+            clone = memo.get(id(hooks)) if hooks is not None else None
+            if clone is not None and clone.get(handle.id) is cut:
+                del clone[handle.id]
 
     def set(self, obj: Any, name: str, value: Any) -> None:
         if name == "forward" and hasattr(obj, "_hf_hook") and "_old_forward" in vars(obj):
@@ -37,6 +72,8 @@ class Patcher:
         return getattr(obj, name)
 
     def restore(self) -> None:
+        while self._hooks:
+            self._hooks.pop().remove()
         while self._saved:
             obj, name, old = self._saved.pop()
             if old is _MISSING:

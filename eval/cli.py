@@ -78,6 +78,8 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attn-implementation", default=None, help="sdpa, eager or flash_attention_2")
     p.add_argument("--seed", type=int, default=0, help="seed of sampling methods (random)")
     p.add_argument("--decode-timeout", type=positive_float, default=300.0, help="seconds allowed to decode one video")
+    p.add_argument("--sync-timeout", type=positive_float, default=60.0, metavar="MINUTES",
+                   help="minutes a rank waits for the others at the end (torchrun / accelerate); default 60")
     p.add_argument("--decode-workers", type=_workers, default=2,
                    help="threads decoding the next videos while the model runs (0: decode in turn; default 2)")
     p.add_argument("--subtitles", default="without", choices=["without", "with", "both"],
@@ -107,7 +109,7 @@ def run(args: argparse.Namespace) -> int:
         skip_missing=args.skip_missing, max_new_tokens=args.max_new_tokens, dtype=args.dtype,
         device_map=args.device_map, attn_implementation=args.attn_implementation, seed=args.seed,
         decode_timeout=args.decode_timeout, decode_workers=args.decode_workers,
-        subtitles=args.subtitles,
+        subtitles=args.subtitles, sync_timeout_min=args.sync_timeout,
     )
     try:
         rows = run_eval(cfg)

@@ -15,12 +15,18 @@ lmms-eval finds the model through the ``lmms_eval.models`` entry point, which po
 ("none" by default; "+" joins stages), ``keep`` or ``budget``, ``max_frames`` (32),
 ``dtype`` ("auto": bfloat16 on CUDA), ``device_map``, ``max_new_tokens`` (16), ``seed`` (0).
 The plugin answers ``generate_until`` requests; log-likelihood requests are not supported.
+A document whose video or image cannot be read (undecodable, truncated to nothing, too slow to decode)
+is a failed document: logged, answered with an empty string (scored wrong by the task), counted in
+``failed_documents`` and in a summary line at the end of each ``generate_until``, and the run goes on.
 """
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from vlm_prune.eval import sharding
+
+log = logging.getLogger("vlm_prune.lmms")
 
 try:
     from lmms_eval.api.model import lmms as _Base
@@ -73,6 +79,7 @@ class VLMPruneLMM(_Base):
         if int(batch_size) != 1:
             raise ValueError(f"vlm_prune runs batch_size 1 (one question per forward), got {batch_size}")
         dist = sharding.current()
+        sharding.exit_with_launcher(dist)  # a rank whose torchrun / accelerate died ends too
         self._rank, self._world_size = dist.rank, dist.world_size
         if dist.world_size > 1:  # lmms-eval's evaluator gathers request counts through it
             from accelerate import Accelerator
@@ -91,6 +98,8 @@ class VLMPruneLMM(_Base):
         self._device = self.predictor.device
         self.batch_size_per_gpu = 1
         self._recent: dict[str, Any] = {}  # path -> frames of the last few videos, oldest first
+        #: documents whose media could not be read: {"task", "split", "doc_id", "error"} each
+        self.failed_documents: list[dict[str, Any]] = []
         self.task_dict: dict[str, Any] = getattr(self, "task_dict", {})
 
     @property
@@ -121,17 +130,32 @@ class VLMPruneLMM(_Base):
         """Greedy answers; each request's args are (context, gen_kwargs, doc_to_visual, doc_id, task, split)."""
         from tqdm.auto import tqdm
 
+        from vlm_prune.video import VideoError
+
         answers = []
+        failed_before = len(self.failed_documents)
         for req in tqdm(requests, desc="vlm_prune", disable=self._rank != 0):
             context, gen_kwargs, doc_to_visual, doc_id, task, split = req.args
             raw = doc_to_visual(self.task_dict[task][split][doc_id]) if doc_to_visual is not None else []
             flat = [v for item in (raw or []) for v in (item if isinstance(item, list) else [item])]
-            visuals, media_type = self._visuals(flat)
+            try:
+                visuals, media_type = self._visuals(flat)
+            except (VideoError, OSError) as err:  # one unreadable file must not end the run
+                error = f"{type(err).__name__}: {err}"
+                self.failed_documents.append({"task": task, "split": split, "doc_id": doc_id, "error": error[:2000]})
+                log.warning("vlm_prune: %s/%s document %s failed (its media cannot be read), answered with an empty "
+                            "string: %s", task, split, doc_id, error[:500])
+                answers.append("")
+                continue
             until = gen_kwargs.get("until") or []
             until = [until] if isinstance(until, str) else list(until)
             gen = self.predictor.generate(context, visuals, media_type,
                                           max_new_tokens=gen_kwargs.get("max_new_tokens"), stop=until)
             answers.append(gen.text)
+        failed = self.failed_documents[failed_before:]
+        if failed:
+            log.warning("vlm_prune: rank %d: %d of %d documents failed (media unreadable, answered empty): %s",
+                        self._rank, len(failed), len(requests), ", ".join(f"{f['task']}/{f['doc_id']}" for f in failed[:10]))
         return answers
 
     def loglikelihood(self, requests: list[Any]) -> list[tuple[float, bool]]:

@@ -184,6 +184,9 @@ def summarize(records: list[dict[str, Any]], dataset: str = "generic") -> dict[s
         "lenient": lenient_score,
         "read_differently": leaderboard.read_differently(ok) if ruled else None,
         "random_draws": sum(bool(r.get("leaderboard_random")) for r in ok) if ruled else None,
+        # answered on a truncated video (scored on the frames that decode): counted like the lost ones
+        "truncated": sum(bool(r.get("truncated")) for r in ok),
+        "truncated_examples": [{"id": r["id"], **r["truncated"]} for r in ok if r.get("truncated")][:10],
         "correct": sum(bool(r["correct"]) for r in ok),
         "accuracy": _accuracy(ok),
         "unanswered": sum(r.get("pred") is None for r in ok),
@@ -212,4 +215,6 @@ def counts_line(row: dict[str, Any]) -> str:
         if row.get(kind):
             why = ", ".join(f"{k} {v}" for k, v in row["not_evaluated"][kind].items())
             parts.append(f"{kind} {row[kind]}: {why}")
+    if row.get("truncated"):
+        parts.append(f"{row['truncated']} of the evaluated on truncated videos (scored on the frames that decode)")
     return f"evaluated {row['evaluated']} of {row['n']}" + (f" ({'; '.join(parts)})" if parts else "")

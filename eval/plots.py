@@ -85,6 +85,10 @@ def markdown_table(rows: list[dict[str, Any]], title: str) -> str:
     if lost:
         lines += ["", "## Not evaluated (left out of every score)", ""]
         lines += [f"- {r['name']}: {counts_line(r)}" for r in lost]
+    cut = [r for r in rows if r.get("truncated")]
+    if cut:
+        lines += ["", "## Answered on truncated videos (scored on the frames that decode)", ""]
+        lines += [f"- {r['name']}: {counts_line(r)}" for r in cut]
     cats = [r for r in rows if r.get("by_category")]
     if cats:
         lines += ["", "## Accuracy by category", ""]

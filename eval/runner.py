@@ -180,6 +180,8 @@ class Visuals:
     times: np.ndarray | None = None  # seconds of each video frame (None for images)
     n_frames: int | None = None  # frames the video file lists, and its frame rate (video files only)
     fps: float | None = None
+    #: a truncated video file: {"listed": frames it lists, "decoded": frames that decode}
+    truncated: dict[str, int] | None = None
 
 
 def load_visuals(sample: Sample, frames: int | str, decode_timeout: float | None = None) -> Visuals:
@@ -200,8 +202,9 @@ def load_visuals(sample: Sample, frames: int | str, decode_timeout: float | None
         items, notes = [video], []
     else:
         out = decode(sample.media[0], num_frames=frames, timeout=decode_timeout, bound=sample.clip)
+        cut = {"listed": out.n_frames, "decoded": out.decoded} if out.truncated else None
         return Visuals([out.frames], time.perf_counter() - start, out.warnings, out.times, out.n_frames,
-                       out.native_fps)
+                       out.native_fps, cut)
     return Visuals(items, time.perf_counter() - start, notes, times)
 
 
@@ -311,6 +314,8 @@ class EvalConfig:
     decode_timeout: float | None = 300.0
     decode_workers: int = 2
     subtitles: str = "without"
+    #: minutes a rank waits for the others at the final sync (several processes; sharding.barrier)
+    sync_timeout_min: float = sharding.SYNC_TIMEOUT_MIN
 
     def __post_init__(self) -> None:  # paths may come as pathlib.Path
         self.model, self.data, self.out = os.fspath(self.model), os.fspath(self.data), os.fspath(self.out)
@@ -465,6 +470,8 @@ def _answered(sample: Sample, gen: Generation, visuals: Visuals, first_use: bool
                 "peak_memory_bytes": metrics.peak_memory_bytes(device)})
     if visuals.warnings:
         rec["warnings"] = visuals.warnings
+    if visuals.truncated:  # scored on the frames that decode; the summary counts these
+        rec["truncated"] = visuals.truncated
     return rec
 
 
@@ -583,11 +590,13 @@ def _subtitles(sample: Sample, visuals: Visuals) -> str:
     return subtitles_at(read_srt(sample.subtitles), visuals.n_frames, visuals.fps, len(visuals.times))
 
 
-def merge_setting(run_dir: str, questions: list[Sample], skipped: dict[str, str], dataset: str) -> dict[str, Any]:
+def merge_setting(run_dir: str, questions: list[Sample], skipped: dict[str, str], dataset: str,
+                  timeout_min: float | None = sharding.SYNC_TIMEOUT_MIN) -> dict[str, Any]:
     """Rank 0: every question's record in dataset order (answered, failed, or skipped with its
     reason; answered ones with lmms-eval's reading of the output, :func:`leaderboard.annotate`)
     into results.jsonl, and the setting's summary into summary.json."""
-    records = sharding.wait_for(run_dir, [s.id for s in questions if s.id not in skipped], log=tqdm.write)
+    records = sharding.wait_for(run_dir, [s.id for s in questions if s.id not in skipped], log=tqdm.write,
+                                timeout_min=timeout_min)
     merged = [skipped_record(s, skipped[s.id]) if s.id in skipped else records[s.id] for s in questions]
     leaderboard.annotate(dataset, merged, {s.id: s for s in questions})
     sharding.write_merged(run_dir, merged)
@@ -611,6 +620,9 @@ def run_eval(
     from vlm_prune.eval.plots import write_sweep
 
     dist = sharding.current()
+    if cfg.sync_timeout_min <= 0:
+        raise ValueError(f"sync_timeout_min (--sync-timeout) must be > 0 minutes, got {cfg.sync_timeout_min}")
+    sharding.exit_with_launcher(dist)
     plan = settings(cfg)
     questions = spread(read_samples(cfg.dataset, cfg.data, split=cfg.split), cfg.limit)
     present, missing = split_missing(questions)
@@ -634,10 +646,11 @@ def run_eval(
                     "seed": cfg.seed, "prompt": prompt_style(cfg.dataset), **asdict(setting)}
         _check_run_dir(run_dirs[setting.name], identity, dist)
     evaluate_samples(model, processor, plan, present, run_dirs, cfg, dist)
-    sharding.barrier(dist)
+    sharding.barrier(dist, cfg.sync_timeout_min)
     if not dist.is_main:
         return None
-    rows = [{"name": st.name, **asdict(st), **merge_setting(run_dirs[st.name], questions, skipped, cfg.dataset)}
+    rows = [{"name": st.name, **asdict(st), **merge_setting(run_dirs[st.name], questions, skipped, cfg.dataset,
+                                                    cfg.sync_timeout_min)}
             for st in plan]
     write_sweep(rows, cfg.out, title=f"{cfg.model} on {cfg.dataset}")
     return rows

@@ -124,34 +124,87 @@ class RankWriter:
         self.close()
 
 
-def barrier(dist: Dist) -> bool:
-    """Wait for every rank here when the launcher gave a rendezvous (MASTER_ADDR / MASTER_PORT,
-    as torchrun and accelerate set); joins the process group first (gloo) if nobody has.
-    Returns False, without waiting, for one process or no rendezvous."""
+#: minutes a rank waits for the others at the final sync (``vlm-prune eval --sync-timeout``): ranks
+#: finish far apart on long videos, but a rank whose peers died must not hold its GPU for a day
+SYNC_TIMEOUT_MIN = 60.0
+
+
+class SyncTimeout(TimeoutError):
+    """The other ranks did not reach the final sync in time (one died, or the launcher did)."""
+
+
+def barrier(dist: Dist, timeout_min: float = SYNC_TIMEOUT_MIN) -> bool:
+    """Wait, at most ``timeout_min`` minutes, for every rank here when the launcher gave a rendezvous
+    (MASTER_ADDR / MASTER_PORT, as torchrun and accelerate set); joins the process group first (gloo)
+    if nobody has. Returns False, without waiting, for one process or no rendezvous; raises
+    :class:`SyncTimeout` when the others do not arrive in time (every answer is already on disk:
+    rerunning the same command resumes)."""
     if dist.world_size == 1 or not (os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT")):
         return False
     import torch.distributed as tdist
 
-    if not tdist.is_initialized():
-        tdist.init_process_group("gloo", rank=dist.rank, world_size=dist.world_size,
-                                 timeout=datetime.timedelta(days=1))  # ranks finish far apart on long videos
-    tdist.barrier()
+    timeout = datetime.timedelta(minutes=timeout_min)
+    try:
+        if not tdist.is_initialized():
+            tdist.init_process_group("gloo", rank=dist.rank, world_size=dist.world_size, timeout=timeout)
+        tdist.barrier()
+    except (RuntimeError, TimeoutError) as err:  # gloo / the store report a timeout or a lost peer so
+        raise SyncTimeout(
+            f"rank {dist.rank} of {dist.world_size}: the other ranks did not reach the final sync within "
+            f"{timeout_min:g} minutes (--sync-timeout) or one of them is gone ({type(err).__name__}: "
+            f"{str(err).splitlines()[0] if str(err) else ''}); this rank's answers are on disk: rerun the same "
+            "command to finish and merge"
+        ) from err
     return True
 
 
-def wait_for(out_dir: str, ids: Sequence[str], poll_s: float = 1.0, log: Any = None) -> dict[str, dict[str, Any]]:
-    """Block until every id in ``ids`` has a record in ``out_dir``; returns those records."""
+def wait_for(out_dir: str, ids: Sequence[str], poll_s: float = 1.0, log: Any = None,
+             timeout_min: float | None = SYNC_TIMEOUT_MIN) -> dict[str, dict[str, Any]]:
+    """Block until every id in ``ids`` has a record in ``out_dir`` (at most ``timeout_min`` minutes;
+    None: no limit); returns those records."""
     want = set(ids)
     told = False
+    deadline = None if timeout_min is None else time.monotonic() + 60.0 * timeout_min
     while True:
         done = read_records(out_dir)
         missing = want.difference(done)
         if not missing:
             return {i: done[i] for i in ids}
+        if deadline is not None and time.monotonic() > deadline:
+            raise SyncTimeout(f"{len(missing)} samples are still missing from {out_dir} after {timeout_min:g} minutes "
+                              "(--sync-timeout): a rank that should write them is gone; rerun the same command")
         if log is not None and not told:
             log(f"waiting for {len(missing)} samples from the other ranks in {out_dir}")
             told = True
         time.sleep(poll_s)
+
+
+def exit_with_launcher(dist: Dist, poll_s: float = 2.0) -> bool:
+    """Under a launcher (torchrun, accelerate: WORLD_SIZE > 1 and LOCAL_RANK / TORCHELASTIC_RUN_ID set),
+    end this rank when the launcher dies (SIGKILL, a lost SSH session) instead of running on and
+    waiting at the final sync: a daemon thread polls the parent process and exits with status 75
+    (answers already written stay on disk; rerunning resumes). Returns whether it watches."""
+    if dist.world_size == 1 or not ("LOCAL_RANK" in os.environ or "TORCHELASTIC_RUN_ID" in os.environ):
+        return False
+    import sys
+    import threading
+
+    launcher = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == launcher:
+            time.sleep(poll_s)
+        sys.stderr.write(f"rank {dist.rank}: the launcher (pid {launcher}) is gone; exiting (answers so far are on "
+                         "disk: rerun the same command to resume)\n")
+        sys.stderr.flush()
+        os._exit(LAUNCHER_GONE)
+
+    threading.Thread(target=watch, name="vlm_prune-launcher-watch", daemon=True).start()
+    return True
+
+
+#: exit status of a rank whose launcher died (EX_TEMPFAIL: rerun to resume)
+LAUNCHER_GONE = 75
 
 
 def write_merged(out_dir: str, records: Sequence[dict[str, Any]]) -> str:

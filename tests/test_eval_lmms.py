@@ -147,3 +147,31 @@ def test_questions_about_one_video_decode_it_once(tmp_path, monkeypatch):
     reqs = [Instance(request_type="generate_until", arguments=("what ?", {}, lambda d: [d["path"]], i, "toy", "test"),
                      idx=0, metadata={"task": "toy", "doc_id": i, "repeats": 1}) for i in range(3)]
     assert len(lm.generate_until(reqs)) == 3 and calls == [path]
+
+
+def test_an_undecodable_video_is_a_failed_document_and_the_run_goes_on(tmp_path, caplog):
+    """Issue 27: one corrupt video used to abort the whole lmms-eval run (nothing written, exit 0). Now that
+    document fails (logged, counted in failed_documents, answered with an empty string) and the others are
+    answered as before."""
+    import logging
+    import os
+
+    torch.set_num_threads(1)
+    good = write_video(str(tmp_path / "v.mp4"), n_frames=6)
+    broken = tmp_path / "broken.mp4"
+    broken.write_bytes(os.urandom(4000))
+    lm = VLMPruneLMM(pretrained="unused", model=build_model(), processor=build_processor(), max_frames="2",
+                     max_new_tokens="2")
+    lm.task_dict = {"toy": {"test": [{"path": good}, {"path": str(broken)}, {"path": good}]}}
+    reqs = [Instance(request_type="generate_until", arguments=("what ?", {}, lambda d: [d["path"]], i, "toy", "test"),
+                     idx=0, metadata={"task": "toy", "doc_id": i, "repeats": 1}) for i in range(3)]
+    with caplog.at_level(logging.WARNING, logger="vlm_prune.lmms"):
+        got = lm.generate_until(reqs)
+    alone = VLMPruneLMM(pretrained="unused", model=lm.model, processor=lm.predictor.processor, max_frames="2",
+                        max_new_tokens="2")
+    alone.task_dict = lm.task_dict
+    want = alone.generate_until([reqs[0]])[0]
+    assert got[0] == got[2] == want and got[1] == ""
+    assert [(f["task"], f["doc_id"]) for f in lm.failed_documents] == [("toy", 1)]
+    assert "VideoDecodeError" in lm.failed_documents[0]["error"]
+    assert "toy/test document 1 failed" in caplog.text and "1 of 3 documents failed" in caplog.text

@@ -287,3 +287,107 @@ def test_limit_spreads_over_tasks():
     picked = spread(samples, 8)
     assert [s.id for s in picked] == ["a/0", "a/6", "b/1", "b/7", "c/2", "c/8", "d/3", "d/9"]
     assert spread(samples, None) == samples and spread(samples, 100) == samples
+
+
+# ---- issue 27: a long-running job that a dead launcher or a broken file must not hang ------------------
+def test_a_truncated_video_is_counted_in_the_summary(ckpt, tmp_path):
+    """A video that lists more frames than decode is answered on the frames that decode; its record says
+    so and the summary counts it (with the listed / decoded counts), like the missing and broken ones."""
+    from test_video import _faststart_mp4
+
+    from vlm_prune.eval import metrics
+
+    root = tmp_path / "qa"
+    root.mkdir()
+    write_video(str(root / "v0.mp4"), n_frames=6, seed=0)
+    data = open(_faststart_mp4(str(tmp_path / "full.mp4"), n=60), "rb").read()
+    (root / "cut.mp4").write_bytes(data[: len(data) // 2])
+    with open(root / "qa.jsonl", "w") as f:
+        for qid, video in (("q0", "v0.mp4"), ("q1", "cut.mp4")):
+            f.write(json.dumps({"id": qid, "video": video, "question": "what ?", "options": ["red", "blue"],
+                                "answer": "A"}) + "\n")
+    model, processor = load(ckpt)
+    [row] = run_eval(cfg_for(ckpt, str(root), str(tmp_path / "out")), model, processor)
+    assert (row["n"], row["evaluated"], row["failed"], row["truncated"]) == (2, 2, 0, 1)
+    [example] = row["truncated_examples"]
+    assert example["id"] == "q1" and example["listed"] == 60 and 0 < example["decoded"] < 60
+    recs = {r["id"]: r for r in read_jsonl(os.path.join(str(tmp_path / "out"), "none", "results.jsonl"))}
+    assert recs["q1"]["truncated"] == {"listed": 60, "decoded": example["decoded"]} and "truncated" not in recs["q0"]
+    line = "- none: evaluated 2 of 2 (1 of the evaluated on truncated videos (scored on the frames that decode))"
+    assert line in open(os.path.join(str(tmp_path / "out"), "summary.md")).read()
+    assert metrics.counts_line(row) == line[len("- none: "):]
+
+
+def test_the_final_sync_gives_up_after_the_sync_timeout(tmp_path):
+    """A rank whose peers never arrive (dead, or their launcher is) waits --sync-timeout minutes, not a day,
+    then says why and how to resume."""
+    import socket
+    import time
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, **ONE_THREAD_ENV, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    code = "from vlm_prune.eval import sharding; sharding.barrier(sharding.Dist(0, 2, 0), timeout_min=0.05)"
+    start = time.monotonic()
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300,
+                          cwd=tmp_path)
+    took = time.monotonic() - start
+    assert done.returncode != 0 and "SyncTimeout" in done.stderr, done.stderr[-2000:]
+    assert "did not reach the final sync within 0.05 minutes (--sync-timeout)" in done.stderr
+    assert took < 120, f"gave up after {took:.0f} s"
+    with pytest.raises(sharding.SyncTimeout, match="1 samples are still missing"):
+        sharding.wait_for(str(tmp_path), ["x"], poll_s=0.05, timeout_min=0.002)
+    with pytest.raises(ValueError, match="sync_timeout_min .* must be > 0"):
+        run_eval(EvalConfig(model="m", data="d", dataset="jsonl", out=str(tmp_path), sync_timeout_min=0))
+
+
+LAUNCHER = """
+import os, subprocess, sys, time
+rank = subprocess.Popen([sys.executable, "-c", sys.argv[1]], env={**os.environ, "WORLD_SIZE": "2", "RANK": "0",
+                        "LOCAL_RANK": "0"}, stderr=open(sys.argv[2], "w"))
+print(rank.pid, flush=True)
+time.sleep(300)
+"""
+RANK = """
+import time
+from vlm_prune.eval import sharding
+assert sharding.exit_with_launcher(sharding.current(), poll_s=0.1)
+time.sleep(300)  # a rank still working (or waiting at the sync) when its launcher dies
+"""
+
+
+def test_ranks_exit_when_the_launcher_dies(tmp_path):
+    """SIGKILL to the launcher (torchrun, accelerate) ends its ranks within seconds, with a message
+    saying how to resume, instead of leaving them to run on and wait at the final sync."""
+    import time
+
+    err = tmp_path / "rank.err"
+    launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER, RANK, str(err)], stdout=subprocess.PIPE, text=True,
+                                env={**os.environ, **ONE_THREAD_ENV}, cwd=tmp_path)
+    rank = int(launcher.stdout.readline())
+
+    def rank_alive() -> bool:
+        try:
+            with open(f"/proc/{rank}/stat") as f:
+                return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+        except FileNotFoundError:
+            return False
+
+    deadline = time.monotonic() + 120
+    while "vlm_prune-launcher-watch" not in err.read_text() and rank_alive() and time.monotonic() < deadline:
+        if os.path.exists(f"/proc/{rank}/task") and any(
+                open(f"/proc/{rank}/task/{t}/comm").read().startswith("vlm_prune-") for t in os.listdir(f"/proc/{rank}/task")):
+            break
+        time.sleep(0.2)
+    assert rank_alive(), err.read_text()
+    launcher.kill()
+    launcher.wait()
+    deadline = time.monotonic() + 30
+    while rank_alive() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    alive = rank_alive()
+    if alive:
+        os.kill(rank, signal.SIGKILL)
+    assert not alive, "the rank outlived its launcher by 30 s"
+    assert f"the launcher (pid {launcher.pid}) is gone; exiting" in err.read_text()

@@ -95,3 +95,131 @@ def test_serve_command_line(checkpoint, capsys):
     assert argv[-4:] == ["--port", "8001", "--data-parallel-size", "2"]
     assert main(["serve", str(checkpoint), "--method", "pact", "--keep", "0.25", "--dry-run"]) == 2
     assert "paged KV cache" in capsys.readouterr().err
+
+
+# ---- issue 27: one validation of a per-request spec (the server runs it before the engine) -------------
+LLAVA = "LlavaForConditionalGeneration"
+ONEVISION = "LlavaOnevisionForConditionalGeneration"
+QWEN = "Qwen2VLForConditionalGeneration"
+
+
+def _spec(**over) -> str:
+    return json.dumps({"method": "divprune", "keep": 0.5, **over})
+
+
+@pytest.mark.parametrize("raw, arch, field, message", [
+    # the three specs that killed the server on LLaVA-1.5 (issue 27) are refused up front
+    (_spec(method="quota"), LLAVA, "vlm_prune.method", "runs the frames methods on the video of LlavaOnevision"),
+    (_spec(method="uniform"), LLAVA, "vlm_prune.method", "runs the frames methods on the video of LlavaOnevision"),
+    (_spec(method="quota", quota={"scores": [1.0, 0.5]}), LLAVA, "vlm_prune.method", "not of LlavaForConditionalGeneration"),
+    (_spec(seed="abc"), LLAVA, "vlm_prune.seed", "seed must be a whole number (an integer), got 'abc'"),
+    (_spec(seed=1.5), QWEN, "vlm_prune.seed", "got 1.5"),
+    (_spec(seed=True), None, "vlm_prune.seed", "got True"),
+    # bare QuoTA (no scores) on a video model: the recipe
+    (_spec(method="quota"), ONEVISION, "vlm_prune.method", "send each QuoTA request through vlm_prune.vllm.quota_request"),
+    # vague before: non-JSON text, unknown knobs; now they name the field and what is allowed
+    ("{method: divprune}", None, "vlm_prune", "not JSON text (Expecting property name"),
+    ("[1, 2]", None, "vlm_prune", "a spec is a JSON object"),
+    (_spec(knobs={"dominant": 0.5}, method="visionzip"), LLAVA, "vlm_prune.knobs",
+     "unknown knob 'dominant' of method 'visionzip'; its knobs: dominant_ratio, variant, positions"),
+    (_spec(knobs={"theta": 0.5}), None, "vlm_prune.knobs", "unknown knob 'theta' of method 'divprune'; its knobs: none"),
+    (_spec(knobs={"dominant_ratio": "half"}, method="visionzip"), LLAVA, "vlm_prune.knobs.dominant_ratio",
+     "method 'visionzip' takes a number, got 'half'"),
+    (_spec(knobs={"dominant_ratio": 2.0}, method="visionzip"), LLAVA, "vlm_prune", "dominant_ratio must be in [0, 1]"),
+    (_spec(knobs={"weights": [1, 2]}, method="keyscore"), ONEVISION, "vlm_prune.knobs.weights", "a list of 3"),
+    (_spec(knobs={"encoder": "clip"}, method="keyscore"), ONEVISION, "vlm_prune.knobs.encoder", "which a request cannot send"),
+    (_spec(budgett=3), None, "vlm_prune", "unknown key 'budgett'; a spec has the keys method, knobs, keep, budget"),
+    (_spec(method=3), None, "vlm_prune.method", "a method name is required"),
+    (_spec(method="divprun"), None, "vlm_prune.method", "Did you mean 'divprune'"),
+    (_spec(method="fastv"), None, "vlm_prune", "paged KV cache"),
+    (_spec(method="visionzip"), QWEN, "vlm_prune.method", "visionzip needs the vision tower's attention"),
+    (_spec(keep=-1), None, "vlm_prune", "keep must be a fraction in (0, 1], got -1"),
+    (_spec(keep="abc"), None, "vlm_prune", "keep must be a fraction"),
+    (_spec(keep=None, budget=0), None, "vlm_prune", "budget must be a whole number of tokens >= 1, got 0"),
+    (_spec(budget=4), None, "vlm_prune", "give either keep= (a fraction) or budget="),
+    (_spec(quota={"scores": [1]}), ONEVISION, "vlm_prune.quota", "only method 'quota' takes it"),
+    (_spec(method="quota", quota={"scores": [-1]}), ONEVISION, "vlm_prune.quota.scores", "finite scores >= 0"),
+    (_spec(method="quota", quota={"phase": "score", "grid": [0, 2]}), ONEVISION, "vlm_prune.quota.grid", "[rows, cols]"),
+])
+def test_a_bad_spec_is_refused_naming_the_field_and_what_it_allows(raw, arch, field, message):
+    from vlm_prune.vllm.config import SpecError, validate_spec
+
+    with pytest.raises(SpecError) as err:
+        validate_spec(raw, arch)
+    assert err.value.field == f"mm_processor_kwargs.{field}"
+    assert str(err.value).startswith(f"mm_processor_kwargs.{field}: ") and message in str(err.value)
+
+
+def test_valid_specs_pass_with_their_defaults_and_any_integer_seed():
+    from vlm_prune.vllm.config import validate_spec
+
+    assert validate_spec('{"method": "Pool", "budget": 4}', LLAVA) == {
+        "method": "pool", "knobs": {}, "keep": None, "budget": 4, "seed": 0}
+    assert validate_spec(_spec(seed=10**30), LLAVA)["seed"] == 10**30  # the formula no longer overflows
+    assert validate_spec(_spec(method="quota", quota={"scores": [0.2, 1]}), ONEVISION)["quota"] == {"scores": [0.2, 1]}
+    assert validate_spec(_spec(method="quota", keep=1.0), QWEN)["method"] == "quota"  # nothing to score
+    assert validate_spec(_spec(method="visionzip", knobs={"dominant_ratio": 1, "positions": None}), LLAVA)["knobs"] == {
+        "dominant_ratio": 1, "positions": None}
+    spec = vp.method_spec("cdpruner", keep=0.25, seed=-3)
+    assert validate_spec(spec, "VlmPruneQwen2VLForConditionalGeneration") == spec  # the plugin's class name too
+
+
+def test_request_kwargs_runs_the_same_validation(checkpoint):
+    """vp.request_kwargs refuses what the server would refuse: with model=, also per model."""
+    from vlm_prune.vllm.config import SpecError
+
+    with pytest.raises(ValueError, match="seed must be a whole number"):
+        vp.request_kwargs("random", keep=0.5, seed="abc")
+    for method in ("quota", "uniform"):
+        with pytest.raises(SpecError, match="runs the frames methods on the video"):
+            vp.request_kwargs(method, keep=0.5, model=str(checkpoint))
+        with pytest.raises(SpecError, match="runs the frames methods on the video"):
+            vp.request_kwargs(method, keep=0.5, model=LLAVA)
+    assert json.loads(vp.request_kwargs("random", keep=0.5, seed=10**30, model=str(checkpoint))["vlm_prune"])["seed"] == 10**30
+    with pytest.raises(ValueError, match="seed must be a whole number"):
+        vp.engine_kwargs(str(checkpoint), "random", keep=0.5, seed=2.5)
+
+
+def test_item_generator_keeps_every_seed_torch_took_and_takes_any_integer():
+    """The seed formula seed * 1_000_003 + rank overflowed torch's 64-bit seed above ~1.8e13 (issue 27);
+    modulo 2**64 it gives the same generator for every seed that worked (negative ones too: torch reads
+    them in two's complement) and a generator for any integer."""
+    import torch
+
+    from vlm_prune.methods.base import item_generator
+
+    for seed, rank in [(0, 0), (7, 2), (-5, 1), (18_000_000_000_000, 3), (-9_000_000_000_000, 0)]:
+        old = torch.Generator().manual_seed(seed * 1_000_003 + rank)
+        assert torch.equal(torch.rand(4, generator=item_generator(seed, rank)), torch.rand(4, generator=old))
+    with pytest.raises((RuntimeError, ValueError)):
+        torch.Generator().manual_seed(10**30 * 1_000_003)
+    assert item_generator(10**30, 1).initial_seed() == (10**30 * 1_000_003 + 1) % 2**64
+
+
+def test_wrap_refuses_a_seed_that_is_not_an_integer():
+    import tiny_models as T
+
+    import vlm_prune
+
+    with pytest.raises(ValueError, match="seed must be a whole number"):
+        vlm_prune.wrap(T.tiny_llava(), "random", keep=0.5, seed="abc")
+
+
+def test_the_method_cache_is_bounded():
+    """Distinct per-request budgets build distinct method objects; the cache keeps the CACHE_SIZE most
+    recently used, so many distinct keeps do not grow memory forever (issue 27)."""
+    import gc
+    import weakref
+
+    from vlm_prune.vllm import config
+
+    first = config.method_of(json.loads(vp.request_kwargs("divprune", budget=1)["vlm_prune"]))
+    ref = weakref.ref(first)
+    del first
+    for budget in range(2, 3 * config.CACHE_SIZE):
+        spec = vp.request_kwargs("divprune", budget=budget)["vlm_prune"]
+        assert config.method_of(config.validate_spec(spec)).budget == budget
+    gc.collect()
+    assert ref() is None, "the first method object outlived 3 x CACHE_SIZE newer specs"
+    assert config._method_of.cache_info().currsize <= config.CACHE_SIZE
+    assert config._validated.cache_info().currsize <= config.CACHE_SIZE

@@ -164,6 +164,28 @@ def test_method_equals_wrapped_hf(llm, hf, method, budget):
         assert image_positions(llm) == ref_kept[i]
 
 
+@pytest.mark.parametrize("raw, field, message", [
+    ('{"method": "quota", "keep": 0.5}', "vlm_prune.method", "frames method 'quota' chooses video frames"),
+    ('{"method": "uniform", "keep": 0.5}', "vlm_prune.method", "frames method 'uniform' chooses video frames"),
+    ('{"method": "random", "keep": 0.5, "seed": "abc"}', "vlm_prune.seed", "seed must be a whole number"),
+    ("keep=0.5", "vlm_prune", "not JSON text"),
+])
+def test_offline_requests_are_validated_before_the_engine(llm, raw, field, message):
+    """Issue 27: the offline LLM runs the server's validation on each request's spec (the same function);
+    the specs that used to kill the engine on LLaVA-1.5 are refused, and the engine serves on - also a
+    seed of 10**30, whose generator overflowed before."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=2)
+    request = {"prompt": PROMPTS[0], "multi_modal_data": {"image": _images()[0]}}
+    with pytest.raises(ValueError) as err:
+        llm.generate({**request, "mm_processor_kwargs": {"vlm_prune": raw}}, params, use_tqdm=False)
+    assert f"mm_processor_kwargs.{field}: " in str(err.value) and message in str(err.value)
+    big = llm.generate({**request, "mm_processor_kwargs": vp.request_kwargs("random", keep=0.5, seed=10**30)},
+                       params, use_tqdm=False)[0]
+    assert len(big.outputs[0].token_ids) == 2
+
+
 # --- parity with plain vLLM, tensor parallel, the OpenAI server: each starts one more engine, in a
 # process of its own (vLLM engines in one process share its distributed state, and stopping one breaks
 # the other); the reference is the shared engine above. Their measured cost: docs/vllm.md, "Tests".

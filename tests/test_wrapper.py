@@ -200,6 +200,146 @@ def test_deepcopy_is_an_independent_wrapped_model():
     vlm_prune.unwrap(model)
 
 
+def test_deepcopy_never_changes_the_original_while_another_thread_generates():
+    """Issue 27: deepcopy used to unwrap the original for the copy's duration, so a thread generating
+    meanwhile got unpruned answers. Now the original is never touched: every answer of the other
+    thread equals the pruned serial answer, the original keeps its patches (the same objects) and
+    hooks, and each copy is an independent wrapped model giving the same answer."""
+    import copy
+    import threading
+
+    model = vlm_prune.wrap(T.tiny_llava(), "visionzip", keep=0.25)  # patches, a tower hook, the state
+    inputs = T.llava_inputs()
+    state, patched = model.vlm_prune, dict(vars(model))
+    layer = model.vlm_prune.adapter.tap.layer
+    hooks = dict(layer._forward_pre_hooks)
+
+    def answer(m):
+        with torch.no_grad():
+            return m.generate(**inputs, max_new_tokens=3, do_sample=False)
+
+    pruned = answer(model)
+    unwrapped = answer(copy.deepcopy(T.tiny_llava()))
+    assert not torch.equal(pruned, unwrapped)  # the other thread would notice an unwrapped original
+    answers: list[torch.Tensor] = []
+    errors: list[BaseException] = []
+    started = threading.Event()
+
+    def generate_meanwhile() -> None:
+        try:
+            for _ in range(8):
+                answers.append(answer(model))
+                started.set()
+        except BaseException as e:  # reported below
+            errors.append(e)
+            started.set()
+
+    thread = threading.Thread(target=generate_meanwhile)
+    thread.start()
+    started.wait(120)
+    clones = []
+    while thread.is_alive() and len(clones) < 6:
+        clones.append(copy.deepcopy(model))
+    thread.join()
+    assert not errors, errors
+    assert clones and len(answers) == 8
+    assert all(torch.equal(a, pruned) for a in answers), "an answer of the other thread was not pruned"
+    assert model.vlm_prune is state and all(vars(model)[k] is v for k, v in patched.items())
+    assert dict(layer._forward_pre_hooks) == hooks
+    for clone in clones:
+        assert clone.vlm_prune is not state and clone.vlm_prune.adapter.model is clone
+        assert len(clone.vlm_prune.adapter.tap.layer._forward_pre_hooks) == len(hooks)
+        assert torch.equal(answer(clone), pruned)
+        vlm_prune.unwrap(clone)
+        assert torch.equal(answer(clone), unwrapped) and not vars(clone).keys() - set(patched) - {"vlm_prune"}
+        assert all(not m._forward_pre_hooks for m in clone.modules())
+    vlm_prune.unwrap(model)
+    assert all(not m._forward_pre_hooks for m in model.modules())
+
+
+@pytest.mark.parametrize("methods", ["divprune", "fastv", ["random", "fastv"]])
+def test_dropped_caches_are_freed_without_the_garbage_collector(methods):
+    """Issue 27: the KV cache (and the outputs) a wrapped model returns are freed by reference counting
+    when the caller drops them, as the unwrapped model's are (the cache used to hold functions that
+    referred to it: a cycle, alive until the cyclic garbage collector ran)."""
+    import gc
+    import weakref
+
+    model = T.tiny_llava()
+    inputs = T.llava_inputs()
+
+    def alive_after_drop() -> tuple[int, int]:
+        caches, logits = [], []
+        for _ in range(3):
+            with torch.no_grad():
+                out = model(**inputs, use_cache=True)
+            caches.append(weakref.ref(out.past_key_values))
+            logits.append(weakref.ref(out.logits))
+            del out
+            with torch.no_grad():
+                gen = model.generate(**inputs, max_new_tokens=3, do_sample=False, return_dict_in_generate=True)
+            caches.append(weakref.ref(gen.past_key_values))
+            del gen
+        return sum(r() is not None for r in caches), sum(r() is not None for r in logits)
+
+    gc.collect()
+    gc.disable()
+    try:
+        assert alive_after_drop() == (0, 0)  # the unwrapped model
+        vlm_prune.wrap(model, methods, keep=0.5)
+        assert alive_after_drop() == (0, 0)
+    finally:
+        gc.enable()
+        vlm_prune.unwrap(model)
+
+
+def test_deepcopy_of_a_pruned_cache_speaks_for_itself():
+    """A copy of a cache a pruned prefill returned (a cached prefix reused) reports and crops its own
+    tokens, not the original's."""
+    import copy
+
+    model = vlm_prune.wrap(T.tiny_llava(), "fastv", keep=0.5)
+    inputs = T.llava_inputs()
+    with torch.no_grad():
+        gen = model.generate(**inputs, max_new_tokens=3, do_sample=False, return_dict_in_generate=True)
+    cache = gen.past_key_values
+    clone = copy.deepcopy(cache)
+    n = cache.get_seq_length()
+    assert clone.get_seq_length() == n and clone._vlm_prune is not cache._vlm_prune
+    clone.crop(-1)
+    assert (clone.get_seq_length(), cache.get_seq_length()) == (n - 1, n)
+    assert clone.layers[0].keys.shape[2] == cache.layers[0].keys.shape[2] - 1
+    vlm_prune.unwrap(model)
+
+
+@pytest.mark.parametrize("method", ["divprune", "random", "visionzip"])
+@pytest.mark.parametrize("placeholders, images", [(32, 1), (16, 2), (20, 1)])
+def test_placeholders_that_do_not_match_the_images_get_transformers_message(method, placeholders, images):
+    """Issue 27: inputs whose image placeholders do not match the images raised a bare "shape mismatch
+    [16] vs [32]" from inside a vision-stage method; now transformers' own wording, with the counts and
+    the fix, before the method runs (and the unwrapped model's ValueError type)."""
+    model = T.tiny_llava()
+    g = torch.Generator().manual_seed(0)
+    ids = torch.tensor([[1, 5] + [T.IMAGE_TOKEN] * placeholders + [6]])
+    inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids),
+              "pixel_values": torch.randn(images, 3, 32, 32, generator=g)}
+    with pytest.raises(ValueError, match=f"Image features and image tokens do not match, tokens: {placeholders}"):
+        with torch.no_grad():
+            model(**inputs)  # the unwrapped model says so too
+    vlm_prune.wrap(model, method, keep=0.5)
+    try:
+        with pytest.raises(ValueError) as err, torch.no_grad():
+            model(**inputs)
+        assert str(err.value).startswith(
+            f"Image features and image tokens do not match, tokens: {placeholders}, features: {16 * images} rows")
+        assert "build it with the model's processor" in str(err.value)
+        good = T.llava_inputs()
+        with torch.no_grad():
+            model(**good)  # the model serves on
+    finally:
+        vlm_prune.unwrap(model)
+
+
 def test_adjacent_image_placeholders_count_as_two_images():
     """<image><image>: budget= is per image, counted from the encoder's own images."""
     model = T.tiny_llava()

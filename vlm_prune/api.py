@@ -9,7 +9,7 @@ from typing import Any, Sequence
 
 import torch
 
-from vlm_prune.methods.base import STAGES, BudgetWarning, Method, validate_budget
+from vlm_prune.methods.base import STAGES, BudgetWarning, Method, validate_budget, validate_seed
 from vlm_prune.registry import make_method
 
 
@@ -151,7 +151,7 @@ def wrap(
         )
     find_adapter(model)
     methods = build_pipeline(method, frames=frames, tokens=tokens, keep=keep, budget=budget)
-    return _attach(model, WrapState(adapter=None, methods=methods, processor=processor, seed=seed))
+    return _attach(model, WrapState(adapter=None, methods=methods, processor=processor, seed=validate_seed(seed)))
 
 
 def _attach(model: torch.nn.Module, state: WrapState) -> torch.nn.Module:
@@ -180,15 +180,18 @@ def _attach(model: torch.nn.Module, state: WrapState) -> torch.nn.Module:
 def _deepcopy(model: torch.nn.Module, memo: dict) -> torch.nn.Module:
     """``copy.deepcopy`` of a wrapped model: an independent model wrapped with copies of the methods.
 
-    The original is unwrapped while it is copied and wrapped again after (same ``vlm_prune``
-    state object); calls from other threads during the copy run unpruned.
-    """
+    The original is never touched (other threads may be generating with it): everything ``wrap()``
+    put on it (patched attributes, hooks, ``model.vlm_prune``) is left out of the copy through the
+    memo and replaced there by what the model held before ``wrap()``; the copy is then wrapped anew."""
     state = model.vlm_prune
-    unwrap(model)
-    try:
-        clone = copy.deepcopy(model, memo)
-    finally:
-        _attach(model, state)
+    cut = object()  # what the copy holds, for a moment, where the original holds wrap()'s patches
+    for value in [state, *state.adapter.patches.installed()]:
+        memo[id(value)] = cut
+    # the default copy of an object (this model's own __deepcopy__ is one of the patches)
+    clone = copy._reconstruct(model, memo, *model.__reduce_ex__(4))  # type: ignore[attr-defined]
+    state.adapter.patches.restore_copy(memo, cut)
+    if vars(clone).get("vlm_prune") is cut:
+        del clone.vlm_prune
     methods = {stage: copy.deepcopy(m, memo) for stage, m in state.methods.items()}
     return _attach(clone, WrapState(adapter=None, methods=methods, processor=state.processor, seed=state.seed))
 

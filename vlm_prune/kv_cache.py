@@ -15,6 +15,8 @@ transformers expects:
 """
 from __future__ import annotations
 
+import copy
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -79,16 +81,23 @@ def segments_of(cache: Any) -> CacheSegments | None:
 
 
 def install(cache: Any, segs: CacheSegments) -> None:
-    """Put ``segs`` on ``cache`` and make the cache object speak in logical tokens (see module doc)."""
+    """Put ``segs`` on ``cache`` and make the cache object speak in logical tokens (see module doc).
+
+    The methods put on the cache reach it through a weak reference: a strong one (a closure over
+    ``cache`` stored on ``cache``) would make every cache a reference cycle, freed only by Python's
+    cyclic garbage collector instead of when the caller drops it (tests/test_wrapper.py,
+    ``test_dropped_caches_are_freed_without_the_garbage_collector``)."""
     cls = type(cache)
     cache._vlm_prune = segs
     if "get_seq_length" in vars(cache):  # already speaking for an earlier prefill
         return
+    ref = weakref.ref(cache)
 
     def get_seq_length(layer_idx: int = 0) -> int:
-        return cache._vlm_prune.seen
+        return ref()._vlm_prune.seen
 
     def crop(tokens_to_remove: int) -> None:
+        cache = ref()
         if tokens_to_remove > 0:  # transformers' legacy spelling: the length to keep
             tokens_to_remove = tokens_to_remove - cache._vlm_prune.seen
         if tokens_to_remove < 0:
@@ -97,6 +106,7 @@ def install(cache: Any, segs: CacheSegments) -> None:
 
     def rows(name: str):
         def select(arg: Any) -> None:
+            cache = ref()
             segs = cache._vlm_prune
             b = segs.key_valid[0].shape[0]
             if name == "batch_repeat_interleave":
@@ -110,7 +120,25 @@ def install(cache: Any, segs: CacheSegments) -> None:
 
         return select
 
+    def deepcopy(memo: dict) -> Any:
+        """``copy.deepcopy(cache)`` (a cached prefix reused for several prompts): a copy that speaks
+        for itself (these functions would otherwise keep pointing at the original)."""
+        cache = ref()
+        clone = cls.__new__(cls)
+        memo[id(cache)] = clone
+        for key, value in vars(cache).items():
+            if key not in INSTALLED:
+                setattr(clone, key, copy.deepcopy(value, memo))
+        install(clone, clone._vlm_prune)
+        return clone
+
     cache.get_seq_length = get_seq_length
     cache.crop = crop
+    cache.__deepcopy__ = deepcopy
     for name in ("reorder_cache", "batch_repeat_interleave", "batch_select_indices"):
         setattr(cache, name, rows(name))
+
+
+#: what :func:`install` puts on a cache object
+INSTALLED = ("get_seq_length", "crop", "__deepcopy__", "reorder_cache", "batch_repeat_interleave",
+             "batch_select_indices")

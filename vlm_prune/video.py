@@ -303,6 +303,12 @@ class Decoded:
     n_frames: int
     native_fps: float
     warnings: list[str] = field(default_factory=list)
+    #: frames that decode (fewer than ``n_frames`` in a truncated file; None: not counted)
+    decoded: int | None = None
+
+    @property
+    def truncated(self) -> bool:
+        return self.decoded is not None and self.decoded < self.n_frames
 
 
 def decode(
@@ -342,7 +348,7 @@ def decode(
                 f"truncated (an incomplete download?); frames were sampled from those {raw.decoded}"
             )
         return Decoded(np.ascontiguousarray(raw.frames, dtype=np.uint8), np.asarray(raw.times, dtype=np.float64),
-                       name, raw.listed, raw.native_fps, notes)
+                       name, raw.listed, raw.native_fps, notes, raw.decoded)
     if len(failures) == 1:
         raise failures[0]
     kind = VideoTimeoutError if all(isinstance(f, VideoTimeoutError) for f in failures) else VideoDecodeError

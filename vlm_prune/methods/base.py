@@ -136,6 +136,14 @@ def apportion(total: int, sizes: list[int]) -> list[int]:
     return [b + s for b, s in zip(base, shares)]
 
 
+def item_generator(seed: int, rank: int) -> torch.Generator:
+    """The generator of one image / video: seeded ``seed * 1_000_003 + rank`` (rank: the item's index
+    among its sample's items of that modality), taken modulo 2**64 - torch's seed range, which
+    reads a negative seed in two's complement - so any integer seed works and the seeds that fit
+    that range are unchanged."""
+    return torch.Generator().manual_seed((int(seed) * 1_000_003 + int(rank)) % 2**64)
+
+
 @dataclass
 class VisionContext:
     """One image (or frame) handed to a vision-stage method.
@@ -383,6 +391,14 @@ def validate_budget(keep: Any, budget: Any, *, required: bool, method: str = "")
         if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
             raise ValueError(f"budget must be a whole number of tokens >= 1, got {budget!r}{who}")
     return keep, budget
+
+
+def validate_seed(seed: Any, *, name: str = "seed") -> int:
+    """A seed as a Python int (numpy / torch integer scalars accepted); anything else is refused."""
+    seed = _plain_number(seed)
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise ValueError(f"{name} must be a whole number (an integer), got {seed!r}")
+    return seed
 
 
 class FramesMethod(Method):

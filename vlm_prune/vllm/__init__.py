@@ -14,10 +14,10 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from vlm_prune.vllm.config import SUPPORTED, hf_overrides, method_spec
+from vlm_prune.vllm.config import SUPPORTED, hf_overrides, method_spec, validate_spec
 
 __all__ = ["LLM", "engine_kwargs", "request_kwargs", "quota_request", "QuotaClient", "video_url", "SUPPORTED",
-           "method_spec"]
+           "method_spec", "validate_spec"]
 
 #: engine defaults the plugin needs: the processor cache off (the plugin adds per-prompt fields to
 #: each image after vLLM's processor has run), eager mode on CPU
@@ -46,13 +46,26 @@ def LLM(model: str, method: Any, *, keep: float | None = None, budget: int | Non
     return vllm.LLM(**engine_kwargs(model, method, keep=keep, budget=budget, seed=seed, **kwargs))
 
 
-def request_kwargs(method: Any, *, keep: float | None = None, budget: int | None = None, seed: int = 0
-                   ) -> dict[str, Any]:
+def request_kwargs(method: Any, *, keep: float | None = None, budget: int | None = None, seed: int = 0,
+                   model: Any = None) -> dict[str, Any]:
     """``mm_processor_kwargs`` of one request that overrides the engine's method and budget:
     ``llm.generate({"prompt": ..., "multi_modal_data": ..., "mm_processor_kwargs": request_kwargs("pool", keep=0.25)})``
     (in the OpenAI server: the request body's ``mm_processor_kwargs``). Requests with different
-    settings share the engine, its batches and its KV cache."""
-    return {"vlm_prune": json.dumps(method_spec(method, keep=keep, budget=budget, seed=seed), sort_keys=True)}
+    settings share the engine, its batches and its KV cache.
+
+    Checked by the validation the server runs on every request (``validate_spec``); with ``model``
+    (the checkpoint folder, or its model class name) also against that model, so a spec the server
+    would refuse with HTTP 400 fails here."""
+    spec = method_spec(method, keep=keep, budget=budget, seed=seed)
+    arch = None
+    if model is not None:
+        from pathlib import Path
+
+        from vlm_prune.vllm.config import ARCHITECTURES, read_config
+
+        is_class = isinstance(model, str) and (model in ARCHITECTURES or model in ARCHITECTURES.values())
+        arch = model if is_class else (read_config(Path(model)).get("architectures") or [""])[0]
+    return {"vlm_prune": json.dumps(validate_spec(spec, arch), sort_keys=True)}
 
 
 def quota_request(llm: Any, request: dict[str, Any], method: Any = "quota", *, keep: float | None = None,

@@ -10,7 +10,11 @@ imports vLLM.
 """
 from __future__ import annotations
 
+import functools
 import json
+import math
+import types
+import typing
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -70,9 +74,213 @@ def method_spec(method: Any, keep: float | None = None, budget: int | None = Non
     for ``wrap()``; keep / budget mean what they mean there (visual tokens of each image that reach
     the language model). Validates now, so a wrong name or budget fails before vLLM starts.
     """
+    from vlm_prune.methods.base import validate_seed
+
+    seed = validate_seed(seed)
     m = build_method({"method": method if isinstance(method, str) else method, "keep": keep, "budget": budget})
     knobs = {k: v for k, v in m.describe().items() if k not in ("method", "stage", "keep", "budget")}
-    return {"method": m.name, "knobs": knobs, "keep": m.keep, "budget": m.budget, "seed": int(seed)}
+    return {"method": m.name, "knobs": knobs, "keep": m.keep, "budget": m.budget, "seed": seed}
+
+
+# ---- one validation of a spec, before any engine sees it ------------------------------------------
+#: where a request carries its spec (what the server's 400s name)
+SPEC_FIELD = "mm_processor_kwargs.vlm_prune"
+#: the keys of a spec (``quota``: QuoTA's per-request data, vlm_prune.vllm.frames)
+SPEC_KEYS = ("method", "knobs", "keep", "budget", "seed", "quota")
+#: distinct specs whose validation / method object is kept (least recently used dropped first)
+CACHE_SIZE = 256
+SPEC_EXAMPLE = '{"method": "divprune", "keep": 0.25} (vlm_prune.vllm.request_kwargs("divprune", keep=0.25)["vlm_prune"])'
+
+
+class SpecError(ValueError):
+    """A spec that no engine may see: ``field`` (``mm_processor_kwargs.vlm_prune.seed``) and what it
+    allows (vLLM's server answers a ValueError raised in its input processing with HTTP 400)."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+def validate_spec(raw: Any, arch: str | None = None, *, field: str = SPEC_FIELD) -> dict[str, Any]:
+    """THE check of one pruning spec (a request's ``mm_processor_kwargs["vlm_prune"]``, JSON text or a
+    dict; an engine's ``hf_overrides``), for ``arch`` (the checkpoint's model class or the plugin's; None:
+    any model). Returns the spec with its defaults filled in; raises :class:`SpecError` naming the field
+    and what it allows: JSON text, the keys, the method (registered, a stage vLLM runs, allowed on this
+    model), each knob's name and type, keep / budget, the seed (an integer), QuoTA's data.
+
+    ``request_kwargs`` / ``engine_kwargs`` call it on what they build, and the plugin's processors in
+    vLLM's front end (the API server process, or the offline ``LLM``'s) on every request's spec before
+    the engine sees the request."""
+    if isinstance(raw, str):
+        return _validated_text(raw, arch, field)
+    return _validated_text(_as_text(raw, field), arch, field)
+
+
+def _as_text(raw: Any, field: str) -> str:
+    if not isinstance(raw, dict):
+        raise SpecError(field, f"a spec is a JSON object (or its text), e.g. {SPEC_EXAMPLE}; got {type(raw).__name__}")
+    try:
+        return json.dumps(raw, sort_keys=True, allow_nan=False)
+    except (TypeError, ValueError) as err:
+        raise SpecError(field, f"a spec holds JSON values only (strings, numbers, lists, objects): {err}") from None
+
+
+@functools.lru_cache(maxsize=CACHE_SIZE)
+def _validated(text: str, arch: str | None, field: str) -> str:
+    """The validated spec of ``text`` as canonical JSON text (cached: the processor asks per item)."""
+    try:
+        spec = json.loads(text)
+    except ValueError as err:  # JSONDecodeError, or an integer of more digits than Python parses
+        raise SpecError(field, f"not JSON text ({err}); send a JSON object, e.g. {SPEC_EXAMPLE}") from None
+    if not isinstance(spec, dict):
+        raise SpecError(field, f"a spec is a JSON object, e.g. {SPEC_EXAMPLE}; got {type(spec).__name__}")
+    unknown = sorted(set(spec) - set(SPEC_KEYS))
+    if unknown:
+        raise SpecError(field, f"unknown key {', '.join(map(repr, unknown))}; a spec has the keys {', '.join(SPEC_KEYS)}")
+    name = spec.get("method")
+    if not isinstance(name, str):
+        raise SpecError(f"{field}.method", f"a method name is required (a string), got {name!r}; vLLM runs "
+                        f"{', '.join(SUPPORTED + FRAMES_SUPPORTED)} and quota (through vlm_prune.vllm.quota_request)")
+    from vlm_prune.methods.base import validate_budget, validate_seed
+    from vlm_prune.registry import method_class
+
+    try:
+        cls = method_class(name)
+    except ValueError as err:
+        raise SpecError(f"{field}.method", str(err)) from None
+    name = cls.name
+    knobs = _validated_knobs(cls, spec.get("knobs", {}), f"{field}.knobs")
+    try:
+        keep, budget = validate_budget(spec.get("keep"), spec.get("budget"), required=not cls.own_schedule, method=name)
+    except ValueError as err:
+        raise SpecError(field, str(err)) from None
+    try:
+        seed = validate_seed(spec.get("seed", 0))
+    except ValueError as err:
+        raise SpecError(f"{field}.seed", str(err)) from None
+    out = {"method": name, "knobs": knobs, "keep": keep, "budget": budget, "seed": seed}
+    if "quota" in spec:
+        out["quota"] = _validated_quota(name, spec["quota"], f"{field}.quota")
+    reason = _refusal(arch, name, out)
+    if reason:
+        raise SpecError(f"{field}.method", reason)
+    try:
+        method_of({k: v for k, v in out.items() if k != "quota"})
+    except (ValueError, TypeError, ImportError) as err:  # its own checks (a knob's range, the stage, packages)
+        raise SpecError(field, str(err)) from None
+    return json.dumps(out, sort_keys=True)
+
+
+def _validated_text(text: str, arch: str | None, field: str) -> dict[str, Any]:
+    return json.loads(_validated(text, arch, field))
+
+
+def _validated_knobs(cls: type[Method], knobs: Any, field: str) -> dict[str, Any]:
+    from vlm_prune.registry import method_knobs
+
+    if not isinstance(knobs, dict):
+        raise SpecError(field, f"the knobs are a JSON object of name: value, got {type(knobs).__name__}")
+    allowed = method_knobs(cls.name)
+    hints = typing.get_type_hints(cls.__init__)
+    for key, value in knobs.items():
+        if key not in allowed:
+            known = ", ".join(allowed) if allowed else "none"
+            raise SpecError(field, f"unknown knob {key!r} of method {cls.name!r}; its knobs: {known}")
+        want = hints.get(key)
+        if want is not None and not _fits(value, want):
+            raise SpecError(f"{field}.{key}", f"method {cls.name!r} takes {_type_name(want)}, got {value!r}")
+    return dict(knobs)
+
+
+def _fits(value: Any, want: Any) -> bool:
+    """Whether a JSON value fits a knob's annotation (JSON lists stand for tuples)."""
+    origin, args = typing.get_origin(want), typing.get_args(want)
+    if want is type(None):
+        return value is None
+    if origin in (typing.Union, types.UnionType):
+        return any(_fits(value, a) for a in args)
+    if want is bool:
+        return isinstance(value, bool)
+    if want is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if want is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if want is str:
+        return isinstance(value, str)
+    if origin in (tuple, list):
+        if not isinstance(value, list):
+            return False
+        if origin is tuple and args and args[-1] is not Ellipsis:
+            return len(value) == len(args) and all(_fits(v, a) for v, a in zip(value, args))
+        return all(_fits(v, args[0]) for v in value) if args else True
+    if origin is typing.Literal:
+        return value in args
+    return False  # objects and callables (a custom scorer, encoder): nothing a request can send
+
+
+def _type_name(want: Any) -> str:
+    if want is type(None):
+        return "null"
+    origin, args = typing.get_origin(want), typing.get_args(want)
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in args)
+    if origin in (tuple, list):
+        return f"a list of {len(args)} ({', '.join(_type_name(a) for a in args)})" if origin is tuple else "a list"
+    if want in (bool, int, float, str):
+        return {bool: "true / false", int: "an integer", float: "a number", str: "a string"}[want]
+    return f"an object ({getattr(want, '__name__', want)}), which a request cannot send"
+
+
+def _validated_quota(name: str, quota: Any, field: str) -> dict[str, Any]:
+    """QuoTA's per-request data: {"phase": "score", "grid": [rows, cols] or null} (its pass 1) or
+    {"scores": [one score >= 0 per frame]} (pass 2)."""
+    if name != "quota":
+        raise SpecError(field, f"QuoTA's data in a spec of method {name!r}; only method 'quota' takes it")
+    if not isinstance(quota, dict):
+        raise SpecError(field, f"an object, {{\"phase\": \"score\", \"grid\": [r, c]}} or {{\"scores\": [...]}}")
+    if set(quota) == {"scores"}:
+        scores = quota["scores"]
+        if (not isinstance(scores, list) or not scores
+                or not all(isinstance(p, (int, float)) and not isinstance(p, bool) and math.isfinite(p) and p >= 0
+                           for p in scores)):
+            raise SpecError(f"{field}.scores", f"a non-empty list of finite scores >= 0 (one per frame), got {scores!r}")
+        return {"scores": scores}
+    if set(quota) <= {"phase", "grid"} and quota.get("phase") == "score":
+        grid = quota.get("grid")
+        if grid is not None and not (isinstance(grid, list) and len(grid) == 2 and all(
+                isinstance(g, int) and not isinstance(g, bool) and 1 <= g <= 4096 for g in grid)):
+            raise SpecError(f"{field}.grid", f"null or [rows, cols] of whole numbers in [1, 4096], got {grid!r}")
+        return {"phase": "score", "grid": grid}
+    raise SpecError(field, f"{{\"phase\": \"score\", \"grid\": [r, c] or null}} (pass 1) or {{\"scores\": [...]}} "
+                    f"(pass 2) of vlm_prune.vllm.quota_request; got the keys {sorted(quota)}")
+
+
+def _refusal(arch: str | None, name: str, spec: dict[str, Any]) -> str | None:
+    """Why ``arch`` cannot serve this (validated) spec, or None; ``arch`` None: any supported model."""
+    if arch is None:
+        return None
+    checkpoint = {v: k for k, v in ARCHITECTURES.items()}.get(arch, arch)
+    if checkpoint not in ARCHITECTURES:
+        return f"vlm_prune.vllm serves {', '.join(ARCHITECTURES)}; this model is {arch}"
+    if name == "quota":
+        if checkpoint not in VIDEO_ARCHITECTURES:
+            return (f"frames method 'quota' chooses video frames; vlm_prune.vllm runs the frames methods on the video "
+                    f"of {', '.join(VIDEO_ARCHITECTURES)}, not of {checkpoint} (use a vision-stage method there: "
+                    f"{', '.join(SUPPORTED)})")
+        if "quota" in spec or spec["keep"] == 1.0 or spec["budget"] is not None:
+            return None  # a budget alone: the processor refuses it where the video has more tokens (no scores)
+    return refusal(checkpoint, name)
+
+
+def method_of(spec: dict[str, Any]) -> Method:
+    """The configured method of a spec, built once per distinct spec and kept in a bounded cache
+    (the :data:`CACHE_SIZE` most recently used: distinct per-request budgets do not grow memory)."""
+    return _method_of(json.dumps(spec, sort_keys=True))
+
+
+@functools.lru_cache(maxsize=CACHE_SIZE)
+def _method_of(key: str) -> Method:
+    return build_method(json.loads(key))
 
 
 def build_method(spec: dict[str, Any]) -> Method:
@@ -155,6 +363,7 @@ def hf_overrides(model: str | Path, spec: dict[str, Any]) -> dict[str, Any]:
     reason = refusal(arch, spec["method"])
     if reason:
         raise ValueError(reason)
+    spec = validate_spec(spec, arch, field="the engine's spec (hf_overrides['vlm_prune'])")
     overrides = {"architectures": [ARCHITECTURES[arch]], "vlm_prune": spec}
     if arch not in NATIVE_MROPE:  # one position row per token that the plugin can set
         text = cfg.get("text_config") or {}

@@ -72,6 +72,11 @@ def frames_slots(method: Method, frames: int, per_frame: int, spec: dict[str, An
         scores = (spec or {}).get(QUOTA_KEY, {}).get("scores")
         if scores is None:
             raise ValueError(QUOTA_REFUSAL)
+        if len(scores) != frames:
+            from vlm_prune.vllm.config import SPEC_FIELD
+
+            raise ValueError(f"{SPEC_FIELD}.quota.scores: {len(scores)} scores for a video of {frames} frames (temporal "
+                             "slices on Qwen2-VL); send the request vlm_prune.vllm.quota_request built for this video")
         if method.wants_unpooled and unpooled_grid is not None:
             grid = unpooled_grid
         elif grid is None:

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 from vllm.config import VllmConfig
+from vllm.exceptions import VLLMValidationError
 from vllm.model_executor.models.interfaces import SupportsMRoPE
 from vllm.model_executor.models.llava import (
     LlavaDummyInputsBuilder,
@@ -42,9 +43,9 @@ from vllm.multimodal.inputs import (
 from vllm.multimodal.parse import ImageProcessorItems
 from vllm.multimodal.processing import PromptReplacement, PromptUpdate
 
-from vlm_prune.methods.base import Method, VisionContext
+from vlm_prune.methods.base import Method, VisionContext, item_generator
 from vlm_prune.methods.visionzip import TowerFeatures
-from vlm_prune.vllm.config import build_method
+from vlm_prune.vllm.config import SpecError, method_of, validate_spec
 
 #: extra embedding channels carrying each kept token's position offset (base-64 digits: exact in
 #: bfloat16 too, up to 64**3 positions)
@@ -68,12 +69,16 @@ SPEC_KEY = "vlm_prune_spec"
 
 
 def spec_of(hf_config: Any, mm_kwargs: Mapping[str, object] | None = None) -> dict[str, Any]:
-    """The request's spec (``mm_processor_kwargs={"vlm_prune": {...}}``) or the engine's."""
+    """The request's spec (``mm_processor_kwargs={"vlm_prune": "<json>"}``), validated for this model
+    by :func:`vlm_prune.vllm.config.validate_spec` (in vLLM's front end, before the engine sees the
+    request: a refusal is the request's HTTP 400), or the engine's."""
     spec = (mm_kwargs or {}).get("vlm_prune")
-    if isinstance(spec, str):
-        spec = json.loads(spec)
-    if spec is None:
-        spec = getattr(hf_config, "vlm_prune", None)
+    if spec is not None:
+        try:
+            return validate_spec(spec, (getattr(hf_config, "architectures", None) or [None])[0])
+        except SpecError as err:
+            raise RequestSpecError(err) from None
+    spec = getattr(hf_config, "vlm_prune", None)
     if not spec:
         raise ValueError(
             "this model class needs hf_overrides={'vlm_prune': {...}}: build the engine with vlm_prune.vllm.LLM(...) "
@@ -82,16 +87,14 @@ def spec_of(hf_config: Any, mm_kwargs: Mapping[str, object] | None = None) -> di
     return spec
 
 
-def method_of(spec: dict[str, Any]) -> Method:
-    """The configured method of a spec (built once per distinct spec)."""
-    key = json.dumps(spec, sort_keys=True)
-    cached = _METHODS.get(key)
-    if cached is None:
-        cached = _METHODS[key] = build_method(spec)
-    return cached
+class RequestSpecError(SpecError, VLLMValidationError):
+    """A refused request spec as vLLM's own validation error: the server's 400 names the field in its
+    ``param`` too; still a ValueError for the offline ``LLM``'s callers."""
 
-
-_METHODS: dict[str, Method] = {}
+    def __init__(self, err: SpecError) -> None:
+        ValueError.__init__(self, str(err))
+        self.field = self.parameter = err.field
+        self.value = None
 
 
 def question_ids(prompt: list[int], placeholder_ranges: list[tuple[int, int]], suffix: list[int]) -> list[int]:
@@ -317,7 +320,7 @@ class VlmPruneLlavaForConditionalGeneration(OffsetChannels, LlavaForConditionalG
         spec = spec_from(raw, spec_of(self.config))
         method = method_of(spec)
         seed = int(spec.get("seed", 0))
-        gen = torch.Generator().manual_seed(seed * 1_000_003 + (int(rank.reshape(-1)[0]) if rank is not None else 0))
+        gen = item_generator(seed, int(rank.reshape(-1)[0]) if rank is not None else 0)
         text = None
         if query is not None:
             text = self.language_model.model.embed_tokens(query.reshape(-1).to(features.device).long())

@@ -47,7 +47,7 @@ from vllm.multimodal.inputs import (
 from vllm.multimodal.parse import ImageProcessorItems, VideoProcessorItems
 from vllm.multimodal.processing import PromptReplacement, PromptUpdate
 
-from vlm_prune.methods.base import Method, Reduction, VisionContext
+from vlm_prune.methods.base import Method, Reduction, VisionContext, item_generator
 from vlm_prune.vllm.config import ONEVISION_VISIONZIP_REFUSAL
 from vlm_prune.vllm.frames import (
     frames_reduction,
@@ -278,7 +278,7 @@ class VlmPruneLlavaOnevisionForConditionalGeneration(OffsetChannels, LlavaOnevis
         spec = spec_from(item[SPEC_KEY], spec_of(self.config))
         method = method_of(strip_quota(spec))
         rank = int(item[RANK_KEY].reshape(-1)[0]) if item[RANK_KEY] is not None else 0
-        gen = torch.Generator().manual_seed(int(spec.get("seed", 0)) * 1_000_003 + rank)
+        gen = item_generator(int(spec.get("seed", 0)), rank)
         query = item[QUERY_KEY]
         text = None
         if query is not None:

@@ -51,7 +51,7 @@ from vllm.multimodal.inputs import MultiModalFeatureSpec
 from vllm.multimodal.processing import PromptReplacement, PromptUpdate
 
 from vlm_prune.adapters.qwen2_vl import unpatchify
-from vlm_prune.methods.base import Method, VisionContext
+from vlm_prune.methods.base import Method, VisionContext, item_generator
 from vlm_prune.vllm.config import refusal
 from vlm_prune.vllm.frames import (
     frames_plan,
@@ -229,7 +229,7 @@ class _PrunedQwen(OffsetChannels):
         n = rows * cols
         method = _check(method_of(strip_quota(spec)), self.config.architectures[0])
         seed = int(spec.get("seed", 0))
-        gen = torch.Generator().manual_seed(seed * 1_000_003 + (int(rank.reshape(-1)[0]) if rank is not None else 0))
+        gen = item_generator(seed, int(rank.reshape(-1)[0]) if rank is not None else 0)
         text = None
         if query is not None:
             text = self.language_model.model.embed_tokens(query.reshape(-1).to(features.device).long())
