@@ -30,6 +30,7 @@ from reference import HookedReference, capture_lm_inputs, positions_of, renumber
 from vlm_prune import engine
 from vlm_prune.frames.quota import QuoTA
 from vlm_prune.methods import PACT
+from vlm_prune.registry import method_class
 
 STEPS = 4
 
@@ -48,7 +49,7 @@ ADAPTERS = {
 }
 VIDEO = {"onevision_video", "qwen2_vl_video"}
 METHODS = ["random", "pool", "divprune", "cdpruner", "visionzip", "tome", "asvit", "fastv", "pact", "adaptinfer",
-           "uniform", "quota"]
+           "uniform", "quota", "vidcom2"]
 #: combinations a pruning call refuses with a documented message (no tower attention there)
 CALL_REFUSALS = {("onevision_image", "visionzip"): "VisionZip runs on LLaVA-1.5 images and LLaVA-OneVision videos"}
 _cache: dict = {}
@@ -168,7 +169,7 @@ def assisted(model, inp1, adapter: str) -> torch.Tensor:
 def wrapped(adapter: str, method: str, keep: float):
     """(model, inputs, batch-1 inputs) of the adapter wrapped with ``method``; None when wrap() or
     the call refuses the combination with its documented message."""
-    if method in ("uniform", "quota") and adapter not in VIDEO:
+    if method_class(method).stage == "frames" and adapter not in VIDEO:
         pytest.skip("frames methods act on video only")
     model, inp, inp1 = setup(adapter)
     return (model, inp, inp1) if wrap_or_refuse(model, method, adapter, inp, keep=keep) else None

@@ -20,6 +20,7 @@ ONE_LINE = {
     "random": "keeps a seeded random subset of each image's tokens (baseline)",
     "tome": "merges similar patches inside the ViT, a few per block (token merging)",
     "uniform": "keeps evenly spaced frames at full resolution (baseline)",
+    "vidcom2": "keeps each frame's most distinct tokens, more of them in frames unlike the rest of the video",
     "visionzip": "keeps the tokens the vision tower attends to most and merges the rest by similarity",
 }
 
