@@ -3,6 +3,8 @@ written re-statements of their official algorithms, named with the commit read:
 
 - VidCom2: xuyang-liu16/VidCom2@944a17d14f4848ad080a65eab2b0711a760fa154,
   token_compressor/vidcom2/vidcom2.py (``vidcom2_compression`` with the "linear" mapper).
+- FastVID: LunarShen/FastVID@a40a109cb8df20e8c2c17c6850f8269717369990, the LLaVA-OneVision
+  version (fastvid_llavaonevision/.../language_model/modeling_qwen2.py, the "FastVID" block).
 
 The re-statements follow the official control flow; none of their code is copied.
 """
@@ -13,6 +15,7 @@ import torch
 
 import tiny_models as T
 import vlm_prune
+from vlm_prune.frames.fastvid import FastVID, fastvid_plan, frame_counts
 from vlm_prune.frames.vidcom2 import VidCom2, apportion
 from vlm_prune.methods.base import FramesContext
 
@@ -122,3 +125,139 @@ def test_vidcom2_in_the_model_sees_the_projected_frame_tokens(family):
         plan = VidCom2(keep=0.25).allocate(FramesContext(features=video, grid=None, n_total=t * n // 4))
         assert rec["videos"][b]["tokens_per_frame"] == plan.tokens_per_frame
         assert rec["tokens_out"][b] == stats["visual_tokens_out"][b] == t * n // 4
+
+
+# ---- FastVID ----------------------------------------------------------------------------------
+def official_fastvid(video: torch.Tensor, attn: torch.Tensor, retention: float, c: int, tau: float, d: float,
+                     p: int, beta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The official OneVision block, batched over frames as the official: (kept slot indices in
+    order, their features). Global features = frame means (the Qwen2.5-VL version's); the density's
+    1e-6 random tie-break noise is left out."""
+    t, n, dim = video.shape
+    ar = torch.arange(t)[:, None]
+    slots = torch.arange(t * n).view(t, n)
+    g = video.mean(1)
+    g = g / g.norm(dim=1, keepdim=True)
+    sim = (g[:-1] * g[1:]).sum(1)
+    cuts = torch.unique(torch.cat([torch.topk(sim, c - 1, largest=False).indices,
+                                   torch.nonzero(sim < tau).squeeze(1)])).sort().values
+    padded = torch.nn.functional.pad(cuts, (1, 1), value=-1)
+    padded[-1] = t - 1
+    sizes = padded.diff().tolist()
+    retain = int(n * retention)
+    n_sal = retain - int(retain * d)
+    n_ctx = retain - n_sal
+    ctx_list = torch.zeros(t, dtype=torch.long)
+    off = 0
+    for length in sizes:
+        cur = n_ctx * length // ((length + p - 1) // p)
+        anchor = (torch.arange(length - 1, -1, -1) % p) == 0
+        ctx_list[off:off + length][anchor] = cur
+        off += length
+    sal = torch.topk(attn, n_sal, dim=1).indices
+    keep, feats = [slots[ar.expand(-1, n_sal), sal].flatten()], [video[ar.expand(-1, n_sal), sal].reshape(-1, dim)]
+    mask = torch.ones(t, n, dtype=torch.bool)
+    mask.scatter_(1, sal, False)
+    rest = torch.arange(n).expand(t, -1)[mask].view(t, n - n_sal)
+    tok = video[ar.expand(-1, n - n_sal), rest]
+    tok_slots = slots[ar.expand(-1, n - n_sal), rest]
+    dist = torch.cdist(tok, tok) / dim ** 0.5
+    near = torch.topk(dist, k=4, dim=-1, largest=False).values
+    dens = (-(near ** 2).mean(-1)).exp()
+    higher = (dens[:, None, :] > dens[:, :, None]).float()
+    dmax = dist.flatten(1).max(-1)[0][:, None, None]
+    score = (dist * higher + dmax * (1 - higher)).min(-1)[0] * dens
+
+    def dtm(anchors, members):  # anchors [K, D], members [M, D]
+        s = (members / members.norm(dim=-1, keepdim=True)) @ (anchors / anchors.norm(dim=-1, keepdim=True)).t()
+        one = torch.zeros(members.shape[0], anchors.shape[0])
+        one.scatter_(1, s.argmax(1, keepdim=True), 1)
+        w = (1 / (one.sum(0)[:, None] + 1)).clamp(min=beta)
+        agg = one.t() @ members / one.sum(0).clamp(min=1)[:, None]
+        return w * anchors + (1 - w) * agg
+
+    single = ctx_list == n_ctx
+    for f in torch.nonzero(single).flatten().tolist():
+        pick = torch.topk(score[f], n_ctx).indices
+        keep.append(tok_slots[f, pick])
+        feats.append(dtm(tok[f, pick], tok[f]))
+    off = 0
+    for length in sizes:
+        if length > 1:
+            seg = slice(off, off + length)
+            pool = tok[seg].reshape(-1, dim)
+            cur = int(ctx_list[seg][-1])
+            for f in [off + j for j in range(length) if ctx_list[off + j] > n_ctx]:
+                pick = torch.topk(score[f], cur).indices
+                keep.append(tok_slots[f, pick])
+                feats.append(dtm(tok[f, pick], pool))
+        off += length
+    keep, feats = torch.cat(keep), torch.cat(feats)
+    order = torch.argsort(keep)
+    return keep[order], feats[order]
+
+
+def _two_scenes(t: int, n: int, dim: int, cut: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    a, b = torch.randn(n, dim, generator=g), torch.randn(n, dim, generator=g)
+    video = torch.stack([(a if i < cut else b) for i in range(t)]) + 0.4 * torch.randn(t, n, dim, generator=g)
+    return video
+
+
+@pytest.mark.parametrize("case", ["segments", "single frames"])
+def test_fastvid_equals_the_official_block(case):
+    """Two 3-frame segments merged across frames at their anchor frame (c=2, tau=-1, p=3), and
+    four one-frame segments merged within each frame (c=4): kept slots and merged features equal
+    the official block's where its counts spend the budget exactly (they do here: asserted)."""
+    t = 6 if case == "segments" else 4
+    n, dim = 16, 12
+    video = _two_scenes(t, n, dim, cut=3 if case == "segments" else 2)
+    attn = torch.rand(t, n, generator=torch.Generator().manual_seed(5))
+    c, p = (2, 3) if case == "segments" else (4, 4)
+    retention, d, beta, tau = 0.5, 0.4, 0.6, (-1.0 if case == "segments" else 0.9)
+    ref_slots, ref_feats = official_fastvid(video, attn, retention, c, tau, d, p, beta)
+    n_total = int(retention * t * n)
+    assert ref_slots.numel() == n_total  # the official counts spend the budget: the case holds
+    plan = fastvid_plan(video, attn, n_total, c=c, tau=tau, d=d, p=p, beta=beta)
+    assert torch.equal(plan.reduction.indices, ref_slots)
+    torch.testing.assert_close(plan.reduction.features, ref_feats, atol=1e-6, rtol=1e-6)
+    merged = ~(plan.reduction.features == video.reshape(t * n, dim)[plan.reduction.indices]).all(-1)
+    assert int(merged.sum()) == (2 * 9 if case == "segments" else 4 * 3)  # every anchor changed, no salient token did
+
+
+def test_fastvid_counts_spend_the_budget_exactly():
+    # 3 + 1 frames, retain 5 each: 3 salient + context 2 (one-frame segment: 2; 3 frames, p=4: one anchor with 6)
+    assert frame_counts([3, 1], n=16, n_total=20, d=0.4, p=4) == ([3, 3, 3, 3], [0, 0, 6, 2])
+    sal, ctx = frame_counts([3, 1], n=16, n_total=23, d=0.4, p=4)  # 3 left by the floors go to salient tokens
+    assert sal == [4, 4, 4, 3] and sum(sal) + sum(ctx) == 23
+    sal, ctx = frame_counts([2], n=4, n_total=3, d=0.4, p=4)  # below a token per frame
+    assert sum(sal) + sum(ctx) == 3 and all(s + c <= 4 for s, c in zip(sal, ctx))
+
+
+def test_fastvid_needs_the_tower_attention():
+    with pytest.raises(ValueError, match="supports llava_onevision"):
+        vlm_prune.wrap(T.tiny_qwen2_vl(), "fastvid", keep=0.25)
+    with pytest.raises(ValueError, match="tower's attention"):
+        FastVID(keep=0.5).allocate(FramesContext(features=torch.randn(2, 4, 8), grid=(2, 2), n_total=4))
+
+
+def test_fastvid_in_the_model_ranks_by_the_pooled_tower_attention():
+    """Through wrap() on LLaVA-OneVision: salient tokens are the top of the tower attention the
+    adapter pools to each frame's grid (d=0: all salient)."""
+    model = T.tiny_onevision()
+    inp = T.onevision_video_inputs(model, frames=4)
+    seen = []
+
+    class Recording(FastVID):
+        def allocate(self, ctx):
+            plan = super().allocate(ctx)
+            seen.append((torch.stack([ctx.tower_attention(i)[0] for i in range(4)]), plan))
+            return plan
+
+    vlm_prune.wrap(model, Recording(d=0.0), keep=0.5)
+    stats = T.forward_stats(model, inp)
+    assert stats["visual_tokens_out"] == [8, 8] and len(seen) == 2
+    for attn, plan in seen:
+        assert attn.shape == (4, 4) and torch.allclose(attn.sum(), attn.sum())
+        top = torch.cat([torch.topk(attn[i], 2).indices.sort().values + 4 * i for i in range(4)])
+        assert torch.equal(plan.reduction.indices, top)

@@ -28,6 +28,7 @@ import tiny_models as T
 import vlm_prune
 from reference import HookedReference, capture_lm_inputs, positions_of, renumber
 from vlm_prune import engine
+from vlm_prune.frames.fastvid import FastVID
 from vlm_prune.frames.quota import QuoTA
 from vlm_prune.methods import PACT
 from vlm_prune.registry import method_class
@@ -49,7 +50,7 @@ ADAPTERS = {
 }
 VIDEO = {"onevision_video", "qwen2_vl_video"}
 METHODS = ["random", "pool", "divprune", "cdpruner", "visionzip", "tome", "asvit", "fastv", "pact", "adaptinfer",
-           "uniform", "quota", "vidcom2"]
+           "uniform", "quota", "vidcom2", "fastvid"]
 #: combinations a pruning call refuses with a documented message (no tower attention there)
 CALL_REFUSALS = {("onevision_image", "visionzip"): "VisionZip runs on LLaVA-1.5 images and LLaVA-OneVision videos"}
 _cache: dict = {}
@@ -62,6 +63,8 @@ def _method(name: str, keep: float):
         flat = keep == 1.0
         return QuoTA(scorer=lambda pixels, prompt: torch.full((pixels.shape[0],), 0.5) if flat
                      else torch.linspace(0.9, 0.1, pixels.shape[0]))
+    if name == "fastvid":  # a context share that leaves a merged anchor per frame of 4 tokens at keep 0.5
+        return FastVID(d=0.5)
     if name == "pact" and keep == 1.0:
         return PACT(cutoff=0.0)
     return name

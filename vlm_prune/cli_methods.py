@@ -12,6 +12,7 @@ ONE_LINE = {
     "asvit": "drops image patches inside the ViT, by class-token attention weighted per head",
     "cdpruner": "keeps a diverse, question-relevant subset of each image's tokens (conditional DPP)",
     "divprune": "keeps the most mutually different tokens of each image (max-min diversity)",
+    "fastvid": "cuts the video into scenes, keeps each frame's most attended tokens and merges the rest into density peaks",
     "fastv": "drops the visual tokens that get the least attention at one early LLM layer",
     "keyscore": "picks video frames by caption similarity, temporal spread and novelty (STACFP)",
     "pact": "drops unimportant visual tokens and merges similar ones inside the LLM (clustering)",

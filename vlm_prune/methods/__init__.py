@@ -30,6 +30,7 @@ BUILTIN = {
     "QuoTA": "vlm_prune.frames.quota",
     "Uniform": "vlm_prune.frames.uniform",
     "VidCom2": "vlm_prune.frames.vidcom2",
+    "FastVID": "vlm_prune.frames.fastvid",
 }
 
 
@@ -47,5 +48,5 @@ __all__ = [
     "Method", "VisionMethod", "LLMMethod", "FramesMethod", "Reduction", "VisionContext", "LayerContext",
     "Random", "Pool", "FastV", "PACT", "AdaptInfer", "VisionZip", "DivPrune", "CDPruner",
     "ASViT", "ToMe", "QuoTA", "KeyScore", "Uniform",
-    "VidCom2",
+    "VidCom2", "FastVID",
 ]
