@@ -5,10 +5,14 @@ written re-statements of their official algorithms, named with the commit read:
   token_compressor/vidcom2/vidcom2.py (``vidcom2_compression`` with the "linear" mapper).
 - FastVID: LunarShen/FastVID@a40a109cb8df20e8c2c17c6850f8269717369990, the LLaVA-OneVision
   version (fastvid_llavaonevision/.../language_model/modeling_qwen2.py, the "FastVID" block).
+- HoliTom: cokeshao/HoliTom@e9b2972f6895c9e7d7fe74eb8c3a2ecaab8056e0, holitom/llava_arch.py
+  (the video branch of prepare_inputs_labels_for_multimodal and the methods it calls).
 
 The re-statements follow the official control flow; none of their code is copied.
 """
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
@@ -16,6 +20,7 @@ import torch
 import tiny_models as T
 import vlm_prune
 from vlm_prune.frames.fastvid import FastVID, fastvid_plan, frame_counts
+from vlm_prune.frames.holitom import HoliTom, holitom_plan, static_windows
 from vlm_prune.frames.vidcom2 import VidCom2, apportion
 from vlm_prune.methods.base import FramesContext
 
@@ -261,3 +266,128 @@ def test_fastvid_in_the_model_ranks_by_the_pooled_tower_attention():
         assert attn.shape == (4, 4) and torch.allclose(attn.sum(), attn.sum())
         top = torch.cat([torch.topk(attn[i], 2).indices.sort().values + 4 * i for i in range(4)])
         assert torch.equal(plan.reduction.indices, top)
+
+
+# ---- HoliTom ----------------------------------------------------------------------------------
+def official_windows(sim: torch.Tensor, tau: float, max_window: int) -> list[tuple[int, int]]:
+    """select_static_windows: the [T, T] saved-token table from cumulative products of the
+    thresholded similarities, then the DP over window ends and the backtrack."""
+    t = sim.shape[0] + 1
+    table = torch.ones(t, t, sim.shape[1])
+    for s in range(t - 1):
+        cum = torch.cumprod(sim[s:] > tau, dim=0)
+        table[s, s + 1:s + 1 + len(cum)] = cum.float()
+    lengths = (torch.arange(t)[None] - torch.arange(t)[:, None]).clamp(min=0)
+    saved = table.sum(-1) * lengths
+    dp, prev = torch.zeros(t), torch.zeros(t, dtype=torch.long)
+    for i in range(t):
+        best, at = (dp[i - 1] if i > 0 else 0), i
+        for w in range(2, min(i + 1, max_window) + 1):
+            j = i - w
+            val = (dp[j] if j >= 0 else 0) + saved[j + 1, i]
+            if val > best:
+                best, at = val, j + 1
+        dp[i], prev[i] = best, at
+    out, i = [], t - 1
+    while i >= 0:
+        out.append((int(prev[i]), i))
+        i = int(prev[i]) - 1
+    return out[::-1]
+
+
+def official_holitom(video: torch.Tensor, attn: torch.Tensor, retain: float, tau: float, beta: float, k: int):
+    """The official outer stage with D = 0 (its default): (kept slots ascending, their features),
+    each token placed at its slot (static ones in the window's first frame), the density's random
+    tie-break left out. Also returns the official counts' total."""
+    t, n, dim = video.shape
+    x = torch.nn.functional.normalize(video, dim=-1)
+    sim = torch.nn.functional.cosine_similarity(x[:-1], x[1:], dim=-1)
+    windows = official_windows(sim, tau, 1024)
+    lengths = (torch.arange(t)[None] - torch.arange(t)[:, None]).clamp(min=0)
+    reduced = sum(int((sim[s:e] > tau).all(0).sum()) * (e - s) for s, e in windows if e > s)
+    r = min(retain / ((t * n - reduced) / (t * n)), 1)
+    slots, feats = [], []
+
+    def by_density(feat, pos):  # merge_tokens_by_density + merge_tokens_by_clustering, one sample
+        m = round(feat.shape[0] * r)
+        dist = torch.cdist(feat[None], feat[None])[0] / dim ** 0.5
+        near = torch.topk(dist, min(k, m), dim=-1, largest=False).values
+        dens = (-(near ** 2).mean(-1)).exp()
+        higher = (dens[None, :] > dens[:, None]).float()
+        score = (dist * higher + dist.max() * (1 - higher)).min(-1)[0] * dens
+        centres = torch.topk(score, m).indices.sort().values
+        others = torch.tensor([i for i in range(feat.shape[0]) if i not in centres.tolist()], dtype=torch.long)
+        owner = dist[others][:, centres].argmin(-1)
+        out = []
+        for c in range(m):
+            members = feat[others[owner == c]]
+            out.append(beta * feat[centres[c]] + (1 - beta) * members.mean(0) if len(members) else feat[centres[c]])
+        return pos[centres], torch.stack(out)
+
+    for s, e in windows:
+        mask = torch.zeros(n, dtype=torch.bool) if s == e else (sim[s:e] > tau).all(0)
+        if s < e and mask.any():
+            pos, f = by_density(video[s:e + 1][:, mask].mean(0), torch.nonzero(mask).flatten())
+            slots.append(pos + s * n)
+            feats.append(f)
+        dyn = torch.nonzero(~mask).flatten()
+        keep = math.ceil(len(dyn) * r)  # round(ceil(L r) (1 - 0))
+        for f in range(s, e + 1):
+            top = attn[f, dyn].topk(keep).indices
+            slots.append(dyn[top] + f * n)
+            feats.append(video[f, dyn[top]])
+    slots, feats = torch.cat(slots), torch.cat(feats)
+    order = torch.argsort(slots)
+    return slots[order], feats[order]
+
+
+def _static_video(seed: int = 0) -> torch.Tensor:
+    """4 frames of 16 tokens: slots 0-7 stay put through frames 0-2, the rest change every frame."""
+    g = torch.Generator().manual_seed(seed)
+    still = torch.randn(8, 12, generator=g)
+    video = torch.randn(4, 16, 12, generator=g)
+    video[:3, :8] = still + 0.01 * torch.randn(3, 8, 12, generator=g)
+    return video
+
+
+def test_holitom_windows_equal_the_official_dp():
+    for seed in range(3):
+        video = _static_video(seed)
+        if seed:
+            video[2:, 3:5] = video[1, 3:5]  # another still patch, over a different span
+        x = torch.nn.functional.normalize(video, dim=-1)
+        sim = (x[:-1] * x[1:]).sum(-1)
+        for max_window in (2, 3, 1024):
+            assert static_windows(sim, 0.8, max_window)[0] == official_windows(sim, 0.8, max_window)
+    assert static_windows(sim, 0.8, 1024)[0] == [(0, 2), (3, 3)]
+
+
+def test_holitom_equals_the_official_outer_stage():
+    """Frames 0-2 form a window whose 8 still slots average into 8 static tokens (16 saved); at
+    retain 3/8 the official keeps round(8 r) = 4 static clusters, ceil(8 r) = 4 dynamic tokens per
+    window frame and 8 of the last frame: 24 = the budget, and the same tokens here."""
+    video = _static_video()
+    attn = torch.rand(4, 16, generator=torch.Generator().manual_seed(3))
+    ref_slots, ref_feats = official_holitom(video, attn, retain=24 / 64, tau=0.8, beta=0.6, k=7)
+    assert ref_slots.numel() == 24  # the official counts spend the budget: the case holds
+    plan = holitom_plan(video, attn, 24)
+    assert torch.equal(plan.reduction.indices, ref_slots)
+    torch.testing.assert_close(plan.reduction.features, ref_feats, atol=1e-6, rtol=1e-6)
+    assert plan.tokens_per_frame == [8, 4, 4, 8]  # static tokens sit in the window's first frame
+
+
+def test_holitom_spends_the_budget_exactly_and_forgoes_windows_that_undercut_it():
+    video = _static_video()
+    attn = torch.rand(4, 16, generator=torch.Generator().manual_seed(3))
+    for n_total in (3, 10, 25, 47):
+        assert int(holitom_plan(video, attn, n_total).reduction.indices.numel()) == n_total
+    plan = holitom_plan(video, attn, 60)  # 48 tokens would remain after averaging: no windows
+    assert plan.reduction.indices.numel() == 60 and plan.reduction.features is not None
+    assert torch.equal(plan.reduction.features, video.reshape(64, 12)[plan.reduction.indices])
+
+
+def test_holitom_needs_the_tower_attention():
+    with pytest.raises(ValueError, match="supports llava_onevision"):
+        vlm_prune.wrap(T.tiny_qwen2_vl(), "holitom", keep=0.25)
+    with pytest.raises(ValueError, match="tower's attention"):
+        HoliTom(keep=0.5).allocate(FramesContext(features=torch.randn(2, 4, 8), grid=(2, 2), n_total=4))

@@ -29,6 +29,7 @@ import vlm_prune
 from reference import HookedReference, capture_lm_inputs, positions_of, renumber
 from vlm_prune import engine
 from vlm_prune.frames.fastvid import FastVID
+from vlm_prune.frames.holitom import HoliTom
 from vlm_prune.frames.quota import QuoTA
 from vlm_prune.methods import PACT
 from vlm_prune.registry import method_class
@@ -50,7 +51,7 @@ ADAPTERS = {
 }
 VIDEO = {"onevision_video", "qwen2_vl_video"}
 METHODS = ["random", "pool", "divprune", "cdpruner", "visionzip", "tome", "asvit", "fastv", "pact", "adaptinfer",
-           "uniform", "quota", "vidcom2", "fastvid"]
+           "uniform", "quota", "vidcom2", "fastvid", "holitom"]
 #: combinations a pruning call refuses with a documented message (no tower attention there)
 CALL_REFUSALS = {("onevision_image", "visionzip"): "VisionZip runs on LLaVA-1.5 images and LLaVA-OneVision videos"}
 _cache: dict = {}
@@ -65,6 +66,8 @@ def _method(name: str, keep: float):
                      else torch.linspace(0.9, 0.1, pixels.shape[0]))
     if name == "fastvid":  # a context share that leaves a merged anchor per frame of 4 tokens at keep 0.5
         return FastVID(d=0.5)
+    if name == "holitom":  # every slot static: windows of 2 frames average into one token per slot
+        return HoliTom(tau=-1.0, max_window=2)
     if name == "pact" and keep == 1.0:
         return PACT(cutoff=0.0)
     return name

@@ -14,6 +14,7 @@ ONE_LINE = {
     "divprune": "keeps the most mutually different tokens of each image (max-min diversity)",
     "fastvid": "cuts the video into scenes, keeps each frame's most attended tokens and merges the rest into density peaks",
     "fastv": "drops the visual tokens that get the least attention at one early LLM layer",
+    "holitom": "averages tokens that stay still over windows of frames, clusters them, keeps each frame's most attended others",
     "keyscore": "picks video frames by caption similarity, temporal spread and novelty (STACFP)",
     "pact": "drops unimportant visual tokens and merges similar ones inside the LLM (clustering)",
     "pool": "averages each image's token grid down to a coarser grid (baseline)",

@@ -55,23 +55,25 @@ def frame_shares(uniqueness: torch.Tensor, base: float, temperature: float = 0.0
     return (base * (1 + p - p.mean())).clamp(max=1.0)
 
 
-def apportion(shares: list[float], n_total: int, cap: int, at_least_one: bool = True) -> list[int]:
-    """Whole counts, each at most ``cap``, adding up to exactly min(n_total, cap * len(shares)),
-    close to the real ``shares``: floors, then the largest remainders (ties to the earlier frame),
-    then whatever caps left over to the frames with room, largest share first. ``at_least_one``:
-    every frame keeps a token when n_total allows it (the official clamp(min=1))."""
+def apportion(shares: list[float], n_total: int, cap: int | list[int], at_least_one: bool = True) -> list[int]:
+    """Whole counts, each at most ``cap`` (one for all, or one per share), adding up to exactly
+    min(n_total, sum of the caps), close to the real ``shares``: floors, then the largest remainders
+    (ties to the earlier frame), then whatever caps left over to the frames with room, largest share
+    first. ``at_least_one``: every frame keeps a token when n_total allows it (the official
+    clamp(min=1))."""
     t = len(shares)
-    n_total = min(int(n_total), cap * t)
-    out = [min(cap, max(0, math.floor(s))) for s in shares]
+    caps = [cap] * t if isinstance(cap, int) else list(cap)
+    n_total = min(int(n_total), sum(caps))
+    out = [min(c, max(0, math.floor(s))) for c, s in zip(caps, shares)]
     order = sorted(range(t), key=lambda i: (-(shares[i] - math.floor(shares[i])), i))
     by_share = sorted(range(t), key=lambda i: (-shares[i], i))
     for i in order:  # the largest remainders
         if sum(out) >= n_total:
             break
-        out[i] += out[i] < cap
+        out[i] += out[i] < caps[i]
     while sum(out) < n_total:  # what the caps left over: the frames with room, largest share first
         for i in by_share:
-            if out[i] < cap and sum(out) < n_total:
+            if out[i] < caps[i] and sum(out) < n_total:
                 out[i] += 1
     while sum(out) > n_total:  # floors of shares above the total (never with consistent shares)
         i = max(range(t), key=lambda j: (out[j], -j))

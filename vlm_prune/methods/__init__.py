@@ -31,6 +31,7 @@ BUILTIN = {
     "Uniform": "vlm_prune.frames.uniform",
     "VidCom2": "vlm_prune.frames.vidcom2",
     "FastVID": "vlm_prune.frames.fastvid",
+    "HoliTom": "vlm_prune.frames.holitom",
 }
 
 
@@ -48,5 +49,5 @@ __all__ = [
     "Method", "VisionMethod", "LLMMethod", "FramesMethod", "Reduction", "VisionContext", "LayerContext",
     "Random", "Pool", "FastV", "PACT", "AdaptInfer", "VisionZip", "DivPrune", "CDPruner",
     "ASViT", "ToMe", "QuoTA", "KeyScore", "Uniform",
-    "VidCom2", "FastVID",
+    "VidCom2", "FastVID", "HoliTom",
 ]
