@@ -7,6 +7,8 @@ written re-statements of their official algorithms, named with the commit read:
   version (fastvid_llavaonevision/.../language_model/modeling_qwen2.py, the "FastVID" block).
 - HoliTom: cokeshao/HoliTom@e9b2972f6895c9e7d7fe74eb8c3a2ecaab8056e0, holitom/llava_arch.py
   (the video branch of prepare_inputs_labels_for_multimodal and the methods it calls).
+- DyCoke: KD-TAO/DyCoke@dd7463498203479d0ff6f2d29c4e72928c0af244, llava/model/llava_arch.py
+  (``dycole_ttm``).
 
 The re-statements follow the official control flow; none of their code is copied.
 """
@@ -19,6 +21,7 @@ import torch
 
 import tiny_models as T
 import vlm_prune
+from vlm_prune.frames.dycoke import DyCoke, ttm_plan, ttm_references
 from vlm_prune.frames.fastvid import FastVID, fastvid_plan, frame_counts
 from vlm_prune.frames.holitom import HoliTom, holitom_plan, static_windows
 from vlm_prune.frames.vidcom2 import VidCom2, apportion
@@ -391,3 +394,46 @@ def test_holitom_needs_the_tower_attention():
         vlm_prune.wrap(T.tiny_qwen2_vl(), "holitom", keep=0.25)
     with pytest.raises(ValueError, match="tower's attention"):
         HoliTom(keep=0.5).allocate(FramesContext(features=torch.randn(2, 4, 8), grid=(2, 2), n_total=4))
+
+
+# ---- DyCoke (TTM) -----------------------------------------------------------------------------
+def official_ttm(video: torch.Tensor, k: float) -> list[set[int]]:
+    """dycole_ttm on [T, N, D] (T even): the slots each frame keeps. Pairs (i, i+1): frame i whole,
+    frame i+1 its int((1 - k) N) tokens least similar to frame i; then for i in range(0, T - 4, 4)
+    frame i+2 is replaced by its int((1 - k) N) tokens least similar to frame i."""
+    t, n, _ = video.shape
+    m = int((1 - k) * n)
+    kept = []
+    for i in range(0, t - 1, 2):
+        sim = torch.nn.functional.cosine_similarity(torch.nn.functional.normalize(video[i], dim=1),
+                                                    torch.nn.functional.normalize(video[i + 1], dim=1), dim=1)
+        kept.append(set(range(n)))
+        kept.append(set(sim.topk(m, largest=False).indices.tolist()))
+    for i in range(0, t - 4, 4):
+        sim = torch.nn.functional.cosine_similarity(video[i], video[i + 2], dim=1)
+        kept[i + 2] = set(sim.topk(m, largest=False).indices.tolist())
+    return kept
+
+
+def test_dycoke_ttm_equals_the_official_at_its_k():
+    t, n = 8, 16
+    video = _video(t, n, 12, distinct=None, seed=2)
+    assert ttm_references(t) == [None, 0, 0, 2, None, 4, None, 6]
+    ref = official_ttm(video, k=0.3)  # compared frames keep int(0.7 * 16) = 11; pivots 0, 4, 6 keep 16
+    n_total = sum(len(r) for r in ref)
+    assert n_total == 3 * 16 + 5 * 11
+    plan = ttm_plan(video, n_total)
+    got = [set(((plan.reduction.indices[(plan.reduction.indices >= i * n) & (plan.reduction.indices < (i + 1) * n)])
+                - i * n).tolist()) for i in range(t)]
+    assert got == ref and plan.tokens_per_frame == [len(r) for r in ref]
+    assert plan.reduction.features is None
+
+
+def test_dycoke_spends_the_budget_down_to_its_pivots_and_refuses_decode_pruning():
+    video = _video(5, 9, 12, distinct=None, seed=3)
+    assert ttm_references(5) == [None, 0, 0, 2, 3]  # odd last frame: against its predecessor (the official drops it)
+    for n_total in (9, 20, 33, 44):  # one pivot frame of 9 tokens
+        assert ttm_plan(video, n_total).reduction.indices.numel() == n_total
+    assert ttm_plan(video, 7).reduction.indices.numel() == 9  # below the pivot: it stays whole
+    with pytest.raises(ValueError, match="decode_pruning=True.*not implemented.*decode_pruning=False"):
+        DyCoke(decode_pruning=True)

@@ -51,7 +51,7 @@ ADAPTERS = {
 }
 VIDEO = {"onevision_video", "qwen2_vl_video"}
 METHODS = ["random", "pool", "divprune", "cdpruner", "visionzip", "tome", "asvit", "fastv", "pact", "adaptinfer",
-           "uniform", "quota", "vidcom2", "fastvid", "holitom"]
+           "uniform", "quota", "vidcom2", "fastvid", "holitom", "dycoke"]
 #: combinations a pruning call refuses with a documented message (no tower attention there)
 CALL_REFUSALS = {("onevision_image", "visionzip"): "VisionZip runs on LLaVA-1.5 images and LLaVA-OneVision videos"}
 _cache: dict = {}

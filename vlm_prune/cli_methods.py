@@ -13,6 +13,7 @@ ONE_LINE = {
     "cdpruner": "keeps a diverse, question-relevant subset of each image's tokens (conditional DPP)",
     "divprune": "keeps the most mutually different tokens of each image (max-min diversity)",
     "fastvid": "cuts the video into scenes, keeps each frame's most attended tokens and merges the rest into density peaks",
+    "dycoke": "drops the tokens of every second frame (and every fourth) that repeat the frame before",
     "fastv": "drops the visual tokens that get the least attention at one early LLM layer",
     "holitom": "averages tokens that stay still over windows of frames, clusters them, keeps each frame's most attended others",
     "keyscore": "picks video frames by caption similarity, temporal spread and novelty (STACFP)",

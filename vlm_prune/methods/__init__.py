@@ -32,6 +32,7 @@ BUILTIN = {
     "VidCom2": "vlm_prune.frames.vidcom2",
     "FastVID": "vlm_prune.frames.fastvid",
     "HoliTom": "vlm_prune.frames.holitom",
+    "DyCoke": "vlm_prune.frames.dycoke",
 }
 
 
@@ -49,5 +50,5 @@ __all__ = [
     "Method", "VisionMethod", "LLMMethod", "FramesMethod", "Reduction", "VisionContext", "LayerContext",
     "Random", "Pool", "FastV", "PACT", "AdaptInfer", "VisionZip", "DivPrune", "CDPruner",
     "ASViT", "ToMe", "QuoTA", "KeyScore", "Uniform",
-    "VidCom2", "FastVID", "HoliTom",
+    "VidCom2", "FastVID", "HoliTom", "DyCoke",
 ]
