@@ -28,12 +28,7 @@ from vlm_prune.frames.vidcom2 import VidCom2, apportion
 from vlm_prune.methods.base import FramesContext
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+from test_budgets import _one_thread  # noqa: E402,F401  (autouse: one thread)
 
 
 # ---- VidCom2 ----------------------------------------------------------------------------------
@@ -306,7 +301,6 @@ def official_holitom(video: torch.Tensor, attn: torch.Tensor, retain: float, tau
     x = torch.nn.functional.normalize(video, dim=-1)
     sim = torch.nn.functional.cosine_similarity(x[:-1], x[1:], dim=-1)
     windows = official_windows(sim, tau, 1024)
-    lengths = (torch.arange(t)[None] - torch.arange(t)[:, None]).clamp(min=0)
     reduced = sum(int((sim[s:e] > tau).all(0).sum()) * (e - s) for s, e in windows if e > s)
     r = min(retain / ((t * n - reduced) / (t * n)), 1)
     slots, feats = [], []

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from vlm_prune.frames.uniform import whole_video
 from vlm_prune.frames.vidcom2 import apportion
 from vlm_prune.methods.base import FramesContext, FramesMethod, FramesPlan, Reduction
 from vlm_prune.registry import register
@@ -101,7 +102,5 @@ class DyCoke(FramesMethod):
                 "through decode-time KV pruning, not implemented); last_stats gives the count reached per video")
 
     def allocate(self, ctx: FramesContext) -> FramesPlan:
-        t, n, _ = ctx.features.shape
-        if ctx.n_total >= t * n:  # keep=1.0 or a budget of the whole video changes nothing
-            return FramesPlan(Reduction.keep_all(t * n, ctx.features.device), list(range(t)), [n] * t)
-        return ttm_plan(ctx.features, ctx.n_total)
+        whole = whole_video(ctx)
+        return whole if whole is not None else ttm_plan(ctx.features, ctx.n_total)

@@ -15,6 +15,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from vlm_prune.frames.uniform import whole_video
 from vlm_prune.methods.base import FramesContext, FramesMethod, FramesPlan, Reduction
 from vlm_prune.registry import register
 
@@ -86,6 +87,15 @@ def frame_counts(sizes: list[int], n: int, n_total: int, d: float, p: int) -> tu
         if not grew:
             break
     return salient, ctx
+
+
+def tower_salience(ctx: FramesContext, method: str) -> torch.Tensor:
+    """[T, N] attention each frame token receives in the vision tower (FramesContext.tower_attention)."""
+    if ctx.tower_attention is None:
+        raise ValueError(f"{method} needs the vision tower's attention for each frame (FramesContext.tower_attention), "
+                         "which the LLaVA-OneVision adapter computes; this model's adapter gave none")
+    device = ctx.features.device
+    return torch.stack([ctx.tower_attention(i)[0].to(device) for i in range(ctx.features.shape[0])])
 
 
 def fastvid_plan(features: torch.Tensor, attention: torch.Tensor, n_total: int, c: int = 8, tau: float = 0.9,
@@ -164,12 +174,8 @@ class FastVID(FramesMethod):
         self.c, self.tau, self.d, self.p, self.beta = c, tau, d, p, beta
 
     def allocate(self, ctx: FramesContext) -> FramesPlan:
-        t, n, _ = ctx.features.shape
-        device = ctx.features.device
-        if ctx.n_total >= t * n:  # keep=1.0 or a budget of the whole video changes nothing
-            return FramesPlan(Reduction.keep_all(t * n, device), list(range(t)), [n] * t)
-        if ctx.tower_attention is None:
-            raise ValueError("fastvid needs the vision tower's attention for each frame (FramesContext.tower_attention), "
-                             "which the LLaVA-OneVision adapter computes; this model's adapter gave none")
-        attention = torch.stack([ctx.tower_attention(i)[0].to(device) for i in range(t)])
-        return fastvid_plan(ctx.features, attention, ctx.n_total, self.c, self.tau, self.d, self.p, self.beta)
+        whole = whole_video(ctx)
+        if whole is not None:
+            return whole
+        return fastvid_plan(ctx.features, tower_salience(ctx, self.name), ctx.n_total, self.c, self.tau, self.d,
+                            self.p, self.beta)

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from vlm_prune.frames.fastvid import density_scores
+from vlm_prune.frames.fastvid import density_scores, tower_salience
+from vlm_prune.frames.uniform import whole_video
 from vlm_prune.frames.vidcom2 import apportion
 from vlm_prune.methods.base import FramesContext, FramesMethod, FramesPlan, Reduction
 from vlm_prune.registry import register
@@ -162,12 +163,8 @@ class HoliTom(FramesMethod):
         self.tau, self.d, self.beta, self.k, self.max_window = tau, d, beta, k, max_window
 
     def allocate(self, ctx: FramesContext) -> FramesPlan:
-        t, n, _ = ctx.features.shape
-        device = ctx.features.device
-        if ctx.n_total >= t * n:  # keep=1.0 or a budget of the whole video changes nothing
-            return FramesPlan(Reduction.keep_all(t * n, device), list(range(t)), [n] * t)
-        if ctx.tower_attention is None:
-            raise ValueError("holitom needs the vision tower's attention for each frame (FramesContext.tower_attention), "
-                             "which the LLaVA-OneVision adapter computes; this model's adapter gave none")
-        attention = torch.stack([ctx.tower_attention(i)[0].to(device) for i in range(t)])
-        return holitom_plan(ctx.features, attention, ctx.n_total, self.tau, self.d, self.beta, self.k, self.max_window)
+        whole = whole_video(ctx)
+        if whole is not None:
+            return whole
+        return holitom_plan(ctx.features, tower_salience(ctx, self.name), ctx.n_total, self.tau, self.d, self.beta,
+                            self.k, self.max_window)

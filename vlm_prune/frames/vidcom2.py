@@ -13,6 +13,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from vlm_prune.frames.uniform import whole_video
 from vlm_prune.methods.base import FramesContext, FramesMethod, FramesPlan, Reduction
 from vlm_prune.registry import register
 
@@ -130,10 +131,11 @@ class VidCom2(FramesMethod):
         return apportion(shares.tolist(), n_total, n)
 
     def allocate(self, ctx: FramesContext) -> FramesPlan:
-        t, n, _ = ctx.features.shape
+        whole = whole_video(ctx)
+        if whole is not None:
+            return whole
+        n = ctx.features.shape[1]
         device = ctx.features.device
-        if ctx.n_total >= t * n:  # keep=1.0 or a budget of the whole video changes nothing
-            return FramesPlan(Reduction.keep_all(t * n, device), list(range(t)), [n] * t)
         scores, uniqueness = vidcom2_scores(ctx.features, self.channel_ratio)
         counts = self.counts(uniqueness, n, ctx.n_total)
         kept = [torch.topk(scores[i], k, largest=False).indices + i * n for i, k in enumerate(counts) if k]
