@@ -103,7 +103,7 @@ def test_apportion_is_exact_capped_and_keeps_a_token_per_frame():
     assert apportion([1.0] * 3, 50, cap=4) == [4, 4, 4]
 
 
-@pytest.mark.parametrize("family", ["onevision", "qwen2_vl"])
+@pytest.mark.parametrize("family", ["onevision", "qwen2_vl", "qwen2_5_vl"])
 def test_vidcom2_in_the_model_sees_the_projected_frame_tokens(family):
     """Through wrap(): the method gets the video's own [T, N, D] tokens (those the unwrapped model
     feeds the LLM) and the kept rows are the plan's slots, for each sample of a batch of 2."""
@@ -114,7 +114,7 @@ def test_vidcom2_in_the_model_sees_the_projected_frame_tokens(family):
             feats = model.model.get_video_features(pixel_values_videos=inp["pixel_values_videos"]).pooler_output
         videos = [f[:-1].reshape(6, 4, -1) for f in feats]  # the video newline is not a frame token
     else:
-        model = T.tiny_qwen2_vl()
+        model = T.tiny_qwen2_vl(v25=family == "qwen2_5_vl")
         inp = T.qwen2_vl_inputs(model, video=True)
         with torch.no_grad():
             feats = model.model.get_video_features(pixel_values_videos=inp["pixel_values_videos"],
@@ -128,6 +128,29 @@ def test_vidcom2_in_the_model_sees_the_projected_frame_tokens(family):
         plan = VidCom2(keep=0.25).allocate(FramesContext(features=video, grid=None, n_total=t * n // 4))
         assert rec["videos"][b]["tokens_per_frame"] == plan.tokens_per_frame
         assert rec["tokens_out"][b] == stats["visual_tokens_out"][b] == t * n // 4
+
+
+@pytest.mark.parametrize("method", ["vidcom2", "dycoke"])
+def test_records_generate_on_qwen2_5_vl_video_batch2(method):
+    """Qwen2.5-VL video (2 temporal slices of 16 tokens), batch 2 with padding, SDPA: a 6-step greedy
+    generate; each video keeps its budget and the answer equals the unwrapped model's own generate()
+    on the kept rows at their original M-RoPE positions (the matrix's vision-stage reference)."""
+    from test_generate_matrix import record_prefill, vision_reference
+
+    model = T.tiny_qwen2_vl(v25=True)
+    inp = T.qwen2_vl_inputs(model, video=True)
+    vlm_prune.wrap(model, method, keep=0.75)
+    try:
+        rec = record_prefill(model, inp)
+        with torch.no_grad():
+            got = model.generate(**inp, max_new_tokens=6, do_sample=False)
+    finally:
+        vlm_prune.unwrap(model)
+    assert rec["stats"]["visual_tokens_out"] == [24, 24]
+    ref_inp, hooks = vision_reference(model, inp, rec)
+    with torch.no_grad(), hooks:
+        ref = model.generate(**ref_inp, max_new_tokens=6, do_sample=False)
+    assert torch.equal(got[:, inp["input_ids"].shape[1]:], ref)
 
 
 # ---- FastVID ----------------------------------------------------------------------------------
