@@ -180,7 +180,7 @@ class HFVLMAdapter(Adapter):
         self._patch_generate()
         self._patch_expansion()
         self._patch_loss()
-        if "vision" in self.state.methods:
+        if "vision" in self.state.methods or getattr(self.state.methods.get("frames"), "wants_tower_attention", False):
             self.tap = self.make_tap()
             if self.tap is not None:
                 self.patches.track(self.tap.handle)
@@ -650,6 +650,7 @@ class HFVLMAdapter(Adapter):
 
     def frames_context(self, method: Any, it: "Item", index: int, sample: int) -> FramesContext:
         n = (it.features.shape[0] - it.tail) // it.frames
+        tower = self.request.tower_attention
         return FramesContext(
             features=it.features[: it.frames * n].reshape(it.frames, n, -1),
             grid=it.grid,
@@ -657,6 +658,7 @@ class HFVLMAdapter(Adapter):
             query=self.query_text(sample),
             text_features=self.text_embeds(sample).detach(),
             generate_text=self.generate_text_fn(),
+            tower_attention=(lambda t, i=index: tower(i, t)) if tower else None,
         )
 
     @contextlib.contextmanager

@@ -106,6 +106,7 @@ METHOD_COLOURS = {
     "visionzip": "#0072B2", "divprune": "#117733", "cdpruner": "#CC6677", "asvit": "#AA4499", "tome": "#DDCC77",
     "fastv": "#882255", "pact": "#E69F00", "adaptinfer": "#44AA99",
     "uniform": "#88CCEE", "keyscore": "#332288", "quota": "#D55E00",
+    "vidcom2": "#661100", "fastvid": "#6699CC", "holitom": "#EE8866", "dycoke": "#BBCC33",
 }
 SPARE_COLOURS = ("#999933", "#56B4E9", "#009E73", "#F0E442", "#CC79A7")
 FAMILY_MARKERS = {"baseline": "X", "vision": "o", "vit": "^", "llm": "s", "frames": "D"}

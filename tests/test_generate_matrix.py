@@ -28,8 +28,11 @@ import tiny_models as T
 import vlm_prune
 from reference import HookedReference, capture_lm_inputs, positions_of, renumber
 from vlm_prune import engine
+from vlm_prune.frames.fastvid import FastVID
+from vlm_prune.frames.holitom import HoliTom
 from vlm_prune.frames.quota import QuoTA
 from vlm_prune.methods import PACT
+from vlm_prune.registry import method_class
 
 STEPS = 4
 
@@ -48,7 +51,7 @@ ADAPTERS = {
 }
 VIDEO = {"onevision_video", "qwen2_vl_video"}
 METHODS = ["random", "pool", "divprune", "cdpruner", "visionzip", "tome", "asvit", "fastv", "pact", "adaptinfer",
-           "uniform", "quota"]
+           "uniform", "quota", "vidcom2", "fastvid", "holitom", "dycoke"]
 #: combinations a pruning call refuses with a documented message (no tower attention there)
 CALL_REFUSALS = {("onevision_image", "visionzip"): "VisionZip runs on LLaVA-1.5 images and LLaVA-OneVision videos"}
 _cache: dict = {}
@@ -61,6 +64,10 @@ def _method(name: str, keep: float):
         flat = keep == 1.0
         return QuoTA(scorer=lambda pixels, prompt: torch.full((pixels.shape[0],), 0.5) if flat
                      else torch.linspace(0.9, 0.1, pixels.shape[0]))
+    if name == "fastvid":  # a context share that leaves a merged anchor per frame of 4 tokens at keep 0.5
+        return FastVID(d=0.5)
+    if name == "holitom":  # every slot static: windows of 2 frames average into one token per slot
+        return HoliTom(tau=-1.0, max_window=2)
     if name == "pact" and keep == 1.0:
         return PACT(cutoff=0.0)
     return name
@@ -168,7 +175,7 @@ def assisted(model, inp1, adapter: str) -> torch.Tensor:
 def wrapped(adapter: str, method: str, keep: float):
     """(model, inputs, batch-1 inputs) of the adapter wrapped with ``method``; None when wrap() or
     the call refuses the combination with its documented message."""
-    if method in ("uniform", "quota") and adapter not in VIDEO:
+    if method_class(method).stage == "frames" and adapter not in VIDEO:
         pytest.skip("frames methods act on video only")
     model, inp, inp1 = setup(adapter)
     return (model, inp, inp1) if wrap_or_refuse(model, method, adapter, inp, keep=keep) else None

@@ -12,7 +12,10 @@ ONE_LINE = {
     "asvit": "drops image patches inside the ViT, by class-token attention weighted per head",
     "cdpruner": "keeps a diverse, question-relevant subset of each image's tokens (conditional DPP)",
     "divprune": "keeps the most mutually different tokens of each image (max-min diversity)",
+    "fastvid": "cuts the video into scenes, keeps each frame's most attended tokens and merges the rest into density peaks",
+    "dycoke": "drops the tokens of every second frame (and every fourth) that repeat the frame before",
     "fastv": "drops the visual tokens that get the least attention at one early LLM layer",
+    "holitom": "averages tokens that stay still over windows of frames, clusters them, keeps each frame's most attended others",
     "keyscore": "picks video frames by caption similarity, temporal spread and novelty (STACFP)",
     "pact": "drops unimportant visual tokens and merges similar ones inside the LLM (clustering)",
     "pool": "averages each image's token grid down to a coarser grid (baseline)",
@@ -20,6 +23,7 @@ ONE_LINE = {
     "random": "keeps a seeded random subset of each image's tokens (baseline)",
     "tome": "merges similar patches inside the ViT, a few per block (token merging)",
     "uniform": "keeps evenly spaced frames at full resolution (baseline)",
+    "vidcom2": "keeps each frame's most distinct tokens, more of them in frames unlike the rest of the video",
     "visionzip": "keeps the tokens the vision tower attends to most and merges the rest by similarity",
 }
 

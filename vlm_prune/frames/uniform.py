@@ -26,6 +26,15 @@ def frames_plan(kept: list[int], t: int, n: int, device: torch.device | str = "c
     return FramesPlan(Reduction(torch.cat(slots)), kept_frames=list(kept), tokens_per_frame=per_frame)
 
 
+def whole_video(ctx: FramesContext) -> FramesPlan | None:
+    """The plan that keeps every token when the budget covers the whole video (keep=1.0 or a budget
+    of at least its tokens changes nothing: the library's rule), else None."""
+    t, n, _ = ctx.features.shape
+    if ctx.n_total < t * n:
+        return None
+    return FramesPlan(Reduction.keep_all(t * n, ctx.features.device), list(range(t)), [n] * t)
+
+
 def partial_frame_plan(frame: int, t: int, n: int, k: int, device: torch.device | str = "cpu") -> FramesPlan:
     """A plan that keeps k (< n) evenly spaced tokens of one frame: budgets below one frame."""
     keep = torch.tensor(uniform_indices(n, k), dtype=torch.long, device=device) + frame * n

@@ -29,6 +29,10 @@ BUILTIN = {
     "KeyScore": "vlm_prune.frames.keyscore",
     "QuoTA": "vlm_prune.frames.quota",
     "Uniform": "vlm_prune.frames.uniform",
+    "VidCom2": "vlm_prune.frames.vidcom2",
+    "FastVID": "vlm_prune.frames.fastvid",
+    "HoliTom": "vlm_prune.frames.holitom",
+    "DyCoke": "vlm_prune.frames.dycoke",
 }
 
 
@@ -46,4 +50,5 @@ __all__ = [
     "Method", "VisionMethod", "LLMMethod", "FramesMethod", "Reduction", "VisionContext", "LayerContext",
     "Random", "Pool", "FastV", "PACT", "AdaptInfer", "VisionZip", "DivPrune", "CDPruner",
     "ASViT", "ToMe", "QuoTA", "KeyScore", "Uniform",
+    "VidCom2", "FastVID", "HoliTom", "DyCoke",
 ]

@@ -222,6 +222,9 @@ class FramesContext:
     unpooled: [T, M, D] each frame's projected map before the model's own spatial pooling, when
         the model pools and the method asked for it (``wants_unpooled``; LLaVA-OneVision: the
         27 x 27 map that becomes 14 x 14); None otherwise. unpooled_grid: its (rows, cols).
+    tower_attention: callable(frame) -> (attention [N], keys [N, d]) of the vision tower's feature
+        layer for that frame, pooled to its token grid, computed on the side, when the method asks
+        for it (``wants_tower_attention``) and the adapter can (LLaVA-OneVision); None otherwise.
     """
 
     features: torch.Tensor
@@ -235,6 +238,7 @@ class FramesContext:
     text_features: torch.Tensor | None = None
     unpooled: torch.Tensor | None = None
     unpooled_grid: tuple[int, int] | None = None
+    tower_attention: Callable[[int], tuple[torch.Tensor, torch.Tensor]] | None = None
 
 
 @dataclass
