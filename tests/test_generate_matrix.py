@@ -25,6 +25,7 @@ import pytest
 import torch
 
 import tiny_models as T
+import tiny_models_llavalike as L
 import vlm_prune
 from reference import HookedReference, capture_lm_inputs, positions_of, renumber
 from vlm_prune import engine
@@ -45,12 +46,18 @@ ADAPTERS = {
     "onevision_video": (T.tiny_onevision, lambda m, batch=2: T.onevision_video_inputs(m, batch=batch)),
     "qwen2_vl_image": (T.tiny_qwen2_vl, lambda m, batch=2: T.qwen2_vl_inputs(m, batch=batch)),
     "qwen2_vl_video": (T.tiny_qwen2_vl, lambda m, batch=2: T.qwen2_vl_inputs(m, batch=batch, video=True)),
+    "mistral3": (L.tiny_mistral3, L.mistral3_inputs),
+    "internvl": (L.tiny_internvl, L.internvl_inputs),
+    "nextvideo_image": (L.tiny_llava_next_video, L.llava_next_video_image_inputs),
+    "nextvideo_video": (L.tiny_llava_next_video, L.llava_next_video_inputs),
 }
-VIDEO = {"onevision_video", "qwen2_vl_video"}
+VIDEO = {"onevision_video", "qwen2_vl_video", "nextvideo_video"}
 METHODS = ["random", "pool", "divprune", "cdpruner", "visionzip", "tome", "asvit", "fastv", "pact", "adaptinfer",
            "uniform", "quota"]
 #: combinations a pruning call refuses with a documented message (no tower attention there)
-CALL_REFUSALS = {("onevision_image", "visionzip"): "VisionZip runs on LLaVA-1.5 images and LLaVA-OneVision videos"}
+CALL_REFUSALS = {("onevision_image", "visionzip"): "VisionZip runs on LLaVA-1.5 images and LLaVA-OneVision videos",
+                 ("nextvideo_video", "tome"): "LLaVA-NeXT-Video runs on image tiles only",
+                 ("nextvideo_video", "asvit"): "LLaVA-NeXT-Video runs on image tiles only"}
 _cache: dict = {}
 
 

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import tiny_models as T
+import tiny_models_llavalike as L
 import vlm_prune
 from reference import capture_lm_inputs, masked_llm_reference, positions_of
 
@@ -16,6 +17,10 @@ CASES = {
     "qwen2_vl_image": (T.tiny_qwen2_vl, T.qwen2_vl_inputs, {}),
     "qwen2_vl_video": (T.tiny_qwen2_vl, T.qwen2_vl_inputs, {"video": True}),
     "qwen2_5_vl": (lambda attn="sdpa": T.tiny_qwen2_vl(attn, v25=True), T.qwen2_vl_inputs, {}),
+    "mistral3": (L.tiny_mistral3, L.mistral3_inputs, {}),
+    "internvl": (L.tiny_internvl, L.internvl_inputs, {}),
+    "nextvideo_image": (L.tiny_llava_next_video, L.llava_next_video_image_inputs, {}),
+    "nextvideo_video": (L.tiny_llava_next_video, L.llava_next_video_inputs, {}),
 }
 _MODELS: dict = {}
 
@@ -126,7 +131,8 @@ def test_vision_stage_equals_hand_built_input(case, method, attn):
         torch.testing.assert_close(logits[i, rows[i] >= 0], ref, atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("case", ["llava", "llava_next", "onevision_video", "qwen2_vl_image", "qwen2_5_vl"])
+@pytest.mark.parametrize("case", ["llava", "llava_next", "onevision_video", "qwen2_vl_image", "qwen2_5_vl", "mistral3",
+                                  "internvl", "nextvideo_video"])
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
 def test_llm_stage_equals_masked_reference(case, attn):
     """Invariant 3: FastV's in-LLM removal equals the full sequence with the removed tokens
@@ -176,7 +182,7 @@ def test_batch_equals_samples_alone(case, method):
         vlm_prune.unwrap(model)
 
 
-@pytest.mark.parametrize("case", ["llava", "onevision_video", "qwen2_vl_image"])
+@pytest.mark.parametrize("case", ["llava", "onevision_video", "qwen2_vl_image", "mistral3"])
 def test_pact_merging_equals_masked_reference_with_log_size_bias(case):
     """Invariant 3 with merges: PACT's clusters (mean hidden state at the centre, log cluster
     size added to that key's logits in every later layer) equal the full-sequence reference;
