@@ -22,6 +22,7 @@ SUPPORTED = {
     "Qwen2VLForConditionalGeneration": ("vlm_prune.adapters.qwen2_vl", "Qwen2VLAdapter"),
     "Qwen2_5_VLForConditionalGeneration": ("vlm_prune.adapters.qwen2_vl", "Qwen2VLAdapter"),
     "Mistral3ForConditionalGeneration": ("vlm_prune.adapters.mistral3", "Mistral3Adapter"),
+    "Gemma3ForConditionalGeneration": ("vlm_prune.adapters.gemma3", "Gemma3Adapter"),
     "InternVLForConditionalGeneration": ("vlm_prune.adapters.internvl", "InternVLAdapter"),
     "LlavaNextVideoForConditionalGeneration": ("vlm_prune.adapters.llava_next_video", "LlavaNextVideoAdapter"),
     "VisionTransformer": ("vlm_prune.adapters.timm_vit", "TimmViTAdapter"),

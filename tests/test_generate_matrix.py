@@ -50,6 +50,7 @@ ADAPTERS = {
     "internvl": (L.tiny_internvl, L.internvl_inputs),
     "nextvideo_image": (L.tiny_llava_next_video, L.llava_next_video_image_inputs),
     "nextvideo_video": (L.tiny_llava_next_video, L.llava_next_video_inputs),
+    "gemma3": (L.tiny_gemma3, L.gemma3_inputs),
 }
 VIDEO = {"onevision_video", "qwen2_vl_video", "nextvideo_video"}
 METHODS = ["random", "pool", "divprune", "cdpruner", "visionzip", "tome", "asvit", "fastv", "pact", "adaptinfer",
@@ -307,7 +308,13 @@ def vision_reference(model, inp: dict, rec: dict):
         target = renumber(target, mask.bool())
     n = len(model.model.language_model.layers)
     hooks = HookedReference(model, k, positions=target, bias=[bias] * n if sizes is not None else None)
-    return {"inputs_embeds": short, "attention_mask": mask}, hooks
+    ref = {"inputs_embeds": short, "attention_mask": mask}
+    if "token_type_ids" in inp:  # Gemma 3: the kept rows' token types (its bidirectional image mask)
+        types = torch.zeros(b, k, dtype=inp["token_type_ids"].dtype)
+        for i, r in enumerate(kept):
+            types[i, k - len(r):] = inp["token_type_ids"][i, r]
+        ref["token_type_ids"] = types
+    return ref, hooks
 
 
 def llm_reference(model, inp: dict, rec: dict):

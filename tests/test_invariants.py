@@ -21,6 +21,7 @@ CASES = {
     "internvl": (L.tiny_internvl, L.internvl_inputs, {}),
     "nextvideo_image": (L.tiny_llava_next_video, L.llava_next_video_image_inputs, {}),
     "nextvideo_video": (L.tiny_llava_next_video, L.llava_next_video_inputs, {}),
+    "gemma3": (L.tiny_gemma3, L.gemma3_inputs, {}),
 }
 _MODELS: dict = {}
 
@@ -124,15 +125,19 @@ def test_vision_stage_equals_hand_built_input(case, method, attn):
         keep = rows[i][rows[i] >= 0]
         p = pos[:, i : i + 1, keep]
         p = p if "Qwen2" in type(model).__name__ else p[0]
+        short = dict(inputs_embeds=embeds[i : i + 1, keep], position_ids=p,
+                     attention_mask=torch.ones(1, keep.numel(), dtype=torch.long))
         with torch.no_grad():
-            h = lm(inputs_embeds=embeds[i : i + 1, keep], position_ids=p,
-                   attention_mask=torch.ones(1, keep.numel(), dtype=torch.long)).last_hidden_state
+            if "token_type_ids" in inp:  # Gemma 3: the model's own bidirectional image mask over the kept rows
+                h = model.model(token_type_ids=inp["token_type_ids"][i : i + 1, keep], **short).last_hidden_state
+            else:
+                h = lm(**short).last_hidden_state
             ref = model.lm_head(h)[0]
         torch.testing.assert_close(logits[i, rows[i] >= 0], ref, atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize("case", ["llava", "llava_next", "onevision_video", "qwen2_vl_image", "qwen2_5_vl", "mistral3",
-                                  "internvl", "nextvideo_video"])
+                                  "internvl", "nextvideo_video", "gemma3"])
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
 def test_llm_stage_equals_masked_reference(case, attn):
     """Invariant 3: FastV's in-LLM removal equals the full sequence with the removed tokens
@@ -162,7 +167,7 @@ def test_batch_equals_samples_alone(case, method):
             valid = inp["attention_mask"][i].bool()
             alone = {}
             for k, v in inp.items():
-                if k in ("input_ids", "attention_mask", "mm_token_type_ids"):
+                if k in ("input_ids", "attention_mask", "mm_token_type_ids", "token_type_ids"):
                     alone[k] = v[i : i + 1, valid]
                 elif k in ("pixel_values", "pixel_values_videos") and "image_grid_thw" not in inp and "video_grid_thw" not in inp:
                     alone[k] = v[i : i + 1]
@@ -182,7 +187,7 @@ def test_batch_equals_samples_alone(case, method):
         vlm_prune.unwrap(model)
 
 
-@pytest.mark.parametrize("case", ["llava", "onevision_video", "qwen2_vl_image", "mistral3"])
+@pytest.mark.parametrize("case", ["llava", "onevision_video", "qwen2_vl_image", "mistral3", "gemma3"])
 def test_pact_merging_equals_masked_reference_with_log_size_bias(case):
     """Invariant 3 with merges: PACT's clusters (mean hidden state at the centre, log cluster
     size added to that key's logits in every later layer) equal the full-sequence reference;

@@ -17,6 +17,7 @@ MODELS = {
     "mistral3": (L.tiny_mistral3, L.mistral3_inputs),
     "internvl": (L.tiny_internvl, L.internvl_inputs),
     "nextvideo": (L.tiny_llava_next_video, L.llava_next_video_inputs),
+    "gemma3": (L.tiny_gemma3, L.gemma3_inputs),
 }
 TOKEN_METHODS = ["random", "pool", "divprune", "cdpruner", "visionzip", "fastv", "pact", "adaptinfer"]
 EXACT = {"random", "pool", "divprune", "cdpruner", "visionzip", "fastv"}

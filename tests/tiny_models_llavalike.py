@@ -101,3 +101,37 @@ def llava_next_video_image_inputs(model, batch: int = 2, pad: str = "left", seed
     import tiny_models as T
 
     return T.llava_next_inputs(model, batch=batch, pad=pad, seed=seed)
+
+
+def tiny_gemma3(attn: str = "sdpa", seed: int = 0, sliding_window: int = 128):
+    """Gemma 3 with alternating sliding-window and full-attention layers (window ``sliding_window``
+    columns: the prompts and answers of the tests fit it) and 16 tokens per image."""
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration, Gemma3TextConfig, SiglipVisionConfig
+
+    torch.manual_seed(seed)
+    text = Gemma3TextConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
+                            num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16, vocab_size=VOCAB,
+                            max_position_embeddings=512, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                            sliding_window=sliding_window,
+                            layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2)
+    vision = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                                image_size=32, patch_size=4)
+    cfg = Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=16, image_token_index=IMAGE_TOKEN,
+                       boi_token_index=IMG_BREAK, eoi_token_index=IMG_END)
+    model = Gemma3ForConditionalGeneration(cfg)
+    with torch.no_grad():  # transformers initialises the projector to zeros: give the images a voice
+        model.model.multi_modal_projector.mm_input_projection_weight.normal_(0, 0.3)
+    return _finish(model, attn)
+
+
+def gemma3_inputs(model, batch: int = 2, pad: str = "left", seed: int = 1):
+    """One 32 px image per sample (8 x 8 patches pooled to 4 x 4 = 16 tokens) between
+    <start_of_image> and <end_of_image>, and ``token_type_ids`` (1 at the image tokens) as the
+    Gemma 3 processor returns them."""
+    from tiny_models import prompts
+
+    g = torch.Generator().manual_seed(seed)
+    pixels = torch.randn(batch, 3, 32, 32, generator=g)
+    ids, mask = prompts([[(IMAGE_TOKEN, 16)] for _ in range(batch)], pad, seed, start=(IMG_BREAK,), end=(IMG_END,))
+    return {"input_ids": ids, "attention_mask": mask, "pixel_values": pixels,
+            "token_type_ids": (ids == IMAGE_TOKEN).long()}
