@@ -25,6 +25,7 @@ SUPPORTED = {
     "Gemma3ForConditionalGeneration": ("vlm_prune.adapters.gemma3", "Gemma3Adapter"),
     "InternVLForConditionalGeneration": ("vlm_prune.adapters.internvl", "InternVLAdapter"),
     "LlavaNextVideoForConditionalGeneration": ("vlm_prune.adapters.llava_next_video", "LlavaNextVideoAdapter"),
+    "LlavaOnevision15ForConditionalGeneration": ("vlm_prune.adapters.llava_onevision15", "LlavaOnevision15Adapter"),
     "VisionTransformer": ("vlm_prune.adapters.timm_vit", "TimmViTAdapter"),
 }
 

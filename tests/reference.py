@@ -25,7 +25,8 @@ def positions_of(captured: dict, b: int, s: int) -> torch.Tensor:
     pos = captured.get("position_ids")
     if pos is None:
         return torch.arange(s).view(1, 1, s).expand(1, b, s)
-    return pos[None] if pos.dim() == 2 else pos
+    pos = pos[None] if pos.dim() == 2 else pos
+    return pos.expand(pos.shape[0], b, s) if pos.shape[1] == 1 else pos  # one row for the batch (LLaVA-OV-1.5)
 
 
 def split_positions(model, pos: torch.Tensor):

@@ -51,8 +51,10 @@ ADAPTERS = {
     "nextvideo_image": (L.tiny_llava_next_video, L.llava_next_video_image_inputs),
     "nextvideo_video": (L.tiny_llava_next_video, L.llava_next_video_inputs),
     "gemma3": (L.tiny_gemma3, L.gemma3_inputs),
+    "ov15_image": (L.tiny_onevision15, L.onevision15_inputs),
+    "ov15_video": (L.tiny_onevision15, L.onevision15_video_inputs),
 }
-VIDEO = {"onevision_video", "qwen2_vl_video", "nextvideo_video"}
+VIDEO = {"onevision_video", "qwen2_vl_video", "nextvideo_video", "ov15_video"}
 METHODS = ["random", "pool", "divprune", "cdpruner", "visionzip", "tome", "asvit", "fastv", "pact", "adaptinfer",
            "uniform", "quota"]
 #: combinations a pruning call refuses with a documented message (no tower attention there)

@@ -22,6 +22,8 @@ CASES = {
     "nextvideo_image": (L.tiny_llava_next_video, L.llava_next_video_image_inputs, {}),
     "nextvideo_video": (L.tiny_llava_next_video, L.llava_next_video_inputs, {}),
     "gemma3": (L.tiny_gemma3, L.gemma3_inputs, {}),
+    "ov15_image": (L.tiny_onevision15, L.onevision15_inputs, {}),
+    "ov15_video": (L.tiny_onevision15, L.onevision15_inputs, {"video": True}),
 }
 _MODELS: dict = {}
 
@@ -137,7 +139,7 @@ def test_vision_stage_equals_hand_built_input(case, method, attn):
 
 
 @pytest.mark.parametrize("case", ["llava", "llava_next", "onevision_video", "qwen2_vl_image", "qwen2_5_vl", "mistral3",
-                                  "internvl", "nextvideo_video", "gemma3"])
+                                  "internvl", "nextvideo_video", "gemma3", "ov15_video"])
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
 def test_llm_stage_equals_masked_reference(case, attn):
     """Invariant 3: FastV's in-LLM removal equals the full sequence with the removed tokens

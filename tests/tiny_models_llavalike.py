@@ -135,3 +135,36 @@ def gemma3_inputs(model, batch: int = 2, pad: str = "left", seed: int = 1):
     ids, mask = prompts([[(IMAGE_TOKEN, 16)] for _ in range(batch)], pad, seed, start=(IMG_BREAK,), end=(IMG_END,))
     return {"input_ids": ids, "attention_mask": mask, "pixel_values": pixels,
             "token_type_ids": (ids == IMAGE_TOKEN).long()}
+
+
+def tiny_onevision15(attn: str = "sdpa", seed: int = 0):
+    from transformers import (LlavaOnevision15Config, LlavaOnevision15ForConditionalGeneration,
+                              LlavaOnevision15VisionConfig, Qwen3Config)
+
+    torch.manual_seed(seed)
+    text = Qwen3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=16, vocab_size=VOCAB, max_position_embeddings=512, pad_token_id=0)
+    vision = LlavaOnevision15VisionConfig(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=4,
+                                          spatial_merge_size=2, out_hidden_size=64)
+    cfg = LlavaOnevision15Config(text_config=text, vision_config=vision, image_token_id=IMAGE_TOKEN,
+                                 video_token_id=VIDEO_TOKEN, vision_start_token_id=IMG_BREAK, vision_end_token_id=IMG_END)
+    return _finish(LlavaOnevision15ForConditionalGeneration(cfg), attn)
+
+
+def onevision15_inputs(model, batch: int = 2, pad: str = "left", seed: int = 1, video: bool = False):
+    """One 32 x 32 px image (8 x 8 patches -> 4 x 4 tokens) or a 4-frame 16 x 16 px video (4 x 4
+    patches -> 2 x 2 tokens a frame) per sample, between the vision start / end tokens."""
+    from tiny_models import prompts
+
+    g = torch.Generator().manual_seed(seed)
+    grid = torch.tensor([[4, 4, 4] if video else [1, 8, 8]] * batch)
+    pixels = torch.randn(int(grid.prod(-1).sum()), 3 * 4 * 4, generator=g)
+    tok = VIDEO_TOKEN if video else IMAGE_TOKEN
+    ids, mask = prompts([[(tok, 16)] for _ in range(batch)], pad, seed, start=(IMG_BREAK,), end=(IMG_END,))
+    key = "video" if video else "image"
+    return {"input_ids": ids, "attention_mask": mask, f"pixel_values{'_videos' if video else ''}": pixels,
+            f"{key}_grid_thw": grid}
+
+
+def onevision15_video_inputs(model, batch: int = 2, pad: str = "left", seed: int = 1):
+    return onevision15_inputs(model, batch=batch, pad=pad, seed=seed, video=True)
