@@ -14,12 +14,12 @@ ViT-stage methods and VisionZip are refused at wrap time.
 """
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any
-
-import torch
 
 from vlm_prune.adapters.generic import FamilyTable, TableAdapter
 from vlm_prune.adapters.hf_vlm import Item, source_of
+from vlm_prune.adapters.qwen2_vl import unpatchify
 from vlm_prune.methods.base import FramesContext
 
 
@@ -52,10 +52,10 @@ class LlavaOnevision15Adapter(TableAdapter):
         patches, grids = call.get("pixel_values_videos"), call.get("video_grid_thw")
         if patches is not None and grids is not None:
             src = source_of(out, index)
-            sizes = grids.prod(-1).tolist()
-            t, h, w = grids[src].tolist()
+            start = int(grids[:src].prod(-1).sum())
+            t, h, w = (int(x) for x in grids[src])
             vc = self.model.config.vision_config
-            m, p = vc.spatial_merge_size, vc.patch_size
-            mine = patches[sum(sizes[:src]): sum(sizes[: src + 1])].view(t, h // m, w // m, m, m, -1, p, p)
-            ctx.pixels = mine.permute(0, 5, 1, 3, 6, 2, 4, 7).reshape(t, -1, h * p, w * p)
+            layout = SimpleNamespace(spatial_merge_size=vc.spatial_merge_size, patch_size=vc.patch_size,
+                                     temporal_patch_size=1)  # Qwen2-VL's patch order without temporal patches
+            ctx.pixels = unpatchify(patches[start : start + t * h * w], (t, h, w), layout)
         return ctx
