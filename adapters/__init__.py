@@ -22,6 +22,13 @@ SUPPORTED = {
                                                "llava_onevision"),
     "Qwen2VLForConditionalGeneration": ("vlm_prune.adapters.qwen2_vl", "Qwen2VLAdapter", "qwen2_vl"),
     "Qwen2_5_VLForConditionalGeneration": ("vlm_prune.adapters.qwen2_vl", "Qwen2VLAdapter", "qwen2_vl"),
+    "Mistral3ForConditionalGeneration": ("vlm_prune.adapters.mistral3", "Mistral3Adapter", "mistral3"),
+    "Gemma3ForConditionalGeneration": ("vlm_prune.adapters.gemma3", "Gemma3Adapter", "gemma3"),
+    "InternVLForConditionalGeneration": ("vlm_prune.adapters.internvl", "InternVLAdapter", "internvl"),
+    "LlavaNextVideoForConditionalGeneration": ("vlm_prune.adapters.llava_next_video", "LlavaNextVideoAdapter",
+                                               "llava_next_video"),
+    "LlavaOnevision15ForConditionalGeneration": ("vlm_prune.adapters.llava_onevision15", "LlavaOnevision15Adapter",
+                                                 "llava_onevision15"),
     "VisionTransformer": ("vlm_prune.adapters.timm_vit", "TimmViTAdapter", "timm_vit"),
 }
 
@@ -33,6 +40,11 @@ FAMILY_STAGES: dict[str, tuple[str, ...]] = {
     "llava_next": ("vision", "vit", "llm"),
     "llava_onevision": ("frames", "vision", "llm"),
     "qwen2_vl": ("frames", "vision", "llm"),
+    "mistral3": ("vision", "llm"),
+    "gemma3": ("vision", "llm"),
+    "internvl": ("vision", "llm"),
+    "llava_next_video": ("frames", "vision", "vit", "llm"),
+    "llava_onevision15": ("frames", "vision", "llm"),
     "timm_vit": ("vit",),
 }
 

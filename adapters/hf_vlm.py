@@ -397,10 +397,15 @@ class HFVLMAdapter(Adapter):
         request = self.request
         pooled = getattr(out, "pooler_output", None)
         if pooled is not None:
-            samples = self.sample_of_items(modality, [len(p) for p in pooled])
+            samples = self.sample_of_items(modality, self.item_lengths(modality, out))
             request.counts[modality] = [samples.count(b) for b in range(request.input_ids.shape[0])]
             request.pending.images_per_sample = [sum(c) for c in zip(*request.counts.values())]
         return self.reduce_features(modality, out)
+
+    def item_lengths(self, modality: str, out: Any) -> list[int]:
+        """Placeholder rows of each image / video of an encoder output, in order (one per
+        ``pooler_output`` entry, unless an image spans several entries: InternVL's tiles)."""
+        return [len(p) for p in out.pooler_output]
 
     def reduce_encoded(self, kwargs: dict[str, Any]) -> None:
         """generate() encodes images before the prefill: reduce them here (in this call's kwargs)."""

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import contextlib
+import importlib
+import inspect
 
 import torch
 
@@ -23,7 +25,8 @@ def positions_of(captured: dict, b: int, s: int) -> torch.Tensor:
     pos = captured.get("position_ids")
     if pos is None:
         return torch.arange(s).view(1, 1, s).expand(1, b, s)
-    return pos[None] if pos.dim() == 2 else pos
+    pos = pos[None] if pos.dim() == 2 else pos
+    return pos.expand(pos.shape[0], b, s) if pos.shape[1] == 1 else pos  # one row for the batch (LLaVA-OV-1.5)
 
 
 def split_positions(model, pos: torch.Tensor):
@@ -37,12 +40,18 @@ def run_layers(model, embeds, pos, masks_for_layer, replace_at=None):
     """Run the decoder layers with an explicit 4-D float mask per layer; returns logits."""
     lm = model.model.language_model
     rope_pos, layer_pos = split_positions(model, pos)
-    pe = lm.rotary_emb(embeds, rope_pos)
+    types = getattr(lm.config, "layer_types", None)
+    if "layer_type" in inspect.signature(lm.rotary_emb.forward).parameters:  # Gemma 3: a table per layer type
+        tables = {t: lm.rotary_emb(embeds, rope_pos, t) for t in set(types)}
+        pe_of = lambda idx: tables[types[idx]]
+    else:
+        pe = lm.rotary_emb(embeds, rope_pos)
+        pe_of = lambda idx: pe
     h = embeds
     for idx, layer in enumerate(lm.layers):
         if replace_at is not None and idx == replace_at[0]:
             h = replace_at[1](h)
-        out = layer(h, attention_mask=masks_for_layer(idx), position_embeddings=pe, position_ids=layer_pos)
+        out = layer(h, attention_mask=masks_for_layer(idx), position_embeddings=pe_of(idx), position_ids=layer_pos)
         h = out[0] if isinstance(out, tuple) else out
     return model.lm_head(lm.norm(h))
 
@@ -71,6 +80,9 @@ def masked_llm_reference(model, inputs, layer: int, kept: torch.Tensor, merged=N
     pos = positions_of(cap, b, s)
     valid = inputs["attention_mask"].bool()
     causal = torch.ones(s, s, dtype=torch.bool).tril()[None]
+    if inputs.get("token_type_ids") is not None:  # Gemma 3: an image's tokens see each other both ways
+        blocks = importlib.import_module(type(model.model).__module__).get_block_sequence_ids_for_mask(inputs["token_type_ids"])
+        causal = causal | ((blocks[:, :, None] == blocks[:, None, :]) & (blocks >= 0)[:, :, None])
     before = causal & valid[:, None, :]
     after = before & kept[:, None, :]
     bias = None
@@ -193,6 +205,13 @@ class HookedReference:
 
     def __enter__(self) -> "HookedReference":
         self.handles.append(self.lm.register_forward_pre_hook(self._lm_hook, with_kwargs=True))
+        prepare = self.model.prepare_inputs_for_generation
+        if "inputs_embeds" not in inspect.signature(prepare).parameters:
+            # generate() takes inputs_embeds only from models whose prepare_inputs_for_generation names
+            # it (Gemma 3's takes **kwargs and forwards them): name it, on this instance, while hooked
+            self.model.prepare_inputs_for_generation = lambda input_ids, inputs_embeds=None, **kwargs: prepare(
+                input_ids, inputs_embeds=inputs_embeds, **kwargs)
+            self.named_embeds = True
         for i, layer in enumerate(self.lm.layers):
             self.handles.append(layer.register_forward_pre_hook(self._layer_hook(i), with_kwargs=True))
         return self
@@ -201,3 +220,6 @@ class HookedReference:
         for h in self.handles:
             h.remove()
         self.handles.clear()
+        if getattr(self, "named_embeds", False):
+            del self.model.prepare_inputs_for_generation
+            self.named_embeds = False

@@ -25,6 +25,7 @@ import pytest
 import torch
 
 import tiny_models as T
+import tiny_models_llavalike as L
 import vlm_prune
 from reference import HookedReference, capture_lm_inputs, positions_of, renumber
 from vlm_prune import engine
@@ -48,12 +49,21 @@ ADAPTERS = {
     "onevision_video": (T.tiny_onevision, lambda m, batch=2: T.onevision_video_inputs(m, batch=batch)),
     "qwen2_vl_image": (T.tiny_qwen2_vl, lambda m, batch=2: T.qwen2_vl_inputs(m, batch=batch)),
     "qwen2_vl_video": (T.tiny_qwen2_vl, lambda m, batch=2: T.qwen2_vl_inputs(m, batch=batch, video=True)),
+    "mistral3": (L.tiny_mistral3, L.mistral3_inputs),
+    "internvl": (L.tiny_internvl, L.internvl_inputs),
+    "nextvideo_image": (L.tiny_llava_next_video, L.llava_next_video_image_inputs),
+    "nextvideo_video": (L.tiny_llava_next_video, L.llava_next_video_inputs),
+    "gemma3": (L.tiny_gemma3, L.gemma3_inputs),
+    "ov15_image": (L.tiny_onevision15, L.onevision15_inputs),
+    "ov15_video": (L.tiny_onevision15, L.onevision15_video_inputs),
 }
-VIDEO = {"onevision_video", "qwen2_vl_video"}
+VIDEO = {"onevision_video", "qwen2_vl_video", "nextvideo_video", "ov15_video"}
 METHODS = ["random", "pool", "divprune", "cdpruner", "visionzip", "tome", "asvit", "fastv", "pact", "adaptinfer",
            "uniform", "quota", "vidcom2", "fastvid", "holitom", "dycoke"]
 #: combinations a pruning call refuses with a documented message (no tower attention there)
-CALL_REFUSALS = {("onevision_image", "visionzip"): "VisionZip runs on LLaVA-1.5 images and LLaVA-OneVision videos"}
+CALL_REFUSALS = {("onevision_image", "visionzip"): "VisionZip runs on LLaVA-1.5 images and LLaVA-OneVision videos",
+                 ("nextvideo_video", "tome"): "LLaVA-NeXT-Video runs on image tiles only",
+                 ("nextvideo_video", "asvit"): "LLaVA-NeXT-Video runs on image tiles only"}
 _cache: dict = {}
 
 
@@ -307,7 +317,13 @@ def vision_reference(model, inp: dict, rec: dict):
         target = renumber(target, mask.bool())
     n = len(model.model.language_model.layers)
     hooks = HookedReference(model, k, positions=target, bias=[bias] * n if sizes is not None else None)
-    return {"inputs_embeds": short, "attention_mask": mask}, hooks
+    ref = {"inputs_embeds": short, "attention_mask": mask}
+    if "token_type_ids" in inp:  # Gemma 3: the kept rows' token types (its bidirectional image mask)
+        types = torch.zeros(b, k, dtype=inp["token_type_ids"].dtype)
+        for i, r in enumerate(kept):
+            types[i, k - len(r):] = inp["token_type_ids"][i, r]
+        ref["token_type_ids"] = types
+    return ref, hooks
 
 
 def llm_reference(model, inp: dict, rec: dict):

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import tiny_models as T
+import tiny_models_llavalike as L
 import vlm_prune
 from reference import capture_lm_inputs, masked_llm_reference, positions_of
 
@@ -16,6 +17,13 @@ CASES = {
     "qwen2_vl_image": (T.tiny_qwen2_vl, T.qwen2_vl_inputs, {}),
     "qwen2_vl_video": (T.tiny_qwen2_vl, T.qwen2_vl_inputs, {"video": True}),
     "qwen2_5_vl": (lambda attn="sdpa": T.tiny_qwen2_vl(attn, v25=True), T.qwen2_vl_inputs, {}),
+    "mistral3": (L.tiny_mistral3, L.mistral3_inputs, {}),
+    "internvl": (L.tiny_internvl, L.internvl_inputs, {}),
+    "nextvideo_image": (L.tiny_llava_next_video, L.llava_next_video_image_inputs, {}),
+    "nextvideo_video": (L.tiny_llava_next_video, L.llava_next_video_inputs, {}),
+    "gemma3": (L.tiny_gemma3, L.gemma3_inputs, {}),
+    "ov15_image": (L.tiny_onevision15, L.onevision15_inputs, {}),
+    "ov15_video": (L.tiny_onevision15, L.onevision15_inputs, {"video": True}),
 }
 _MODELS: dict = {}
 
@@ -119,14 +127,19 @@ def test_vision_stage_equals_hand_built_input(case, method, attn):
         keep = rows[i][rows[i] >= 0]
         p = pos[:, i : i + 1, keep]
         p = p if "Qwen2" in type(model).__name__ else p[0]
+        short = dict(inputs_embeds=embeds[i : i + 1, keep], position_ids=p,
+                     attention_mask=torch.ones(1, keep.numel(), dtype=torch.long))
         with torch.no_grad():
-            h = lm(inputs_embeds=embeds[i : i + 1, keep], position_ids=p,
-                   attention_mask=torch.ones(1, keep.numel(), dtype=torch.long)).last_hidden_state
+            if "token_type_ids" in inp:  # Gemma 3: the model's own bidirectional image mask over the kept rows
+                h = model.model(token_type_ids=inp["token_type_ids"][i : i + 1, keep], **short).last_hidden_state
+            else:
+                h = lm(**short).last_hidden_state
             ref = model.lm_head(h)[0]
         torch.testing.assert_close(logits[i, rows[i] >= 0], ref, atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("case", ["llava", "llava_next", "onevision_video", "qwen2_vl_image", "qwen2_5_vl"])
+@pytest.mark.parametrize("case", ["llava", "llava_next", "onevision_video", "qwen2_vl_image", "qwen2_5_vl", "mistral3",
+                                  "internvl", "nextvideo_video", "gemma3", "ov15_video"])
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
 def test_llm_stage_equals_masked_reference(case, attn):
     """Invariant 3: FastV's in-LLM removal equals the full sequence with the removed tokens
@@ -156,7 +169,7 @@ def test_batch_equals_samples_alone(case, method):
             valid = inp["attention_mask"][i].bool()
             alone = {}
             for k, v in inp.items():
-                if k in ("input_ids", "attention_mask", "mm_token_type_ids"):
+                if k in ("input_ids", "attention_mask", "mm_token_type_ids", "token_type_ids"):
                     alone[k] = v[i : i + 1, valid]
                 elif k in ("pixel_values", "pixel_values_videos") and "image_grid_thw" not in inp and "video_grid_thw" not in inp:
                     alone[k] = v[i : i + 1]
@@ -176,7 +189,7 @@ def test_batch_equals_samples_alone(case, method):
         vlm_prune.unwrap(model)
 
 
-@pytest.mark.parametrize("case", ["llava", "onevision_video", "qwen2_vl_image"])
+@pytest.mark.parametrize("case", ["llava", "onevision_video", "qwen2_vl_image", "mistral3", "gemma3"])
 def test_pact_merging_equals_masked_reference_with_log_size_bias(case):
     """Invariant 3 with merges: PACT's clusters (mean hidden state at the centre, log cluster
     size added to that key's logits in every later layer) equal the full-sequence reference;

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import tiny_models as T
+import tiny_models_llavalike as L
 import vlm_prune
 from vlm_prune.registry import method_class
 
@@ -13,6 +14,11 @@ MODELS = {
     "llava": (T.tiny_llava, lambda m: T.llava_inputs()),
     "onevision": (T.tiny_onevision, lambda m: T.onevision_video_inputs(m, frames=4)),
     "qwen2_vl": (T.tiny_qwen2_vl, lambda m: T.qwen2_vl_inputs(m)),
+    "mistral3": (L.tiny_mistral3, L.mistral3_inputs),
+    "internvl": (L.tiny_internvl, L.internvl_inputs),
+    "nextvideo": (L.tiny_llava_next_video, L.llava_next_video_inputs),
+    "gemma3": (L.tiny_gemma3, L.gemma3_inputs),
+    "ov15": (L.tiny_onevision15, L.onevision15_inputs),
 }
 TOKEN_METHODS = ["random", "pool", "divprune", "cdpruner", "visionzip", "fastv", "pact", "adaptinfer"]
 EXACT = {"random", "pool", "divprune", "cdpruner", "visionzip", "fastv"}
@@ -32,7 +38,7 @@ def model_and_inputs(name):
 def test_method_runs_and_honours_keep(family, method):
     model, inp = model_and_inputs(family)
     cls = method_class(method)
-    adapter_family = {"onevision": "llava_onevision"}.get(family, family)
+    adapter_family = {"onevision": "llava_onevision", "nextvideo": "llava_next_video", "ov15": "llava_onevision15"}.get(family, family)
     if cls.supported is not None and adapter_family not in cls.supported:
         with pytest.raises(ValueError, match="supports"):
             vlm_prune.wrap(model, method, keep=0.5)

@@ -79,6 +79,9 @@ class Pending:
     #: renumber positions without gaps after the vision-stage removal (``keep``), as an official
     #: code that feeds the LLM a shorter sequence (VisionZip); 1-D positions only
     renumber: bool = False
+    #: [B, S] long: rows with the same id >= 0 attend to each other both ways (Gemma 3's image
+    #: tokens, from ``token_type_ids``); -1: causal only. Follows the kept rows
+    blocks: torch.Tensor | None = None
 
 
 @dataclass
@@ -145,6 +148,15 @@ class LMSpec:
     default_positions: Callable[..., torch.Tensor] = default_positions
     rope_positions: Callable[[torch.Tensor], torch.Tensor] = lambda p: p[0]
     layer_position_ids: Callable[[torch.Tensor], torch.Tensor | None] = lambda p: p[0]
+    #: rotary(x, rope positions, key) -> (cos, sin) for the layers of that key (Gemma 3: one table
+    #: per layer type); None: ``lm.rotary_emb(x, rope positions)`` for every layer
+    rotary: Callable[..., Any] | None = None
+    #: the key of each decoder layer's rotary table (``rotary``); None for all by default
+    rotary_key: Callable[[int], Any] = lambda i: None
+    #: columns a sliding-window layer attends over (None: no sliding-window layer). The engine
+    #: runs every layer with full causal attention, which is the model's own while the whole
+    #: sequence fits the window; a longer one is refused
+    sliding_window: int | None = None
 
 
 @functools.lru_cache(maxsize=None)
@@ -212,7 +224,7 @@ class PrunedDecoder:
         spec = self.spec
 
         def rotary(x: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            return spec.lm.rotary_emb(x, spec.rope_positions(pos[None] if pos.dim() == 2 else pos))
+            return self._rotary(x, pos[None] if pos.dim() == 2 else pos, spec.rotary_key(layer_idx))
 
         def project(
             hidden: torch.Tensor, pos: torch.Tensor, rope: bool | str = True, q_rows: torch.Tensor | None = None,
@@ -297,11 +309,44 @@ class PrunedDecoder:
                 reds = self.llm_method.select(self._context(layer, rows, prune_before))
         return reds, time.perf_counter() - t0, time.process_time() - c0
 
+    def _rotary(self, x: torch.Tensor, pos: torch.Tensor, key: Any) -> Any:
+        """(cos, sin) at positions ``pos`` [P, B, S] for the layers of rotary ``key``."""
+        spec = self.spec
+        if spec.rotary is None:
+            return spec.lm.rotary_emb(x, spec.rope_positions(pos))
+        return spec.rotary(x, spec.rope_positions(pos), key)
+
+    def _pe(self, x: torch.Tensor, pos: torch.Tensor) -> dict[Any, Any]:
+        """Every layer's position embeddings at ``pos``, by rotary key (one table unless the spec has several)."""
+        keys = dict.fromkeys(self.spec.rotary_key(i) for i in range(len(self.spec.layers)))
+        return {k: self._rotary(x, pos, k) for k in keys}
+
     # ---- masks ------------------------------------------------------------------------------
-    def _mask(self, key_valid: torch.Tensor, key_bias: torch.Tensor, q_valid: torch.Tensor, dtype: torch.dtype) -> Any:
+    def _mask(self, key_valid: torch.Tensor, key_bias: torch.Tensor, q_valid: torch.Tensor, dtype: torch.dtype,
+              blocks: tuple[torch.Tensor, torch.Tensor] | None = None) -> Any:
         """The fastest exact mask of the newest ``q`` rows against the ``kv`` keys of a segment
         (:func:`segment_mask` for this model's attention implementation)."""
-        return segment_mask(self.attn_impl(), key_valid, key_bias, q_valid, dtype)
+        if blocks is None:
+            return segment_mask(self.attn_impl(), key_valid, key_bias, q_valid, dtype)
+        return segment_mask(self.attn_impl(), key_valid, key_bias, q_valid, dtype, blocks)
+
+    def _blocks_of(self, rows: Rows) -> torch.Tensor | None:
+        """[B, S] the bidirectional block id of each row (``Pending.blocks`` followed to the kept rows)."""
+        pending = self.pending
+        if pending is None or pending.blocks is None:
+            return None
+        blocks = pending.blocks.to(rows.origin.device)
+        return torch.gather(blocks, 1, rows.origin.clamp(min=0)).masked_fill(rows.origin < 0, -1)
+
+    def _check_window(self, columns: int) -> None:
+        window = self.spec.sliding_window
+        if window is not None and columns > window:
+            raise ValueError(
+                f"this language model's sliding-window layers attend over {window} columns and this call reaches "
+                f"{columns}; vlm_prune runs those layers with full attention, which equals the model only while the "
+                "whole sequence (prompt, padding and generated tokens) fits the window. Shorten the prompt or "
+                "max_new_tokens, or unwrap the model for longer sequences"
+            )
 
     # ---- the forward ------------------------------------------------------------------------
     def forward(
@@ -337,6 +382,7 @@ class PrunedDecoder:
         device = inputs_embeds.device
         segs = segments_of(cache)
         past = cache.get_seq_length() if cache is not None else 0
+        self._check_window(s + (segs.seen if segs is not None else past))
         if attention_mask is not None and attention_mask.dim() == 2:
             new_valid = attention_mask[:, -s:].bool().to(device)
         else:
@@ -364,7 +410,7 @@ class PrunedDecoder:
         out = layer(
             hidden,
             attention_mask=mask,
-            position_embeddings=pe,
+            position_embeddings=pe[self.spec.rotary_key(idx)],
             position_ids=None if flash_dense else self.spec.layer_position_ids(pos),
             use_cache=use_cache,
             **{_cache_keyword(layer): cache},
@@ -459,8 +505,10 @@ class PrunedDecoder:
             if mask is None:
                 key_valid.append(rows.valid)
                 key_bias.append(torch.log(rows.sizes.float()).masked_fill(~rows.valid, 0.0))
-                mask = self._mask(rows.valid, key_bias[-1], rows.valid, rows.hidden.dtype)
-                pe = spec.lm.rotary_emb(rows.hidden, spec.rope_positions(rows.pos))
+                blocks = self._blocks_of(rows)
+                mask = self._mask(rows.valid, key_bias[-1], rows.valid, rows.hidden.dtype,
+                                  None if blocks is None else (blocks, blocks))
+                pe = self._pe(rows.hidden, rows.pos)
                 segment_next.append(rows.pos.masked_fill(~rows.valid, -1).amax(-1) + 1)
             layer_segment.append(len(key_valid) - 1)
             layer_visual.append((rows.visual & rows.valid).sum(1))
@@ -495,14 +543,17 @@ class PrunedDecoder:
         bias = torch.log(rows.sizes.float()).masked_fill(~rows.valid, 0.0)
         key_valid = [torch.cat([kv, rows.valid.to(kv.device)], 1) for kv in prefix.key_valid]
         key_bias = [torch.cat([kb, bias.to(kb.device)], 1) for kb in prefix.key_bias]
-        masks = [self._mask(kv, kb, rows.valid, rows.hidden.dtype) for kv, kb in zip(key_valid, key_bias)]
+        blocks = self._blocks_of(rows)  # the new rows' blocks; cached keys belong to none
+        masks = [self._mask(kv, kb, rows.valid, rows.hidden.dtype, None if blocks is None else
+                            (blocks, torch.cat([blocks.new_full((kv.shape[0], kv.shape[1] - blocks.shape[1]), -1), blocks], 1)))
+                 for kv, kb in zip(key_valid, key_bias)]
         if prefix.segment_next_pos is not None:  # the prefix was renumbered: continue each segment's count
             ar = rows.pos - pos[:, :, :1]
             seg_pos = [nxt[:, :, None] + ar for nxt in prefix.segment_next_pos]
             prefix.segment_next_pos = [p + s for p in prefix.segment_next_pos]
         else:
             seg_pos = [rows.pos] * len(key_valid)
-        pes = [self.spec.lm.rotary_emb(rows.hidden, self.spec.rope_positions(p)) for p in seg_pos]
+        pes = [self._pe(rows.hidden, p) for p in seg_pos]
         hidden = rows.hidden
         layer_visual = []
         for idx in range(len(self.spec.layers)):
@@ -539,7 +590,7 @@ class PrunedDecoder:
             segs.segment_next_pos = [p[:, :, -1] + 1 for p in seg_pos]
         else:
             seg_pos = [pos] * len(segs.key_valid)
-        pes = [spec.lm.rotary_emb(embeds, spec.rope_positions(p)) for p in seg_pos]
+        pes = [self._pe(embeds, p) for p in seg_pos]
         hidden = embeds
         for idx in range(len(spec.layers)):
             seg = segs.layer_segment[idx]
@@ -562,7 +613,8 @@ def check_cache(cache: Any) -> None:
         )
 
 
-def allowed_keys(key_valid: torch.Tensor, q_valid: torch.Tensor) -> torch.Tensor:
+def allowed_keys(key_valid: torch.Tensor, q_valid: torch.Tensor,
+                 blocks: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """[B, q, kv] bool: which keys each of the newest ``q`` rows (``q_valid`` [B, q]) attends to.
 
     The new rows are the last ``q`` keys and causality is by row order (rows keep their
@@ -571,23 +623,31 @@ def allowed_keys(key_valid: torch.Tensor, q_valid: torch.Tensor) -> torch.Tensor
     left-padding row sees none (eager attention then spreads it evenly over every key, SDPA
     returns zeros). So every row's output is the unwrapped model's; with left padding the last
     padding row predicts the first real token, and the loss and gradients through it match.
+    ``blocks`` = (query block ids [B, q], key block ids [B, kv]): a row also sees the valid keys of
+    its own block (id >= 0) after it (Gemma 3's bidirectional attention within an image).
     """
     q, kv = q_valid.shape[1], key_valid.shape[1]
     qi = torch.arange(q, device=key_valid.device)[:, None] + (kv - q)
     ki = torch.arange(kv, device=key_valid.device)[None, :]
-    return (ki <= qi)[None] & key_valid[:, None, :]
+    allowed = (ki <= qi)[None]
+    if blocks is not None:
+        qb, kb = blocks[0].to(key_valid.device), blocks[1].to(key_valid.device)
+        allowed = allowed | ((qb[:, :, None] == kb[:, None, :]) & (qb >= 0)[:, :, None])
+    return allowed & key_valid[:, None, :]
 
 
-def float_mask(key_valid: torch.Tensor, key_bias: torch.Tensor, q_valid: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def float_mask(key_valid: torch.Tensor, key_bias: torch.Tensor, q_valid: torch.Tensor, dtype: torch.dtype,
+               blocks: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """[B, 1, q, kv] additive float mask: 0 + log-size bias where allowed, dtype min elsewhere
     (what eager attention needs, and SDPA where merged keys carry a bias)."""
-    allowed = allowed_keys(key_valid, q_valid)
+    allowed = allowed_keys(key_valid, q_valid, blocks)
     bias = key_bias[:, None, :].to(dtype).masked_fill(~allowed, 0.0)
     return bias.masked_fill(~allowed, torch.finfo(dtype).min)[:, None]
 
 
 def segment_mask(
-    impl: str, key_valid: torch.Tensor, key_bias: torch.Tensor, q_valid: torch.Tensor, dtype: torch.dtype
+    impl: str, key_valid: torch.Tensor, key_bias: torch.Tensor, q_valid: torch.Tensor, dtype: torch.dtype,
+    blocks: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor | None:
     """The fastest exact mask of the newest ``q`` rows against the ``kv`` keys of one segment.
 
@@ -601,16 +661,22 @@ def segment_mask(
       float mask (:func:`float_mask`) only where merged keys carry log(size).
     - Any other implementation (eager, ...): the additive float mask.
     Every form gives the valid rows the same result as the float mask (tests pin them bit-exact).
+    ``blocks`` (see :func:`allowed_keys`) always get an explicit mask; FlashAttention refuses them.
     """
     has_pad = not bool(key_valid.all())
+    if blocks is not None and not bool((blocks[0] >= 0).any()):
+        blocks = None
+    if blocks is not None and "flash" in impl:
+        raise ValueError("FlashAttention cannot attend bidirectionally within an image (token_type_ids); use "
+                         "attn_implementation='sdpa' or 'eager' for this model")
     if "flash" in impl:
         return key_valid.long() if has_pad else None
     if impl != "sdpa" or bool((key_bias != 0).any()):
-        return float_mask(key_valid, key_bias, q_valid, dtype)
+        return float_mask(key_valid, key_bias, q_valid, dtype, blocks)
     q, kv = q_valid.shape[1], key_valid.shape[1]
-    if not has_pad and (q == kv or q == 1):
+    if not has_pad and (q == kv or q == 1) and blocks is None:
         return None
-    return allowed_keys(key_valid, q_valid)[:, None]
+    return allowed_keys(key_valid, q_valid, blocks)[:, None]
 
 
 def apply(rows: Rows, reds: list[Reduction]) -> Rows:

@@ -1,0 +1,170 @@
+"""Tiny randomly initialised models of the LLaVA-like families of issue 29 (Mistral 3, InternVL,
+LLaVA-NeXT-Video, Gemma 3, SmolVLM, LLaVA-OneVision-1.5), built from the real config classes,
+and their inputs (batch 2 with padding, as tests/tiny_models.py)."""
+from __future__ import annotations
+
+import torch
+
+from tiny_models import IMAGE_TOKEN, VIDEO_TOKEN, VOCAB, _finish, _llama, _pad, _qwen2
+
+IMG_BREAK, IMG_END = 92, 93
+
+
+def tiny_mistral3(attn: str = "sdpa", seed: int = 0):
+    from transformers import Mistral3Config, Mistral3ForConditionalGeneration, MistralConfig, PixtralVisionConfig
+
+    torch.manual_seed(seed)
+    text = MistralConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=16, vocab_size=VOCAB, max_position_embeddings=512,
+                         pad_token_id=0, sliding_window=None)
+    vision = PixtralVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                                 head_dim=16, image_size=64, patch_size=4)
+    cfg = Mistral3Config(vision_config=vision, text_config=text, image_token_index=IMAGE_TOKEN,
+                         spatial_merge_size=2, vision_feature_layer=-1)
+    return _finish(Mistral3ForConditionalGeneration(cfg), attn)
+
+
+#: (height, width) in pixels of each sample's image: Pixtral's variable resolution (8 px a token)
+MISTRAL3_SIZES = [(32, 32), (32, 48)]
+
+
+def mistral3_inputs(model, batch: int = 2, pad: str = "left", seed: int = 1):
+    """One image per sample at its own resolution: rows of [IMG] placeholders, each row ended by
+    [IMG_BREAK], the image by [IMG_END] (as the Pixtral processor lays them out)."""
+    g = torch.Generator().manual_seed(seed)
+    sizes = MISTRAL3_SIZES[:batch] if batch <= len(MISTRAL3_SIZES) else MISTRAL3_SIZES * batch
+    sizes = sizes[:batch]
+    hmax = max(h for h, _ in sizes)
+    wmax = max(w for _, w in sizes)
+    pixels = torch.zeros(batch, 3, hmax, wmax)
+    seqs = []
+    for b, (h, w) in enumerate(sizes):
+        pixels[b, :, :h, :w] = torch.randn(3, h, w, generator=g)
+        rows, cols = h // 8, w // 8
+        image = []
+        for r in range(rows):
+            image += [IMAGE_TOKEN] * cols + [IMG_BREAK if r < rows - 1 else IMG_END]
+        pre = torch.randint(3, 80, (2 + b,), generator=g).tolist()
+        post = torch.randint(3, 80, (5 + 2 * b,), generator=g).tolist()
+        seqs.append([1] + pre + image + post)
+    ids, mask = _pad(seqs, pad)
+    return {"input_ids": ids, "attention_mask": mask, "pixel_values": pixels, "image_sizes": torch.tensor(sizes)}
+
+
+def tiny_internvl(attn: str = "sdpa", seed: int = 0):
+    from transformers import InternVLConfig, InternVLForConditionalGeneration, InternVLVisionConfig
+
+    torch.manual_seed(seed)
+    vision = InternVLVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                                  image_size=(32, 32), patch_size=(4, 4))
+    cfg = InternVLConfig(vision_config=vision, text_config=_qwen2(), image_token_id=IMAGE_TOKEN, image_seq_length=16,
+                         downsample_ratio=0.5, vision_feature_layer=-1, vision_feature_select_strategy="default")
+    return _finish(InternVLForConditionalGeneration(cfg), attn)
+
+
+def internvl_inputs(model, batch: int = 2, pad: str = "left", seed: int = 1, tiles: list[int] | None = None):
+    """Per sample one image of ``tiles[b]`` tiles (default 1): 32 px tiles, 8 x 8 patches, pixel
+    shuffle -> 16 tokens a tile, between <img> (92) and </img> (93) as the processor writes them."""
+    from tiny_models import prompts
+
+    tiles = tiles or [1] * batch
+    g = torch.Generator().manual_seed(seed)
+    pixels = torch.randn(sum(tiles), 3, 32, 32, generator=g)
+    ids, mask = prompts([[(IMAGE_TOKEN, 16 * t)] for t in tiles], pad, seed, start=(IMG_BREAK,), end=(IMG_END,))
+    return {"input_ids": ids, "attention_mask": mask, "pixel_values": pixels}
+
+
+def tiny_llava_next_video(attn: str = "sdpa", seed: int = 0):
+    from transformers import CLIPVisionConfig, LlavaNextVideoConfig, LlavaNextVideoForConditionalGeneration
+
+    torch.manual_seed(seed)
+    cfg = LlavaNextVideoConfig(
+        vision_config=CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                       num_attention_heads=2, image_size=32, patch_size=8),
+        text_config=_llama(), image_token_index=IMAGE_TOKEN, video_token_index=VIDEO_TOKEN,
+        image_grid_pinpoints=[[32, 64], [64, 32], [64, 64]], vision_feature_layer=-2, spatial_pool_stride=2,
+    )
+    return _finish(LlavaNextVideoForConditionalGeneration(cfg), attn)
+
+
+def llava_next_video_inputs(model, batch: int = 2, pad: str = "left", seed: int = 1, frames: int = 4):
+    """A video of ``frames`` 32 px frames per sample: 4 x 4 patches pooled to 2 x 2 tokens a frame."""
+    from tiny_models import prompts
+
+    g = torch.Generator().manual_seed(seed)
+    vids = torch.randn(batch, frames, 3, 32, 32, generator=g)
+    ids, mask = prompts([[(VIDEO_TOKEN, frames * 4)] for _ in range(batch)], pad, seed)
+    return {"input_ids": ids, "attention_mask": mask, "pixel_values_videos": vids}
+
+
+def llava_next_video_image_inputs(model, batch: int = 2, pad: str = "left", seed: int = 1):
+    import tiny_models as T
+
+    return T.llava_next_inputs(model, batch=batch, pad=pad, seed=seed)
+
+
+def tiny_gemma3(attn: str = "sdpa", seed: int = 0, sliding_window: int = 128):
+    """Gemma 3 with alternating sliding-window and full-attention layers (window ``sliding_window``
+    columns: the prompts and answers of the tests fit it) and 16 tokens per image."""
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration, Gemma3TextConfig, SiglipVisionConfig
+
+    torch.manual_seed(seed)
+    text = Gemma3TextConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
+                            num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16, vocab_size=VOCAB,
+                            max_position_embeddings=512, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                            sliding_window=sliding_window,
+                            layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2)
+    vision = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                                image_size=32, patch_size=4)
+    cfg = Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=16, image_token_index=IMAGE_TOKEN,
+                       boi_token_index=IMG_BREAK, eoi_token_index=IMG_END)
+    model = Gemma3ForConditionalGeneration(cfg)
+    with torch.no_grad():  # transformers initialises the projector to zeros: give the images a voice
+        model.model.multi_modal_projector.mm_input_projection_weight.normal_(0, 0.3)
+    return _finish(model, attn)
+
+
+def gemma3_inputs(model, batch: int = 2, pad: str = "left", seed: int = 1):
+    """One 32 px image per sample (8 x 8 patches pooled to 4 x 4 = 16 tokens) between
+    <start_of_image> and <end_of_image>, and ``token_type_ids`` (1 at the image tokens) as the
+    Gemma 3 processor returns them."""
+    from tiny_models import prompts
+
+    g = torch.Generator().manual_seed(seed)
+    pixels = torch.randn(batch, 3, 32, 32, generator=g)
+    ids, mask = prompts([[(IMAGE_TOKEN, 16)] for _ in range(batch)], pad, seed, start=(IMG_BREAK,), end=(IMG_END,))
+    return {"input_ids": ids, "attention_mask": mask, "pixel_values": pixels,
+            "token_type_ids": (ids == IMAGE_TOKEN).long()}
+
+
+def tiny_onevision15(attn: str = "sdpa", seed: int = 0):
+    from transformers import (LlavaOnevision15Config, LlavaOnevision15ForConditionalGeneration,
+                              LlavaOnevision15VisionConfig, Qwen3Config)
+
+    torch.manual_seed(seed)
+    text = Qwen3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=16, vocab_size=VOCAB, max_position_embeddings=512, pad_token_id=0)
+    vision = LlavaOnevision15VisionConfig(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=4,
+                                          spatial_merge_size=2, out_hidden_size=64)
+    cfg = LlavaOnevision15Config(text_config=text, vision_config=vision, image_token_id=IMAGE_TOKEN,
+                                 video_token_id=VIDEO_TOKEN, vision_start_token_id=IMG_BREAK, vision_end_token_id=IMG_END)
+    return _finish(LlavaOnevision15ForConditionalGeneration(cfg), attn)
+
+
+def onevision15_inputs(model, batch: int = 2, pad: str = "left", seed: int = 1, video: bool = False):
+    """One 32 x 32 px image (8 x 8 patches -> 4 x 4 tokens) or a 4-frame 16 x 16 px video (4 x 4
+    patches -> 2 x 2 tokens a frame) per sample, between the vision start / end tokens."""
+    from tiny_models import prompts
+
+    g = torch.Generator().manual_seed(seed)
+    grid = torch.tensor([[4, 4, 4] if video else [1, 8, 8]] * batch)
+    pixels = torch.randn(int(grid.prod(-1).sum()), 3 * 4 * 4, generator=g)
+    tok = VIDEO_TOKEN if video else IMAGE_TOKEN
+    ids, mask = prompts([[(tok, 16)] for _ in range(batch)], pad, seed, start=(IMG_BREAK,), end=(IMG_END,))
+    key = "video" if video else "image"
+    return {"input_ids": ids, "attention_mask": mask, f"pixel_values{'_videos' if video else ''}": pixels,
+            f"{key}_grid_thw": grid}
+
+
+def onevision15_video_inputs(model, batch: int = 2, pad: str = "left", seed: int = 1):
+    return onevision15_inputs(model, batch=batch, pad=pad, seed=seed, video=True)
