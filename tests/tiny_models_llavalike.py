@@ -74,12 +74,13 @@ def internvl_inputs(model, batch: int = 2, pad: str = "left", seed: int = 1, til
     return {"input_ids": ids, "attention_mask": mask, "pixel_values": pixels}
 
 
-def tiny_llava_next_video(attn: str = "sdpa", seed: int = 0):
+def tiny_llava_next_video(attn: str = "sdpa", seed: int = 0, tower_layers: int = 2):
+    """tower_layers: CLIP layers (the feature layer is the second last): AS-ViT needs 4."""
     from transformers import CLIPVisionConfig, LlavaNextVideoConfig, LlavaNextVideoForConditionalGeneration
 
     torch.manual_seed(seed)
     cfg = LlavaNextVideoConfig(
-        vision_config=CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        vision_config=CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=tower_layers,
                                        num_attention_heads=2, image_size=32, patch_size=8),
         text_config=_llama(), image_token_index=IMAGE_TOKEN, video_token_index=VIDEO_TOKEN,
         image_grid_pinpoints=[[32, 64], [64, 32], [64, 64]], vision_feature_layer=-2, spatial_pool_stride=2,
