@@ -184,6 +184,10 @@ class LayerContext:
         rotary embedding applied at ``positions`` when ``rope`` is True. ``q_rows`` [B, R]
         projects only those query rows (q [B, H, R, d]); ``rope="keys"`` returns
         (q, k, k_rope), q and k without RoPE and the keys with it, from one projection.
+    extras: "family", "prune_before", "origin" (each row's input index), "images" (per sample),
+        "final_norm" (the language model's last norm); for a method with ``needs_previous_hidden``
+        also "previous_hidden" (the same rows entering layer ``layer - 1``) and
+        "previous_project_qk" (that layer's ``project_qk``).
     """
 
     layer: int
