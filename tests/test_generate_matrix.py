@@ -48,9 +48,10 @@ ADAPTERS = {
 }
 VIDEO = {"onevision_video", "qwen2_vl_video"}
 METHODS = ["random", "pool", "divprune", "cdpruner", "visionzip", "tome", "asvit", "fastv", "pact", "adaptinfer",
-           "uniform", "quota"]
+           "uniform", "quota", "fastervlm", "vispruner", "dart", "pdrop"]
 #: combinations a pruning call refuses with a documented message (no tower attention there)
-CALL_REFUSALS = {("onevision_image", "visionzip"): "VisionZip runs on LLaVA-1.5 images and LLaVA-OneVision videos"}
+CALL_REFUSALS = {("onevision_image", name): f"{title} runs on LLaVA-1.5 images and LLaVA-OneVision videos"
+                 for name, title in (("visionzip", "VisionZip"), ("fastervlm", "FasterVLM"), ("vispruner", "VisPruner"))}
 _cache: dict = {}
 
 

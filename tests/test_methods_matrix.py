@@ -14,8 +14,9 @@ MODELS = {
     "onevision": (T.tiny_onevision, lambda m: T.onevision_video_inputs(m, frames=4)),
     "qwen2_vl": (T.tiny_qwen2_vl, lambda m: T.qwen2_vl_inputs(m)),
 }
-TOKEN_METHODS = ["random", "pool", "divprune", "cdpruner", "visionzip", "fastv", "pact", "adaptinfer"]
-EXACT = {"random", "pool", "divprune", "cdpruner", "visionzip", "fastv"}
+TOKEN_METHODS = ["random", "pool", "divprune", "cdpruner", "visionzip", "fastv", "pact", "adaptinfer",
+                 "fastervlm", "vispruner", "dart", "pdrop"]
+EXACT = {"random", "pool", "divprune", "cdpruner", "visionzip", "fastv", "fastervlm", "vispruner", "dart"}
 _built: dict = {}
 
 
