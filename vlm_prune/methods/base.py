@@ -405,6 +405,36 @@ def validate_seed(seed: Any, *, name: str = "seed") -> int:
     return seed
 
 
+def check_positions(name: str, positions: str | None) -> None:
+    """Refuse a ``positions=`` value other than "renumber", "keep" or None (the method's official one)."""
+    if positions not in ("renumber", "keep", None):
+        raise ValueError(f"{name} positions must be 'renumber' or 'keep' (None: the official one), got {positions!r}")
+
+
+class ShorterSequence:
+    """Mixin for vision methods whose official LLaVA-codebase code feeds the LLM the shorter
+    sequence numbered 0..n-1 (FasterVLM, VisPruner, DivPrune, CDPruner): ``positions`` "renumber"
+    (that, the default) or "keep" (original position ids, gaps stay). Models with multi-axis
+    positions (Qwen2-VL's M-RoPE) always keep theirs: None resolves to "keep" there at wrap time."""
+
+    #: families whose positions are never renumbered (M-RoPE)
+    KEEPS_POSITIONS: ClassVar[tuple[str, ...]] = ("qwen2_vl",)
+    positions: str | None = None
+
+    def check_model(self, adapter: Any) -> None:
+        super().check_model(adapter)  # type: ignore[misc]
+        if adapter.family in self.KEEPS_POSITIONS:
+            if self.positions == "renumber":
+                raise ValueError(f"{self.name} positions='renumber' is for 1-D positions; "  # type: ignore[attr-defined]
+                                 f"{adapter.family}'s multi-axis positions (M-RoPE) keep their ids")
+            self.positions = "keep"
+
+    @property
+    def renumber_positions(self) -> bool:
+        """True when the rows after the removal are renumbered without gaps (the official default)."""
+        return self.positions != "keep"
+
+
 class FramesMethod(Method):
     """A method that chooses frames and their token budgets for a video (frames stage)."""
 

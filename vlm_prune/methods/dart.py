@@ -59,6 +59,17 @@ def dart_select(keys: torch.Tensor, feats: torch.Tensor, image: torch.Tensor, te
     return torch.sort(out).values
 
 
+def from_first_row(positions: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """Positions ([B, S] or [P, B, S]) shifted so that each sample's first valid row is at 0, as the
+    official batch-1 code numbers them: the L1 norm of a rotated key depends on its absolute position,
+    so a caller's left-padding offset must not change the pivots."""
+    first = valid.long().argmax(dim=1)  # [B]
+    pos = positions if positions.dim() == 3 else positions[None]
+    start = torch.gather(pos, 2, first[None, :, None].expand(pos.shape[0], -1, 1))
+    out = pos - start
+    return out if positions.dim() == 3 else out[0]
+
+
 @register
 class DART(LLMMethod):
     """DART (Wen et al., "Stop Looking for Important Tokens in Multimodal Language Models:
@@ -73,7 +84,8 @@ class DART(LLMMethod):
     to it among those not yet kept (:func:`dart_select`). Kept tokens keep their original position
     ids (the official code's ``position_ids = keep_indexs``); decode continues from the unpruned
     length. Keys come from layer K-1's own projections on its input, computed on the side, so the
-    model keeps SDPA / FlashAttention.
+    model keeps SDPA / FlashAttention, rotated at positions counted from each sample's first row
+    (the official batch-1 numbering; :func:`from_first_row`).
     Budget: with keep / budget, image pivots + picks = the target exactly (picks split evenly over
     the pivots, :func:`per_pivot_counts`). Without: the official scripts' ``max_num_trunction`` 128,
     i.e. 128 // 8 = 16 picks per pivot plus the 4 image pivots (132 of LLaVA-1.5's 576 tokens).
@@ -117,8 +129,8 @@ class DART(LLMMethod):
             raise ValueError("DART needs the rows entering layer K-1 and the final norm (an engine built with "
                              "needs_previous_hidden); run it through vlm_prune.wrap")
         b, s = ctx.valid.shape
-        rows = (ctx.valid.long().cumsum(1) - 1).clamp(min=0)  # each row's index among its sample's rows
-        _, _, k = project(previous, ctx.positions, rope="keys", q_rows=rows[:, -1:])
+        _, _, k = project(previous, from_first_row(ctx.positions, ctx.valid), rope="keys",
+                          q_rows=torch.zeros(b, 1, dtype=torch.long, device=ctx.valid.device))
         keys = k.transpose(1, 2).reshape(b, s, -1)
         with torch.no_grad():
             feats = norm(ctx.hidden)

@@ -3,13 +3,13 @@ from __future__ import annotations
 
 import torch
 
-from vlm_prune.methods.base import Reduction, VisionContext, VisionMethod
-from vlm_prune.methods.visionzip import check_positions, tower_view
+from vlm_prune.methods.base import Reduction, ShorterSequence, VisionContext, VisionMethod, check_positions
+from vlm_prune.methods.visionzip import tower_view
 from vlm_prune.registry import register
 
 
 @register
-class FasterVLM(VisionMethod):
+class FasterVLM(ShorterSequence, VisionMethod):
     """FasterVLM (Zhang et al., "[CLS] Attention is All You Need for Training-Free Visual Token
     Pruning: Make VLM Inference Faster", arXiv 2412.01818v1; Theia-4869/FasterVLM at f5d5f120,
     llava/model/llava_arch.py ``encode_images`` and multimodal_encoder/clip_encoder.py).
@@ -32,14 +32,10 @@ class FasterVLM(VisionMethod):
     paper = "FasterVLM, Zhang et al., arXiv 2412.01818v1 (Theia-4869/FasterVLM)"
     summary = "keeps the tokens the vision tower's [CLS] token attends to most, before the LLM"
 
-    def __init__(self, positions: str = "renumber", keep: float | None = None, budget: int | None = None):
+    def __init__(self, positions: str | None = None, keep: float | None = None, budget: int | None = None):
         super().__init__(keep=keep, budget=budget)
         check_positions("FasterVLM", positions)
         self.positions = positions
-
-    @property
-    def renumber_positions(self) -> bool:
-        return self.positions != "keep"
 
     def reduce_image(self, ctx: VisionContext) -> Reduction:
         n = ctx.features.shape[0]

@@ -6,9 +6,8 @@ from typing import Any
 import torch
 
 from vlm_prune.methods.adaptinfer import OFFICIAL_POSITIONS, final_counts
-from vlm_prune.methods.base import LayerContext, LLMMethod, Reduction
+from vlm_prune.methods.base import LayerContext, LLMMethod, Reduction, check_positions
 from vlm_prune.methods.fastv import keep_all_rows, keep_top_visual, keeps_every_visual, last_query_attention
-from vlm_prune.methods.visionzip import check_positions
 from vlm_prune.registry import register
 
 #: the official LLaVA-1.5 schedule: before layers 8, 16, 24 of 32 (scaled with depth elsewhere)

@@ -7,7 +7,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from vlm_prune.methods.base import Reduction, VisionContext, VisionMethod
+from vlm_prune.methods.base import Reduction, VisionContext, VisionMethod, check_positions
 from vlm_prune.registry import register
 
 VARIANTS = ("official", "slots")
@@ -136,12 +136,6 @@ def tower_view(ctx: VisionContext, name: str, title: str) -> tuple[torch.Tensor,
             f"for {n} image tokens; the adapter must return one per token"
         )
     return attention, keys, (extra[0] if extra else None)
-
-
-def check_positions(name: str, positions: str | None) -> None:
-    """Refuse a ``positions=`` value other than "renumber", "keep" or None (the method's official one)."""
-    if positions not in ("renumber", "keep", None):
-        raise ValueError(f"{name} positions must be 'renumber' or 'keep' (None: the official one), got {positions!r}")
 
 
 def remaining(n: int, dominant: torch.Tensor) -> torch.Tensor:

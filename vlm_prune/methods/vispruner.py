@@ -4,8 +4,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from vlm_prune.methods.base import Reduction, VisionContext, VisionMethod
-from vlm_prune.methods.visionzip import check_positions, tower_view
+from vlm_prune.methods.base import Reduction, ShorterSequence, VisionContext, VisionMethod, check_positions
+from vlm_prune.methods.visionzip import tower_view
 from vlm_prune.registry import register
 
 
@@ -42,7 +42,7 @@ def vispruner_select(attention: torch.Tensor, features: torch.Tensor, n_keep: in
 
 
 @register
-class VisPruner(VisionMethod):
+class VisPruner(ShorterSequence, VisionMethod):
     """VisPruner (Zhang et al., ICCV 2025, "Beyond Text-Visual Attention: Exploiting Visual Cues for
     Effective Token Pruning in VLMs", arXiv 2412.01818v2; Theia-4869/VisPruner at aefa01ad,
     llava/model/llava_arch.py ``encode_images`` and multimodal_encoder/clip_encoder.py).
@@ -66,7 +66,7 @@ class VisPruner(VisionMethod):
     paper = "VisPruner, Zhang et al., ICCV 2025 (Theia-4869/VisPruner)"
     summary = "keeps the tokens the tower's [CLS] attends to most, plus diverse ones after removing duplicates"
 
-    def __init__(self, important_ratio: float = 0.5, positions: str = "renumber",
+    def __init__(self, important_ratio: float = 0.5, positions: str | None = None,
                  keep: float | None = None, budget: int | None = None):
         super().__init__(keep=keep, budget=budget)
         if not 0 <= important_ratio <= 1:
@@ -74,10 +74,6 @@ class VisPruner(VisionMethod):
         check_positions("VisPruner", positions)
         self.important_ratio = important_ratio
         self.positions = positions
-
-    @property
-    def renumber_positions(self) -> bool:
-        return self.positions != "keep"
 
     def reduce_image(self, ctx: VisionContext) -> Reduction:
         n = ctx.features.shape[0]
