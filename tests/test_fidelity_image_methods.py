@@ -28,32 +28,8 @@ import vlm_prune
 from vlm_prune.methods import DART, FasterVLM, PyramidDrop, VisPruner
 from vlm_prune.methods.dart import per_pivot_counts
 from vlm_prune.methods.vispruner import drop_duplicates
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def model():
-    return T.tiny_llava(attn="eager")
-
-
-@pytest.fixture(scope="module")
-def inp():
-    return T.llava_inputs(batch=1)
-
-
-def lm_of(model):
-    return model.model.language_model
-
-
-def image_rows(inp) -> torch.Tensor:
-    return torch.nonzero(inp["input_ids"][0] == T.IMAGE_TOKEN).squeeze(1)
+from test_budgets import _one_thread  # noqa: F401  (autouse fixture)
+from test_fidelity_llm import image_rows, inp, lm_of, model, run_layers  # noqa: F401  (model, inp: fixtures)
 
 
 def wrapped(model, inp, method, **kw):
@@ -198,19 +174,6 @@ def layer_qk(model, layer: int, h: torch.Tensor, pos: torch.Tensor) -> tuple[tor
     cos, sin = lm.rotary_emb(x, pos[None])
     q, k = rope(q, cos, sin), rope(k, cos, sin)
     return q[0], k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)[0]
-
-
-def run_layers(model, h: torch.Tensor, pos: torch.Tensor, start: int, stop: int | None = None) -> torch.Tensor:
-    """Decoder layers start..stop-1 on rows h [S, D] at positions pos [S], causal, one by one."""
-    lm = lm_of(model)
-    s = h.shape[0]
-    mask = torch.zeros(s, s).masked_fill(~torch.ones(s, s, dtype=torch.bool).tril(), float("-inf"))
-    pe = lm.rotary_emb(h[None], pos[None])
-    x = h[None]
-    for layer in lm.layers[start:stop]:
-        out = layer(x, attention_mask=mask[None, None], position_ids=pos[None], position_embeddings=pe)
-        x = out[0] if isinstance(out, tuple) else out
-    return x[0]
 
 
 def logits_of(model, h: torch.Tensor) -> torch.Tensor:
@@ -361,3 +324,34 @@ def test_new_methods_refuse_bad_knobs_with_what_is_allowed():
         PyramidDrop(ratio=0)
     with pytest.raises(ValueError, match="renumber.*M-RoPE"):
         vlm_prune.wrap(T.tiny_qwen2_vl(), PyramidDrop(positions="renumber"))
+
+
+# ---- DivPrune / CDPruner: the official shorter sequence -----------------------------------------
+@pytest.mark.parametrize("name", ["divprune", "cdpruner"])
+def test_divprune_and_cdpruner_feed_the_official_shorter_sequence(model, inp, name):
+    """The official LLaVA code (vbdi/divprune, Theia-4869/CDPruner@ed9c12d prepare_inputs_labels_for_multimodal)
+    concatenates the kept tokens between the text pieces and numbers the sequence 0..n-1: the default
+    equals the unwrapped model on that sequence; positions="keep" keeps the kept set and the gaps."""
+    from vlm_prune.registry import method_class
+
+    logits, rows = wrapped(model, inp, name, budget=5)
+    img = image_rows(inp)
+    kept = [r for r in rows.tolist() if r in img.tolist()]
+    with torch.no_grad():
+        feats = model.model.get_image_features(pixel_values=inp["pixel_values"]).pooler_output[0]
+        tokens = feats[torch.tensor(kept) - int(img[0])]
+        ref = model(inputs_embeds=official_sequence(model, inp["input_ids"][0], tokens)).logits[0]
+    torch.testing.assert_close(logits, ref, atol=1e-5, rtol=0)
+    gaps, rows_keep = wrapped(model, inp, method_class(name)(positions="keep"), budget=5)
+    assert torch.equal(rows_keep, rows) and not torch.allclose(gaps[-1], logits[-1], atol=1e-4)
+
+
+def test_qwen2_vl_keeps_its_m_rope_positions_under_divprune():
+    from vlm_prune.methods import DivPrune
+
+    qwen = T.tiny_qwen2_vl()
+    vlm_prune.wrap(qwen, "divprune", keep=0.5)
+    assert qwen.vlm_prune.methods["vision"].positions == "keep"
+    vlm_prune.unwrap(qwen)
+    with pytest.raises(ValueError, match="divprune positions='renumber' is for 1-D positions"):
+        vlm_prune.wrap(qwen, DivPrune(positions="renumber"), keep=0.5)

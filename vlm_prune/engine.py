@@ -5,8 +5,9 @@ Qwen2VLTextModel, ...) and runs the same decoder layers, but lets methods remove
 rows between layers:
 
 - rows keep their ORIGINAL position ids (gaps stay), so RoPE sees the same positions, unless the
-  method's official code builds a shorter sequence: ``Pending.renumber`` (vision stage, VisionZip)
-  or an llm method's ``renumber_positions`` (AdaptInfer on LLaVA) renumber each sample's rows
+  method's official code builds a shorter sequence: ``Pending.renumber`` (vision stage: VisionZip,
+  FasterVLM, VisPruner, DivPrune, CDPruner) or an llm method's ``renumber_positions`` (AdaptInfer and
+  PyramidDrop on LLaVA) renumber each sample's rows
   without gaps after the removal, and decode steps continue from the renumbered count;
 - ragged batches are left-padded after a removal, padding rows are masked as keys;
 - merged rows carry a size w; every later layer adds log(w) to attention logits for that key

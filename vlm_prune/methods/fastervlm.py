@@ -1,8 +1,6 @@
 """FasterVLM: keep the visual tokens the vision tower's [CLS] token attends to most."""
 from __future__ import annotations
 
-import torch
-
 from vlm_prune.methods.base import Reduction, ShorterSequence, VisionContext, VisionMethod, check_positions
 from vlm_prune.methods.visionzip import tower_view
 from vlm_prune.registry import register

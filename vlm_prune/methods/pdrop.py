@@ -3,8 +3,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-
 from vlm_prune.methods.adaptinfer import OFFICIAL_POSITIONS, final_counts
 from vlm_prune.methods.base import LayerContext, LLMMethod, Reduction, check_positions
 from vlm_prune.methods.fastv import keep_all_rows, keep_top_visual, keeps_every_visual, last_query_attention
