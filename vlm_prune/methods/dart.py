@@ -94,6 +94,8 @@ class DART(LLMMethod):
     name = "dart"
     paper = "DART, Wen et al., arXiv 2502.11494 (ZichenWen1/DART)"
     summary = "keeps the visual tokens least similar to a few pivot tokens (duplication-aware), inside the LLM"
+    budget_note = ("keep / budget = image pivots + picks, exactly; without them the official max_num_trunction "
+                   "128: 16 picks per pivot + 4 image pivots (132 of 576)")
     own_schedule = True
     needs_previous_hidden = True
 

@@ -47,6 +47,8 @@ class PyramidDrop(LLMMethod):
     name = "pdrop"
     paper = "PyramidDrop, Xing et al., CVPR 2025 (Cooperx521/PyramidDrop)"
     summary = "drops visual tokens in stages at several LLM layers, by the last instruction token's attention"
+    budget_note = ("keep / budget = visual tokens reaching the last layer, an even share per stage; without them "
+                   "the paper's lambda = 0.5 schedule (50%, 25%, 12.5% after the three stages)")
     own_schedule = True
 
     def __init__(self, layers: tuple[int, ...] | list[int] | None = None, ratio: float = 0.5,
