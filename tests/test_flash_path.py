@@ -156,6 +156,7 @@ def test_identity_under_flash(case: str) -> None:
     *[(case, method) for case in CASES for method in ("random", "fastv")],
     *[(case, "adaptinfer") for case in CASES[:3]],
     ("llava", "visionzip"), ("onevision_video", "visionzip"), ("onevision_video", "uniform"),
+    *[("llava", method) for method in ("fastervlm", "vispruner", "dart", "pdrop")],
 ])
 def test_pruned_flash_equals_pruned_sdpa(case: str, method: str) -> None:
     """Removal under FA2 keeps the same rows as under SDPA, with equal logits there and the same
