@@ -19,7 +19,7 @@ def test_engine_kwargs_carry_method_budget_and_positions(checkpoint):
     kw = vp.engine_kwargs(str(checkpoint), "divprune", budget=4, seed=3, max_model_len=128)
     over = kw["hf_overrides"]
     assert over["architectures"] == ["VlmPruneLlavaForConditionalGeneration"]
-    assert over["vlm_prune"] == {"method": "divprune", "knobs": {}, "keep": None, "budget": 4, "seed": 3}
+    assert over["vlm_prune"] == {"method": "divprune", "knobs": {"positions": None}, "keep": None, "budget": 4, "seed": 3}
     rope = over["text_config"]["rope_parameters"]
     assert sum(rope["mrope_section"]) == 32 // 2  # head_dim 32: three sections cover every rotary pair
     assert kw["max_model_len"] == 128 and kw["mm_processor_cache_gb"] == 0
