@@ -122,7 +122,7 @@ def _spec(**over) -> str:
     ("[1, 2]", None, "vlm_prune", "a spec is a JSON object"),
     (_spec(knobs={"dominant": 0.5}, method="visionzip"), LLAVA, "vlm_prune.knobs",
      "unknown knob 'dominant' of method 'visionzip'; its knobs: dominant_ratio, variant, positions"),
-    (_spec(knobs={"theta": 0.5}), None, "vlm_prune.knobs", "unknown knob 'theta' of method 'divprune'; its knobs: none"),
+    (_spec(knobs={"theta": 0.5}), None, "vlm_prune.knobs", "unknown knob 'theta' of method 'divprune'; its knobs: positions"),
     (_spec(knobs={"dominant_ratio": "half"}, method="visionzip"), LLAVA, "vlm_prune.knobs.dominant_ratio",
      "method 'visionzip' takes a number, got 'half'"),
     (_spec(knobs={"dominant_ratio": 2.0}, method="visionzip"), LLAVA, "vlm_prune", "dominant_ratio must be in [0, 1]"),
