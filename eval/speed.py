@@ -67,8 +67,10 @@ PROMPT_TOKENS = (14, 22)  # text tokens before / after the visual tokens (system
 #: methods timed per model kind (any other registered name given to --methods is tried too);
 #: keep=1.0 rows time the wrapper with nothing to prune, for a vision-stage and an in-LLM method
 SPEED_METHODS = {
-    "image": ("pool", "random", "visionzip", "divprune", "cdpruner", "tome", "asvit", "fastv", "pact", "adaptinfer"),
-    "video": ("uniform", "keyscore", "quota", "vidcom2", "fastvid", "holitom", "dycoke", "pool", "random", "divprune", "cdpruner", "tome", "fastv", "pact",
+    "image": ("pool", "random", "visionzip", "divprune", "cdpruner", "tome", "asvit", "fastv", "pact", "adaptinfer",
+              "fastervlm", "vispruner", "dart", "pdrop"),
+    "video": ("uniform", "keyscore", "quota", "vidcom2", "fastvid", "holitom", "dycoke", "pool", "random", "divprune",
+              "cdpruner", "tome", "fastv", "pact",
               "adaptinfer"),
 }
 SPEED_METHODS["image-deep"] = SPEED_METHODS["image"]

@@ -67,14 +67,15 @@ def test_no_command_prints_help_and_unknown_command_is_one_line(capsys):
 
 
 def test_methods_lists_every_method_with_a_description(capsys):
-    from vlm_prune.cli_methods import ONE_LINE
-    from vlm_prune.registry import available_methods
+    from vlm_prune.cli_methods import summary
+    from vlm_prune.registry import available_methods, method_class
 
     rc, out, _ = run_cli(["methods"], capsys)
     assert rc == 0
     for name in available_methods():
         line = next(ln for ln in out.splitlines() if ln.startswith(f"{name} "))
-        assert ONE_LINE[name] in line
+        title = (method_class(name).__doc__ or "").strip().split("\n")[0]
+        assert summary(name) in line and summary(name) != title  # a one-line description (ONE_LINE / summary)
 
 
 def test_method_list_validates_every_name_with_a_suggestion():

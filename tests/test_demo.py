@@ -301,7 +301,7 @@ def test_a_failing_column_is_a_message_and_the_others_still_run(session):
 def test_offered_methods_are_those_the_model_takes(session):
     image = session.offered("image", ("keyscore+pact",))
     video = session.offered("video", ("keyscore+pact",))
-    assert {"tome", "asvit", "pact", "random"} <= set(image) and not {"keyscore", "uniform", "quota", "keyscore+pact"} & set(image)
+    assert {"tome", "asvit", "pact", "random", "fastervlm", "vispruner", "dart", "pdrop"} <= set(image) and not {"keyscore", "uniform", "quota", "keyscore+pact"} & set(image)
     assert {"keyscore", "uniform", "pact", "keyscore+pact", "quota"} <= set(video) and not {"tome", "asvit"} & set(video)
     labels = dict((v, label) for label, v in method_choices(session, "image"))
     assert labels["divprune"].startswith("divprune - ") and "diversity" in labels["divprune"]

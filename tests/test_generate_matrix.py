@@ -59,9 +59,10 @@ ADAPTERS = {
 }
 VIDEO = {"onevision_video", "qwen2_vl_video", "nextvideo_video", "ov15_video"}
 METHODS = ["random", "pool", "divprune", "cdpruner", "visionzip", "tome", "asvit", "fastv", "pact", "adaptinfer",
-           "uniform", "quota", "vidcom2", "fastvid", "holitom", "dycoke"]
+           "uniform", "quota", "vidcom2", "fastvid", "holitom", "dycoke", "fastervlm", "vispruner", "dart", "pdrop"]
 #: combinations a pruning call refuses with a documented message (no tower attention there)
-CALL_REFUSALS = {("onevision_image", "visionzip"): "VisionZip runs on LLaVA-1.5 images and LLaVA-OneVision videos",
+CALL_REFUSALS = {**{("onevision_image", name): f"{title} runs on LLaVA-1.5 images and LLaVA-OneVision videos"
+                    for name, title in (("visionzip", "VisionZip"), ("fastervlm", "FasterVLM"), ("vispruner", "VisPruner"))},
                  ("nextvideo_video", "tome"): "LLaVA-NeXT-Video runs on image tiles only",
                  ("nextvideo_video", "asvit"): "LLaVA-NeXT-Video runs on image tiles only"}
 _cache: dict = {}

@@ -154,8 +154,10 @@ def test_llm_stage_equals_masked_reference(case, attn):
     assert_kept_rows_equal(logits, rows, masked_llm_reference(model, inp, 2, kept))
 
 
-@pytest.mark.parametrize("case", list(CASES))
-@pytest.mark.parametrize("method", ["random", "fastv"])
+@pytest.mark.parametrize("case, method", [
+    *[(case, method) for method in ("random", "fastv", "dart", "pdrop") for case in CASES],
+    *[(case, method) for case in ("llava", "onevision_video") for method in ("fastervlm", "vispruner", "divprune")],
+])
 def test_batch_equals_samples_alone(case, method):
     """Invariant 4: each sample of a padded batch equals that sample run alone (prefill and
     10-step generate)."""

@@ -20,8 +20,9 @@ MODELS = {
     "gemma3": (L.tiny_gemma3, L.gemma3_inputs),
     "ov15": (L.tiny_onevision15, L.onevision15_inputs),
 }
-TOKEN_METHODS = ["random", "pool", "divprune", "cdpruner", "visionzip", "fastv", "pact", "adaptinfer"]
-EXACT = {"random", "pool", "divprune", "cdpruner", "visionzip", "fastv"}
+TOKEN_METHODS = ["random", "pool", "divprune", "cdpruner", "visionzip", "fastv", "pact", "adaptinfer",
+                 "fastervlm", "vispruner", "dart", "pdrop"]
+EXACT = {"random", "pool", "divprune", "cdpruner", "visionzip", "fastv", "fastervlm", "vispruner", "dart"}
 _built: dict = {}
 
 

@@ -19,7 +19,7 @@ def test_engine_kwargs_carry_method_budget_and_positions(checkpoint):
     kw = vp.engine_kwargs(str(checkpoint), "divprune", budget=4, seed=3, max_model_len=128)
     over = kw["hf_overrides"]
     assert over["architectures"] == ["VlmPruneLlavaForConditionalGeneration"]
-    assert over["vlm_prune"] == {"method": "divprune", "knobs": {}, "keep": None, "budget": 4, "seed": 3}
+    assert over["vlm_prune"] == {"method": "divprune", "knobs": {"positions": None}, "keep": None, "budget": 4, "seed": 3}
     rope = over["text_config"]["rope_parameters"]
     assert sum(rope["mrope_section"]) == 32 // 2  # head_dim 32: three sections cover every rotary pair
     assert kw["max_model_len"] == 128 and kw["mm_processor_cache_gb"] == 0
@@ -122,7 +122,7 @@ def _spec(**over) -> str:
     ("[1, 2]", None, "vlm_prune", "a spec is a JSON object"),
     (_spec(knobs={"dominant": 0.5}, method="visionzip"), LLAVA, "vlm_prune.knobs",
      "unknown knob 'dominant' of method 'visionzip'; its knobs: dominant_ratio, variant, positions"),
-    (_spec(knobs={"theta": 0.5}), None, "vlm_prune.knobs", "unknown knob 'theta' of method 'divprune'; its knobs: none"),
+    (_spec(knobs={"theta": 0.5}), None, "vlm_prune.knobs", "unknown knob 'theta' of method 'divprune'; its knobs: positions"),
     (_spec(knobs={"dominant_ratio": "half"}, method="visionzip"), LLAVA, "vlm_prune.knobs.dominant_ratio",
      "method 'visionzip' takes a number, got 'half'"),
     (_spec(knobs={"dominant_ratio": 2.0}, method="visionzip"), LLAVA, "vlm_prune", "dominant_ratio must be in [0, 1]"),

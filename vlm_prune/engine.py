@@ -5,8 +5,9 @@ Qwen2VLTextModel, ...) and runs the same decoder layers, but lets methods remove
 rows between layers:
 
 - rows keep their ORIGINAL position ids (gaps stay), so RoPE sees the same positions, unless the
-  method's official code builds a shorter sequence: ``Pending.renumber`` (vision stage, VisionZip)
-  or an llm method's ``renumber_positions`` (AdaptInfer on LLaVA) renumber each sample's rows
+  method's official code builds a shorter sequence: ``Pending.renumber`` (vision stage: VisionZip,
+  FasterVLM, VisPruner, DivPrune, CDPruner) or an llm method's ``renumber_positions`` (AdaptInfer and
+  PyramidDrop on LLaVA) renumber each sample's rows
   without gaps after the removal, and decode steps continue from the renumbered count;
 - ragged batches are left-padded after a removal, padding rows are masked as keys;
 - merged rows carry a size w; every later layer adds log(w) to attention logits for that key
@@ -273,7 +274,12 @@ class PrunedDecoder:
                 out.append(m.n_keep(n, images, orig))
         return torch.tensor(out, dtype=torch.long, device=rows.valid.device)
 
-    def _context(self, layer: int, rows: Rows, prune_before: int) -> LayerContext:
+    def _context(self, layer: int, rows: Rows, prune_before: int, previous: torch.Tensor | None = None) -> LayerContext:
+        extras = {"family": self.spec.family, "prune_before": prune_before, "origin": rows.origin,
+                  "images": self.pending.images_per_sample if self.pending else None, "final_norm": self.spec.lm.norm}
+        if previous is not None:  # the same rows entering the layer before (methods with needs_previous_hidden)
+            extras["previous_hidden"] = previous[:, : rows.hidden.shape[1]]
+            extras["previous_project_qk"] = self.project_qk(layer - 1)
         return LayerContext(
             layer=layer,
             hidden=rows.hidden,
@@ -285,12 +291,13 @@ class PrunedDecoder:
             n_keep=self._n_keep(prune_before, rows),
             layer_module=self.spec.layers[layer],
             project_qk=self.project_qk(layer),
-            extras={"family": self.spec.family, "prune_before": prune_before, "origin": rows.origin,
-                    "images": self.pending.images_per_sample if self.pending else None},
+            extras=extras,
         )
 
-    def _select(self, layer: int, rows: Rows, prune_before: int) -> tuple[list[Reduction], float, float]:
-        """The method's reductions, with the wall-clock and process CPU seconds they took."""
+    def _select(self, layer: int, rows: Rows, prune_before: int,
+                previous: torch.Tensor | None = None) -> tuple[list[Reduction], float, float]:
+        """The method's reductions, with the wall-clock and process CPU seconds they took.
+        ``previous``: the hidden states of the same rows entering layer ``layer - 1``, when kept."""
         t0, c0 = time.perf_counter(), time.process_time()
         pending = self.pending
         # tokens generated after the prompt (use_cache=False re-runs them) sit in the last rows of
@@ -304,9 +311,9 @@ class PrunedDecoder:
                 head = Rows(rows.hidden[:, :cut], rows.pos[..., :cut], rows.valid[:, :cut], rows.visual[:, :cut],
                             rows.sizes[:, :cut], rows.origin[:, :cut])
                 reds = [_append_rows(r, rows, i, cut) for i, r in
-                        enumerate(self.llm_method.select(self._context(layer, head, prune_before)))]
+                        enumerate(self.llm_method.select(self._context(layer, head, prune_before, previous)))]
             else:
-                reds = self.llm_method.select(self._context(layer, rows, prune_before))
+                reds = self.llm_method.select(self._context(layer, rows, prune_before, previous))
         return reds, time.perf_counter() - t0, time.process_time() - c0
 
     def _rotary(self, x: torch.Tensor, pos: torch.Tensor, key: Any) -> Any:
@@ -477,6 +484,9 @@ class PrunedDecoder:
         points = self.prune_points()
         method = self.llm_method
         early = bool(getattr(method, "scores_from_previous_layer", False))
+        # DART reads layer L-1's keys and layer L's input: keep the rows entering L-1 for the context
+        keep_previous = bool(getattr(method, "needs_previous_hidden", False))
+        previous: dict[int, torch.Tensor] = {}
         n_layers = len(spec.layers)
         layer_segment: list[int] = []
         key_valid: list[torch.Tensor] = []
@@ -488,7 +498,8 @@ class PrunedDecoder:
         mask = pe = None
         for idx in range(n_layers):
             if idx in points and (rows.visual & rows.valid).any():
-                reds, secs, cpu_secs = planned.pop(idx) if idx in planned else self._select(idx, rows, idx)
+                reds, secs, cpu_secs = planned.pop(idx) if idx in planned else \
+                    self._select(idx, rows, idx, previous.pop(idx, None))
                 before = (rows.visual & rows.valid).sum(1).tolist()
                 merges = merged_into(rows, reds, visual_in) if any(r.merged_into is not None for r in reds) else None
                 rows = apply(rows, reds)
@@ -514,6 +525,8 @@ class PrunedDecoder:
             layer_visual.append((rows.visual & rows.valid).sum(1))
             if early and (idx + 1) in points and (rows.visual & rows.valid).any():
                 planned[idx + 1] = self._select(idx, rows, idx + 1)
+            if keep_previous and (idx + 1) in points:
+                previous[idx + 1] = rows.hidden
             rows = replace(rows, hidden=self._run_layer(idx, rows.hidden, mask, pe, rows.pos, cache, use_cache, kwargs))
 
         if cache is not None and use_cache:

@@ -26,6 +26,10 @@ BUILTIN = {
     "CDPruner": "vlm_prune.methods.cdpruner",
     "ASViT": "vlm_prune.methods.asvit",
     "ToMe": "vlm_prune.methods.tome",
+    "FasterVLM": "vlm_prune.methods.fastervlm",
+    "VisPruner": "vlm_prune.methods.vispruner",
+    "DART": "vlm_prune.methods.dart",
+    "PyramidDrop": "vlm_prune.methods.pdrop",
     "KeyScore": "vlm_prune.frames.keyscore",
     "QuoTA": "vlm_prune.frames.quota",
     "Uniform": "vlm_prune.frames.uniform",
@@ -51,4 +55,5 @@ __all__ = [
     "Random", "Pool", "FastV", "PACT", "AdaptInfer", "VisionZip", "DivPrune", "CDPruner",
     "ASViT", "ToMe", "QuoTA", "KeyScore", "Uniform",
     "VidCom2", "FastVID", "HoliTom", "DyCoke",
+    "FasterVLM", "VisPruner", "DART", "PyramidDrop",
 ]

@@ -184,6 +184,10 @@ class LayerContext:
         rotary embedding applied at ``positions`` when ``rope`` is True. ``q_rows`` [B, R]
         projects only those query rows (q [B, H, R, d]); ``rope="keys"`` returns
         (q, k, k_rope), q and k without RoPE and the keys with it, from one projection.
+    extras: "family", "prune_before", "origin" (each row's input index), "images" (per sample),
+        "final_norm" (the language model's last norm); for a method with ``needs_previous_hidden``
+        also "previous_hidden" (the same rows entering layer ``layer - 1``) and
+        "previous_project_qk" (that layer's ``project_qk``).
     """
 
     layer: int
@@ -403,6 +407,36 @@ def validate_seed(seed: Any, *, name: str = "seed") -> int:
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise ValueError(f"{name} must be a whole number (an integer), got {seed!r}")
     return seed
+
+
+def check_positions(name: str, positions: str | None) -> None:
+    """Refuse a ``positions=`` value other than "renumber", "keep" or None (the method's official one)."""
+    if positions not in ("renumber", "keep", None):
+        raise ValueError(f"{name} positions must be 'renumber' or 'keep' (None: the official one), got {positions!r}")
+
+
+class ShorterSequence:
+    """Mixin for vision methods whose official LLaVA-codebase code feeds the LLM the shorter
+    sequence numbered 0..n-1 (FasterVLM, VisPruner, DivPrune, CDPruner): ``positions`` "renumber"
+    (that, the default) or "keep" (original position ids, gaps stay). Models with multi-axis
+    positions (Qwen2-VL's M-RoPE) always keep theirs: None resolves to "keep" there at wrap time."""
+
+    #: families whose positions are never renumbered (M-RoPE)
+    KEEPS_POSITIONS: ClassVar[tuple[str, ...]] = ("qwen2_vl",)
+    positions: str | None = None
+
+    def check_model(self, adapter: Any) -> None:
+        super().check_model(adapter)  # type: ignore[misc]
+        if adapter.family in self.KEEPS_POSITIONS:
+            if self.positions == "renumber":
+                raise ValueError(f"{self.name} positions='renumber' is for 1-D positions; "  # type: ignore[attr-defined]
+                                 f"{adapter.family}'s multi-axis positions (M-RoPE) keep their ids")
+            self.positions = "keep"
+
+    @property
+    def renumber_positions(self) -> bool:
+        """True when the rows after the removal are renumbered without gaps (the official default)."""
+        return self.positions != "keep"
 
 
 class FramesMethod(Method):

@@ -6,7 +6,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from vlm_prune.methods.base import Reduction, VisionContext, VisionMethod
+from vlm_prune.methods.base import Reduction, ShorterSequence, VisionContext, VisionMethod, check_positions
 from vlm_prune.methods.divprune import DENSE_MAX
 from vlm_prune.registry import register
 from vlm_prune.relevance import IN_MODEL_NEGATED, instruction_relevance
@@ -144,7 +144,7 @@ def crop_budgets(n_keep: int, sizes: list[int]) -> list[int]:
 
 
 @register
-class CDPruner(VisionMethod):
+class CDPruner(ShorterSequence, VisionMethod):
     """CDPruner (Zhang et al., 2025, "Beyond Attention or Similarity: Maximizing Conditional
     Diversity for Token Pruning in MLLMs"; Theia-4869/CDPruner@ed9c12d).
 
@@ -164,6 +164,9 @@ class CDPruner(VisionMethod):
     LLaVA-NeXT (anyres): one selection per crop (the base image and every high-resolution
     tile), each with its own budget, as the official code (:meth:`reduce_crops`); the
     image_newline tokens are always kept and are not counted in the budget.
+    ``positions``: "renumber" (default: the official code's shorter sequence numbered 0..n-1, as
+    :class:`vlm_prune.methods.divprune.DivPrune`) or "keep" (original ids, gaps stay); Qwen2-VL keeps its
+    M-RoPE positions.
     """
 
     name = "cdpruner"
@@ -175,12 +178,15 @@ class CDPruner(VisionMethod):
         self,
         negate_relevance: bool = IN_MODEL_NEGATED,
         theta: float | None = None,
+        positions: str | None = None,
         keep: float | None = None,
         budget: int | None = None,
     ) -> None:
         super().__init__(keep=keep, budget=budget)
         if theta is not None and not 0 < theta < 1:
             raise ValueError(f"CDPruner theta must be in (0, 1) or None, got {theta!r}")
+        check_positions("CDPruner", positions)
+        self.positions = positions
         self.negate_relevance = negate_relevance
         self.theta = theta
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from vlm_prune.methods.base import Reduction, VisionContext, VisionMethod
+from vlm_prune.methods.base import Reduction, ShorterSequence, VisionContext, VisionMethod, check_positions
 from vlm_prune.registry import register
 
 
@@ -68,7 +68,7 @@ def max_min_diverse(features: torch.Tensor, k: int, chunk: int = 1024) -> torch.
 
 
 @register
-class DivPrune(VisionMethod):
+class DivPrune(ShorterSequence, VisionMethod):
     """DivPrune (Alvar et al., CVPR 2025, "DivPrune: Diversity-based Visual Token Pruning for
     Large Multimodal Models"; vbdi/divprune at a6889f78; its ``DivPrune()`` selection function
     was read in verbatim copies other repositories carry, and tests/test_fidelity_vision.py
@@ -76,11 +76,19 @@ class DivPrune(VisionMethod):
 
     Per image, keep the ``n_keep`` tokens chosen by greedy max-min diversity
     (:func:`max_min_diverse`) on the cosine distance of the projected features, in their
-    original order and slots. Defaults: none beyond keep / budget.
+    original order and slots. ``positions``: "renumber" (default: the official LLaVA code concatenates the
+    kept tokens between the text pieces and numbers the shorter sequence 0..n-1; decode continues from
+    that count) or "keep" (original position ids, gaps stay: the project's behaviour before issue 30);
+    Qwen2-VL's M-RoPE positions are always kept. No other knob beyond keep / budget.
     """
 
     name = "divprune"
     paper = "DivPrune, Alvar et al., CVPR 2025 (vbdi/divprune)"
+
+    def __init__(self, positions: str | None = None, keep: float | None = None, budget: int | None = None) -> None:
+        super().__init__(keep=keep, budget=budget)
+        check_positions("DivPrune", positions)
+        self.positions = positions
 
     def reduce_image(self, ctx: VisionContext) -> Reduction:
         n = ctx.features.shape[0]

@@ -75,10 +75,7 @@ class FastV(LLMMethod):
         b, s = ctx.valid.shape
         scale = getattr(ctx.layer_module.self_attn, "scaling", None)
         if self.query == "last":
-            rows = last_valid_index(ctx.valid)[:, None]
-            q, k = ctx.project_qk(ctx.hidden, ctx.positions, rope=True, q_rows=rows)  # q [B, H, 1, d]
-            key_mask = ctx.valid.unsqueeze(1)  # the last row sees every valid key
-            return attention_received(q, k, key_mask, scale or q.shape[-1] ** -0.5)[:, 0]
+            return last_query_attention(ctx)
         text_mask = ctx.text
         n_text = int(text_mask.sum(1).max())
         order = torch.argsort(text_mask.int(), dim=1, descending=True, stable=True)[:, :n_text]
@@ -97,6 +94,15 @@ class FastV(LLMMethod):
         for b in range(scores.shape[0]):
             out.append(keep_top_visual(scores[b], ctx.visual[b], ctx.valid[b], int(ctx.n_keep[b])))
         return out
+
+
+def last_query_attention(ctx: LayerContext) -> torch.Tensor:
+    """[B, S] head-averaged attention the last valid row pays every row in ``ctx.layer_module``
+    (FastV's and PyramidDrop's score); only that query row is projected."""
+    rows = last_valid_index(ctx.valid)[:, None]
+    q, k = ctx.project_qk(ctx.hidden, ctx.positions, rope=True, q_rows=rows)  # q [B, H, 1, d]
+    scale = getattr(ctx.layer_module.self_attn, "scaling", None) or q.shape[-1] ** -0.5
+    return attention_received(q, k, ctx.valid.unsqueeze(1), scale)[:, 0]  # the last row sees every valid key
 
 
 def keeps_every_visual(ctx: LayerContext) -> bool:

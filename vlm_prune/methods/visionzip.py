@@ -7,7 +7,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from vlm_prune.methods.base import Reduction, VisionContext, VisionMethod
+from vlm_prune.methods.base import Reduction, VisionContext, VisionMethod, check_positions
 from vlm_prune.registry import register
 
 VARIANTS = ("official", "slots")
@@ -118,6 +118,26 @@ def visionzip_official(
                      merged_into=into)
 
 
+def tower_view(ctx: VisionContext, name: str, title: str) -> tuple[torch.Tensor, torch.Tensor, TowerFeatures | None]:
+    """(attention [N], keys [N, d], TowerFeatures or None) of the image in ``ctx``, from the adapter's
+    tap on the vision tower's feature layer, for the methods that rank by the tower's CLS attention
+    (VisionZip, FasterVLM, VisPruner); a clear error where the adapter has no per-token tower row."""
+    n = ctx.features.shape[0]
+    if ctx.tower_attention is None:
+        raise ValueError(
+            f"{name} needs the vision tower's attention and keys (VisionContext.tower_attention), which "
+            f"this model's adapter does not provide for this input: {title} runs on LLaVA-1.5 images and "
+            "LLaVA-OneVision videos (not OneVision's anyres image tiles); use divprune, cdpruner, pool or random"
+        )
+    attention, keys, *extra = ctx.tower_attention()
+    if attention.shape[0] != n or keys.shape[0] != n:
+        raise ValueError(
+            f"{name}: tower_attention gave {attention.shape[0]} scores and {keys.shape[0]} keys "
+            f"for {n} image tokens; the adapter must return one per token"
+        )
+    return attention, keys, (extra[0] if extra else None)
+
+
 def remaining(n: int, dominant: torch.Tensor) -> torch.Tensor:
     """The indices 0..n-1 not in ``dominant``, ascending."""
     is_rest = torch.ones(n, dtype=torch.bool, device=dominant.device)
@@ -173,8 +193,7 @@ class VisionZip(VisionMethod):
             raise ValueError(f"VisionZip dominant_ratio must be in [0, 1], got {dominant_ratio!r}")
         if variant not in VARIANTS:
             raise ValueError(f"VisionZip variant must be one of {VARIANTS}, got {variant!r}")
-        if positions not in (None, "renumber", "keep"):
-            raise ValueError(f"VisionZip positions must be 'renumber' or 'keep' (None: the variant's own), got {positions!r}")
+        check_positions("VisionZip", positions)
         self.dominant_ratio = dominant_ratio
         self.variant = variant
         self.positions = positions
@@ -190,20 +209,8 @@ class VisionZip(VisionMethod):
         n = ctx.features.shape[0]
         if ctx.n_keep >= n:
             return Reduction.keep_all(n, ctx.features.device)
-        if ctx.tower_attention is None:
-            raise ValueError(
-                "visionzip needs the vision tower's attention and keys (VisionContext.tower_attention), which "
-                "this model's adapter does not provide for this input: VisionZip runs on LLaVA-1.5 images and "
-                "LLaVA-OneVision videos (not OneVision's anyres image tiles); use divprune, cdpruner, pool or random"
-            )
-        attention, keys, *extra = ctx.tower_attention()
-        if attention.shape[0] != n or keys.shape[0] != n:
-            raise ValueError(
-                f"visionzip: tower_attention gave {attention.shape[0]} scores and {keys.shape[0]} keys "
-                f"for {n} image tokens; the adapter must return one per token"
-            )
+        attention, keys, tower = tower_view(ctx, "visionzip", "VisionZip")
         dominant, contextual = split_budget(ctx.n_keep, self.dominant_ratio)
-        tower = extra[0] if extra else None
         if self.variant == "official" and tower is not None:
             return visionzip_official(tower, attention, keys, dominant, contextual)
         return visionzip_reduce(ctx.features, attention, keys, dominant, contextual)
