@@ -473,8 +473,10 @@ class HFVLMAdapter(Adapter):
             with torch.no_grad():
                 if frames_m is not None:
                     plan = frames_m.allocate(self.frames_context(frames_m, it, i, samples[i]))
+                    # packed: the plan resized frames (QuoTA), whose tokens fill the video's first slots in frame order
                     extra.append({"tokens_per_frame": plan.tokens_per_frame, "kept_frames": plan.kept_frames,
-                                  "frame_scores": None if plan.frame_scores is None else plan.frame_scores.tolist()})
+                                  "frame_scores": None if plan.frame_scores is None else plan.frame_scores.tolist(),
+                                  "packed": plan.token_coords is not None})
                     if vision_m is not None:
                         v0, vc0 = time.perf_counter(), time.process_time()
                         mid.append(int(plan.reduction.indices.numel()))
@@ -694,7 +696,8 @@ class HFVLMAdapter(Adapter):
     def chat_batch(self, prompts: list[str], media: str | None, n_media_tokens: int = 0
                    ) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`chat_ids` of each prompt, left-padded: (input_ids, attention_mask) [len(prompts), width]."""
-        seqs = [self.chat_ids(p, media, n_media_tokens) for p in prompts]
+        unique = {p: self.chat_ids(p, media, n_media_tokens) for p in dict.fromkeys(prompts)}  # one template render each
+        seqs = [unique[p] for p in prompts]
         width = max(s.numel() for s in seqs)
         ids = torch.zeros(len(seqs), width, dtype=torch.long)
         mask = torch.zeros_like(ids)

@@ -18,6 +18,7 @@ import torch
 from PIL import Image, ImageDraw, ImageFont
 
 KEPT_OUTLINE = (34, 197, 94)  # green
+MERGED_OUTLINE = (245, 158, 11)  # amber: merged with others into one token
 DROPPED_TINT = (40, 40, 48)
 DROPPED_ALPHA = 0.65  # how far a dropped cell is pulled towards the tint
 CAPTION_BG = (24, 24, 32)
@@ -39,6 +40,43 @@ GROUP_ALPHA = 0.6
 GROUP_EDGE = (255, 255, 255)
 FRAME_SIDE = 112  # width of one frame in the strip
 STRIP_COLUMNS = 8
+LABEL_SIZE = 14  # frame labels in the strip (pixels at the strip's own size)
+#: frames per strip row for 1, 2, 3, 4 method columns side by side: the page shrinks a column's
+#: picture to the column, so fewer frames per row keep the labels readable (about 12 px or more)
+STRIP_COLUMNS_FOR = {1: 8, 2: 4, 3: 3, 4: 2}
+
+
+def strip_columns(n_methods: int) -> int:
+    """Frames per strip row when ``n_methods`` columns are shown side by side."""
+    return STRIP_COLUMNS_FOR.get(max(1, n_methods), 2)
+
+
+def token_fate(slots_kept: np.ndarray, into: np.ndarray | None) -> np.ndarray:
+    """Where each visual token of an image / video ended: int [N], the placeholder slot whose
+    output row holds it (itself when kept in place), -1 when dropped.
+
+    ``slots_kept`` bool [N]: the placeholder slots holding an output row of the last prefill
+    (:func:`kept_placeholders`). ``into``: the composed ``merged_into`` of the merging stages (the
+    slot each token was folded into; packed methods such as VisionZip's official variant put
+    their tokens in the first slots), None when no stage merged. A token survives when its slot is
+    still held at the end (a later stage may drop it)."""
+    own = np.arange(slots_kept.size)
+    if into is None:
+        return np.where(slots_kept, own, -1)
+    into = np.asarray(into)
+    held = np.zeros(into.size, dtype=bool)
+    ok = into >= 0
+    held[ok] = slots_kept[into[ok]]
+    return np.where(held, into, -1)
+
+
+def fate_masks(fate: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(kept as it was, merged with others into one token) bool masks from :func:`token_fate`."""
+    alive = fate >= 0
+    groups, sizes = np.unique(fate[alive], return_counts=True)
+    size = np.zeros(fate.size, dtype=np.int64)
+    size[alive] = sizes[np.searchsorted(groups, fate[alive])]
+    return alive & (size == 1), alive & (size > 1)
 
 
 def kept_placeholders(input_ids: torch.Tensor, rows: torch.Tensor, token_id: int) -> torch.Tensor:
@@ -116,20 +154,22 @@ def plain_view(picture: np.ndarray, caption: list[str]) -> Image.Image:
 
 
 def grid_overlay(picture: np.ndarray, kept: np.ndarray, grid: tuple[int, int], caption: list[str],
-                 box: tuple[int, int, int, int] | None = None) -> Image.Image:
+                 box: tuple[int, int, int, int] | None = None, merged: np.ndarray | None = None) -> Image.Image:
     """The upload (at display size) with its rows x cols token grid drawn over ``box`` (the part
-    the model sees, default all of it): dropped cells darkened, kept cells outlined, the rest
-    greyed. ``kept`` is bool [rows * cols] in row-major grid order."""
+    the model sees, default all of it): kept cells outlined green, ``merged`` cells (merged with
+    others into one token) outlined amber, the other cells darkened (dropped), what lies outside
+    ``box`` greyed. ``kept`` / ``merged`` are bool [rows * cols] in row-major grid order."""
     n_rows, n_cols = grid
     if n_rows * n_cols != kept.size:
         raise ValueError(f"a {n_rows} x {n_cols} token grid needs {n_rows * n_cols} tokens, got {kept.size}")
     base, ex, ey = _base(picture, box)
     xs, ys = _cell_edges(ex, ey, grid)
     cells = kept.reshape(n_rows, n_cols)
+    joined = np.zeros_like(cells) if merged is None else merged.reshape(n_rows, n_cols) & ~cells
     tint = np.array(DROPPED_TINT, dtype=np.float32)
     for r in range(n_rows):
         for c in range(n_cols):
-            if not cells[r, c]:
+            if not cells[r, c] and not joined[r, c]:
                 block = base[ys[r] : ys[r + 1], xs[c] : xs[c + 1]]
                 block[:] = (1 - DROPPED_ALPHA) * block + DROPPED_ALPHA * tint
     out = Image.fromarray(base.round().astype(np.uint8))
@@ -137,8 +177,9 @@ def grid_overlay(picture: np.ndarray, kept: np.ndarray, grid: tuple[int, int], c
     width = max(1, int(ex[1] - ex[0]) // (max(grid) * 12))
     for r in range(n_rows):
         for c in range(n_cols):
-            if cells[r, c]:
-                draw.rectangle([xs[c], ys[r], xs[c + 1] - 1, ys[r + 1] - 1], outline=KEPT_OUTLINE, width=width)
+            if cells[r, c] or joined[r, c]:
+                draw.rectangle([xs[c], ys[r], xs[c + 1] - 1, ys[r + 1] - 1],
+                               outline=KEPT_OUTLINE if cells[r, c] else MERGED_OUTLINE, width=width)
     return with_caption(out, caption)
 
 
@@ -212,7 +253,7 @@ def merge_overlay(picture: np.ndarray, into: np.ndarray, grid: tuple[int, int], 
 
 
 def merge_strip(frames: list[np.ndarray], into: np.ndarray, grid: tuple[int, int], caption: list[str],
-                side: int = FRAME_SIDE * 2, columns: int = STRIP_COLUMNS // 2) -> Image.Image:
+                side: int = FRAME_SIDE, columns: int = STRIP_COLUMNS) -> Image.Image:
     """Video frames in rows of ``columns``, each token cell coloured by its merged group as in
     :func:`merge_overlay`; ``into`` covers the frames' tokens frame after frame (one colour per
     group across frames: a token of one frame can merge into another frame's)."""
@@ -245,24 +286,67 @@ def colour_map(values: np.ndarray) -> np.ndarray:
     return stops[lo[..., 0]] * (1 - frac) + stops[lo[..., 0] + 1] * frac
 
 
+def rank_colours(scores: np.ndarray) -> np.ndarray:
+    """float [N, 3] heat colours of ``scores`` [N] by rank among their distinct finite values
+    (ranks are what methods use; one outlier does not flatten the rest); NaN (not scored) gets
+    the dropped tint."""
+    finite = np.isfinite(scores)
+    distinct, rank = np.unique(scores[finite], return_inverse=True)
+    norm = np.full(scores.shape, 0.5)
+    if distinct.size > 1:
+        norm[finite] = rank / (distinct.size - 1)
+    out = colour_map(norm)
+    out[~finite] = np.array(DROPPED_TINT, dtype=np.float32)
+    return out
+
+
+def _tint_cells(base: np.ndarray, colours: np.ndarray, xs: np.ndarray, ys: np.ndarray, grid: tuple[int, int]) -> None:
+    n_rows, n_cols = grid
+    colours = colours.reshape(n_rows, n_cols, 3)
+    for r in range(n_rows):
+        for c in range(n_cols):
+            block = base[ys[r] : ys[r + 1], xs[c] : xs[c + 1]]
+            block[:] = (1 - HEAT_ALPHA) * block + HEAT_ALPHA * colours[r, c]
+
+
 def score_heatmap(picture: np.ndarray, scores: np.ndarray, grid: tuple[int, int], caption: list[str],
                   box: tuple[int, int, int, int] | None = None) -> Image.Image:
     """The upload with each token cell of ``box`` tinted by the rank of its score among the
-    image's distinct scores (ranks are what methods use; one outlier does not flatten the rest),
-    dark blue = lowest, yellow = highest."""
+    image's distinct scores (:func:`rank_colours`), dark blue = lowest, yellow = highest; NaN
+    cells (not scored: dropped by an earlier stage) dark."""
     n_rows, n_cols = grid
     if n_rows * n_cols != scores.size:
         raise ValueError(f"a {n_rows} x {n_cols} token grid needs {n_rows * n_cols} scores, got {scores.size}")
     base, ex, ey = _base(picture, box)
     xs, ys = _cell_edges(ex, ey, grid)
-    distinct, rank = np.unique(scores, return_inverse=True)
-    norm = rank.reshape(scores.shape) / (distinct.size - 1) if distinct.size > 1 else np.full(scores.shape, 0.5)
-    colours = colour_map(norm.reshape(n_rows, n_cols))
-    for r in range(n_rows):
-        for c in range(n_cols):
-            block = base[ys[r] : ys[r + 1], xs[c] : xs[c + 1]]
-            block[:] = (1 - HEAT_ALPHA) * block + HEAT_ALPHA * colours[r, c]
+    _tint_cells(base, rank_colours(np.asarray(scores, dtype=np.float64).ravel()), xs, ys, grid)
     return with_caption(Image.fromarray(base.round().astype(np.uint8)), caption)
+
+
+def score_strip(frames: list[np.ndarray], scores: np.ndarray, grid: tuple[int, int], caption: list[str],
+                side: int = FRAME_SIDE, columns: int = STRIP_COLUMNS) -> Image.Image:
+    """Video frames in rows of ``columns``, each token cell tinted by its score's rank over the
+    whole video (:func:`rank_colours`); ``scores`` covers the frames' rows x cols tokens frame
+    after frame (a grid of (1, 1): one score per frame, e.g. a frames-stage method's)."""
+    per_frame = grid[0] * grid[1]
+    scores = np.asarray(scores, dtype=np.float64).ravel()
+    if scores.size != per_frame * len(frames):
+        raise ValueError(f"{len(frames)} frames of {per_frame} tokens need {per_frame * len(frames)} scores, got {scores.size}")
+    colours = rank_colours(scores)
+    h0, w0 = frames[0].shape[:2]
+    pic_h = max(1, round(side * h0 / w0))
+    n_rows = math.ceil(len(frames) / columns)
+    sheet = Image.new("RGB", (columns * (side + 4), n_rows * (pic_h + LABEL_SIZE + 10)), CAPTION_BG)
+    draw = ImageDraw.Draw(sheet)
+    for i, frame in enumerate(frames):
+        resample = Image.NEAREST if max(frame.shape[:2]) < side / 2 else Image.BICUBIC
+        base = np.asarray(Image.fromarray(frame).resize((side, pic_h), resample)).astype(np.float32)
+        xs, ys = _cell_edges(np.array([0, side]), np.array([0, pic_h]), grid)
+        _tint_cells(base, colours[i * per_frame : (i + 1) * per_frame], xs, ys, grid)
+        x, y = (i % columns) * (side + 4) + 2, (i // columns) * (pic_h + LABEL_SIZE + 10) + 2
+        sheet.paste(Image.fromarray(base.round().astype(np.uint8)), (x, y))
+        draw.text((x + 2, y + pic_h + 3), f"#{i}", fill=CAPTION_FG, font=_font(LABEL_SIZE))
+    return with_caption(sheet, caption)
 
 
 @dataclass
@@ -276,20 +360,27 @@ class FrameInfo:
     budget: int | None = None  # the frames-stage method's token budget for this frame
 
 
-def frames_kept(kept: np.ndarray, n_frames: int) -> tuple[list[int], int]:
+def frames_kept(kept: np.ndarray, n_frames: int, packed: list[int] | None = None) -> tuple[list[int], int]:
     """Kept tokens per frame and tokens per frame, from ``kept`` bool [N] over a video's
-    placeholders: N = n_frames * per_frame + extra trailing tokens (e.g. one newline)."""
+    placeholders: N = n_frames * per_frame + extra trailing tokens (e.g. one newline).
+
+    Slot s holds a token of frame s // per_frame, unless ``packed`` (the tokens per frame of a
+    frames plan that resized the frames, e.g. QuoTA's) says the kept frames' tokens fill the
+    first slots in frame order: packed[0] slots of frame 0, then packed[1] of frame 1, ..."""
     per_frame = kept.size // n_frames
     if per_frame == 0:
         raise ValueError(f"{kept.size} video tokens cannot cover {n_frames} frames")
-    body = kept[: n_frames * per_frame].reshape(n_frames, per_frame)
-    return [int(k) for k in body.sum(1)], per_frame
+    body = kept[: n_frames * per_frame]
+    if packed is None:
+        return [int(k) for k in body.reshape(n_frames, per_frame).sum(1)], per_frame
+    owner = np.repeat(np.arange(len(packed)), packed)[: body.size]
+    return [int(k) for k in np.bincount(owner[body[: owner.size]], minlength=n_frames)[:n_frames]], per_frame
 
 
 def frame_strip(frames: list[FrameInfo], caption: list[str], side: int = FRAME_SIDE, columns: int = STRIP_COLUMNS) -> Image.Image:
     """Frames in rows of ``columns``, each labelled with its score and kept tokens; frames
     without any kept token are greyed out."""
-    label = 14
+    label = LABEL_SIZE
     h0, w0 = frames[0].picture.shape[:2]
     pic_h = min(side - 4, round((side - 4) * h0 / w0))
     cell_h = pic_h + 4 + 2 * (label + 4)

@@ -20,6 +20,7 @@ import re
 import statistics
 import threading
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,6 +34,7 @@ import vlm_prune
 from vlm_prune.cli_methods import summary
 from vlm_prune.demo import overlay
 from vlm_prune.eval import metrics
+from vlm_prune.methods.base import BudgetWarning
 from vlm_prune.registry import available_methods, method_class
 from vlm_prune.video import VideoError, read_frames
 
@@ -115,17 +117,30 @@ def load_synthetic(kind: MediaKind) -> LoadedModel:
     from vlm_prune.eval.synthetic import build_model, build_processor, load, model_path
 
     name = f"synthetic {kind} model"
+    where = shipped_location(model_path(kind))
     try:
         model, processor = load(kind)
-        notes = [f"{name} from {model_path(kind)}"]
+        notes = [f"{name}, shipped with vlm-prune ({where})"]
     except FileNotFoundError:
         model, processor = build_model(kind).eval(), build_processor(kind)
         notes = [(
-            f"no trained weights at {model_path(kind)}: the {name} is UNTRAINED, its answers are noise "
+            f"no trained weights at {where}: the {name} is UNTRAINED, its answers are noise "
             f"(train it with `python -m vlm_prune.eval.synthetic.train --kind {kind}`)"
         )]
     notes.append(TOY_NOTE.format(layers=model.config.get_text_config().num_hidden_layers))
     return LoadedModel(model, processor, name, notes, toy=True)
+
+
+def shipped_location(path: Path) -> str:
+    """A shipped file's place inside the package (``vlm_prune/eval/synthetic/models/image``), not
+    the absolute path of this installation (which would name the user's folders on the page)."""
+    import vlm_prune.eval
+
+    root = Path(vlm_prune.eval.__file__).resolve().parent
+    try:
+        return "vlm_prune/eval/" + Path(path).resolve().relative_to(root).as_posix()
+    except ValueError:
+        return Path(path).name
 
 
 def load_checkpoint(model_id: str) -> LoadedModel:
@@ -329,15 +344,22 @@ def _peak_cuda(device: torch.device) -> int | None:
 
 
 class ScoreSpy:
-    """Records the first token scores a method computes (``scores(ctx)`` of FastV / AdaptInfer
-    and PACT's ``_scores_and_keys(ctx)`` over the rows entering their layer, ``relevance(ctx)``
-    of CDPruner over one image's tokens) by shadowing that bound method on the instance;
-    ``close`` removes it."""
+    """Records the token scores a method computes (``scores(ctx)`` of FastV / AdaptInfer and
+    PACT's ``_scores_and_keys(ctx)`` over the rows entering their layer, ``relevance(ctx)`` of
+    CDPruner and VisionZip's tower attention over one image or video frame's tokens) by shadowing
+    that bound method on the instance; ``close`` removes it.
+
+    ``found[name]``: the scores of the first LLM-stage call (the first sample's visual rows), or
+    every vision-stage call of the request's first image / video in order (one per frame; a
+    timed prefill repeats them: :meth:`scores` takes the first ``n``). ``positions[name]``: the
+    position ids of the LLM-stage rows scored (1-D position ids only), to place them on the upload.
+    """
 
     ATTRS = ("scores", "_scores_and_keys", "relevance")
 
     def __init__(self, methods: list[Any]) -> None:
-        self.found: dict[str, torch.Tensor] = {}
+        self.found: dict[str, list[torch.Tensor]] = {}
+        self.positions: dict[str, torch.Tensor | None] = {}
         self.patched: list[tuple[Any, str]] = []
         for m in methods:
             if inspect.ismethod(getattr(m, "reduce_image", None)):  # VisionZip: the tower's CLS attention
@@ -349,31 +371,45 @@ class ScoreSpy:
                     setattr(m, attr, self._spy(m.name, fn))
                     self.patched.append((m, attr))
 
+    def _keep(self, name: str, ctx: Any, scores: torch.Tensor) -> None:
+        visual = getattr(ctx, "visual", None)  # llm stage: [B, S] rows -> the first sample's visual rows
+        if visual is not None:
+            if name not in self.found:
+                mask = visual[0] & ctx.valid[0]
+                self.found[name] = [scores[0][mask].detach().float().cpu()]
+                pos = getattr(ctx, "positions", None)
+                self.positions[name] = pos[0][mask].detach().cpu() if pos is not None and pos.dim() == 2 else None
+        elif getattr(ctx, "image_index", 0) == 0:  # vision stage: each frame of the first image / video
+            self.found.setdefault(name, []).append(scores.detach().float().cpu())
+            self.positions.setdefault(name, None)
+
     def _spy(self, name: str, fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
         def spy(ctx: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
             out = fn(ctx, *args, **kwargs)
-            if name not in self.found:
-                scores = out[0] if isinstance(out, tuple) else out  # PACT's (scores, keys)
-                visual = getattr(ctx, "visual", None)  # llm stage: [B, S] rows -> the first sample's visual rows
-                mask = None if visual is None else visual[0] & ctx.valid[0]
-                self.found[name] = (scores[0][mask] if mask is not None else scores).detach().float().cpu()
+            self._keep(name, ctx, out[0] if isinstance(out, tuple) else out)  # PACT's (scores, keys)
             return out
         return spy
 
     def _spy_tower(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         """reduce_image(ctx) whose ``ctx.tower_attention()`` (attention each token gets, keys, ...)
-        records the attention of the first image it is asked for."""
+        records the attention of each frame of the first image / video it is asked for."""
         def spy(ctx: Any) -> Any:
             tower = ctx.tower_attention
-            if tower is None or name in self.found:
+            if tower is None:
                 return fn(ctx)
 
             def recorded() -> Any:
                 out = tower()
-                self.found.setdefault(name, out[0].detach().float().cpu())
+                self._keep(name, ctx, out[0])
                 return out
             return fn(dataclasses.replace(ctx, tower_attention=recorded))
         return spy
+
+    def scores(self, n_calls: int = 1) -> dict[str, tuple[torch.Tensor, torch.Tensor | None]]:
+        """(scores, positions or None) per method: the LLM-stage call, or the first ``n_calls``
+        vision-stage calls (one image, or the frames of one video) concatenated."""
+        return {name: (torch.cat(calls[: 1 if self.positions[name] is not None else n_calls]), self.positions[name])
+                for name, calls in self.found.items()}
 
     def close(self) -> None:
         for m, attr in self.patched:
@@ -396,6 +432,8 @@ class Column:
     heatmap_note: str = ""
     merges: Image.Image | None = None
     merge_note: str = ""
+    #: what wrap() warned (BudgetWarning: e.g. QuoTA's allocation can leave part of the budget unspent)
+    warnings: list[str] = field(default_factory=list)
     error: str | None = None
     done: bool = False
 
@@ -406,8 +444,9 @@ class Column:
             lines.append(f"**could not run:** {escape(self.error)}")
         elif self.cost is not None:
             lines += [f"**answer:** {escape(self.answer) or '(empty)'}",
-                      f"{self.cost.visual_out} of {self.cost.visual_in} visual tokens, "
-                      f"FLOPs x{self.cost.flops_ratio:.2f} (ideal)"]
+                      f"{self.cost.visual_out} of {self.cost.visual_in} visual tokens; LLM prefill FLOPs (ideal): "
+                      f"{flops_text(self.cost.flops_ratio)}"]
+            lines += [f"**budget note:** {escape(w)}" for w in self.warnings]
             for note in (self.heatmap_note, self.merge_note):
                 if note:
                     lines.append(f"<small>{escape(note)}</small>")
@@ -464,14 +503,15 @@ class Comparison:
             rows.append(f"| {label} | {first} | " + " | ".join(cell(c) for c in cols) + " |")
 
         row("answer", escape(self.answer_unpruned) or "(empty)", lambda c: escape(c.answer) or "(empty)")
-        row("**LLM prefill FLOPs (ideal)**", "1.00", lambda c: f"**x{c.cost.flops_ratio:.2f}**")
+        row("**LLM prefill FLOPs (ideal), share of unpruned**", "1.00",
+            lambda c: f"**{flops_text(c.cost.flops_ratio)}**")
         row("**visual tokens, final**", str(base.visual_in),
             lambda c: f"**{c.cost.visual_out}** ({c.cost.visual_out / max(base.visual_in, 1):.0%})")
         row("visual tokens, mean over LLM layers", f"{base.visual_layer_avg:.0f}",
             lambda c: f"{c.cost.visual_layer_avg:.1f} ({c.cost.visual_layer_avg / max(base.visual_in, 1):.0%})")
         if any(c.cost.vit_flops_ratio is not None for c in cols):
-            row("vision tower FLOPs (ideal)", "1.00",
-                lambda c: "1.00" if c.cost.vit_flops_ratio is None else f"x{c.cost.vit_flops_ratio:.2f}")
+            row("vision tower FLOPs (ideal), share of unpruned", "1.00",
+                lambda c: "1.00" if c.cost.vit_flops_ratio is None else flops_text(c.cost.vit_flops_ratio))
         row("KV cache after prefill", _mib(base.kv_bytes), lambda c: _mib(c.cost.kv_bytes))
         if self.timing_unpruned is not None:
             n = len(self.timing_unpruned.seconds)
@@ -484,6 +524,13 @@ class Comparison:
         if self.peak_unpruned is None:
             rows[-1] += " Peak memory is measured on CUDA only."
         return "\n".join(rows)
+
+
+def flops_text(ratio: float) -> str:
+    """A FLOPs ratio said as a share of the unpruned model's, not a speed-up: "0.35 of unpruned (2.9x fewer)"."""
+    if ratio >= 0.995:
+        return f"{ratio:.2f} of unpruned (no saving)"
+    return f"{ratio:.2f} of unpruned ({1 / ratio:.1f}x fewer)"
 
 
 def _mib(n: float) -> str:
@@ -637,7 +684,7 @@ class Session:
         pipeline = build_pipeline(col.name, layer, loaded)
         spy = ScoreSpy(pipeline)
         try:
-            self._wrap(loaded, pipeline, keep)
+            self._wrap(loaded, pipeline, keep, col)
             _reset_peak(model.device)
             col.timing = time_prefill(model, inputs, self.timing_repeats)
             col.peak_bytes = _peak_cuda(model.device)
@@ -653,74 +700,117 @@ class Session:
         for col.answer in answer_stream(loaded, inputs, self.max_new_tokens):
             yield comp
         vlm_prune.unwrap(model)
-        draw = self._draw_image if media.kind == "image" else self._draw_video
-        draw(col, loaded, media, inputs, rows, spy.found)
+        if media.kind == "image":
+            self._draw_image(col, loaded, media, inputs, rows, spy)
+        else:
+            self._draw_video(col, loaded, media, inputs, rows, spy, overlay.strip_columns(len(comp.columns)))
 
     @staticmethod
-    def _wrap(loaded: LoadedModel, pipeline: list[Any], keep: float) -> None:
+    def _wrap(loaded: LoadedModel, pipeline: list[Any], keep: float, col: Column | None = None) -> None:
+        """Wrap the model; what wrap() warns (BudgetWarning) goes to ``col.warnings`` for the page."""
         try:
-            vlm_prune.wrap(loaded.model, pipeline, keep=keep, processor=loaded.processor)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always", BudgetWarning)
+                vlm_prune.wrap(loaded.model, pipeline, keep=keep, processor=loaded.processor)
         except (ValueError, TypeError, RuntimeError) as err:
             raise DemoError(f"cannot prune this model with {'+'.join(m.name for m in pipeline)}: {err}") from None
+        for w in caught:
+            if issubclass(w.category, BudgetWarning) and col is not None:
+                col.warnings.append(str(w.message))
+                log.info("%s: %s", col.name, w.message)
+            else:
+                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
 
     def _draw_image(self, col: Column, loaded: LoadedModel, media: Media, inputs: dict[str, Any],
-                    rows: torch.Tensor, scores: dict[str, torch.Tensor]) -> None:
+                    rows: torch.Tensor, spy: ScoreSpy) -> None:
         ids = inputs["input_ids"][0].cpu()
-        kept = overlay.kept_placeholders(ids, rows, loaded.model.config.image_token_id).numpy()
+        token_id = loaded.model.config.image_token_id
+        slots = overlay.kept_placeholders(ids, rows, token_id).numpy()
+        into = merged_into(col.stats)
+        fate = overlay.token_fate(slots, into if into is not None and into.size == slots.size else None)
+        kept, merged = overlay.fate_masks(fate)
         picture = np.asarray(media.image)
         box = model_box(loaded.processor, inputs, picture.shape[1], picture.shape[0])
-        caption = [f"{col.name}: kept {int(kept.sum())} of {kept.size} image tokens ({kept.mean():.0%})",
-                   "bright, outlined: kept   dark: dropped (or merged into a kept token)"]
+        n = fate.size
+        counts = f"{int(kept.sum())} of {n} image tokens kept as they were"
+        if merged.any():
+            counts += f", {int(merged.sum())} merged into {np.unique(fate[merged]).size} tokens"
+        counts += f", {int((fate < 0).sum())} dropped"
+        caption = [f"{col.name}: {counts}",
+                   "green outline: kept as it was" + ("   amber outline: merged with others into one token (see the "
+                                                      "merge picture)" if merged.any() else "") + "   dark: dropped"]
         if box != (0, 0, picture.shape[1], picture.shape[0]):
             caption.append("shaded grey outside the box: cropped away by the model's processor, never seen")
-        col.stats["kept_grid"] = kept.astype(int).tolist()
-        grid = image_grid(loaded.model.config, inputs, kept.size)
+        col.stats["kept_grid"] = np.where(kept, 1, np.where(merged, 2, 0)).tolist()  # 1 kept, 2 merged, 0 dropped
+        grid = image_grid(loaded.model.config, inputs, n)
         if grid is None:
             caption[1] = "this model's image tokens form no single grid (tiles, newlines): kept/dropped not drawn"
             col.picture = overlay.plain_view(picture, caption)
-            if merged_into(col.stats) is not None:
+            if into is not None:
                 col.merge_note = f"merges of {col.name} not drawn: this model's image tokens form no single grid"
             return
-        col.picture = overlay.grid_overlay(picture, kept, grid, caption, box=box)
-        into = self._merges(col, kept.size)
+        col.picture = overlay.grid_overlay(picture, kept, grid, caption, box=box, merged=merged)
+        into = self._merges(col, n)
         if into is not None:
             col.merges = overlay.merge_overlay(picture, into, grid, merge_caption(col.name, into), box=box)
-        for name, values in scores.items():
-            if values.numel() == kept.size:
-                col.heatmap = overlay.score_heatmap(picture, values.numpy(), grid, [
-                    f"{name}: its token scores (yellow = high), before it chose what to keep"], box=box)
-                break
+        found = placed_scores(spy.scores(1), ids, token_id, n, col.stats)
+        if found is not None:
+            name, values, partial = found
+            col.stats["token_scores"] = [None if np.isnan(v) else float(v) for v in values]
+            col.heatmap = overlay.score_heatmap(picture, values, grid, [
+                f"{name}: its token scores (yellow = high), before it chose what to keep"
+                + ("; dark: not scored (dropped by an earlier stage)" if partial else "")], box=box)
         else:
-            col.heatmap_note = (f"no score heatmap for {col.name}: the demo draws the token scores of methods "
-                                "that rank by one score before choosing (FastV, PACT, AdaptInfer, CDPruner, VisionZip)")
+            col.heatmap_note = NO_HEATMAP.format(name=col.name)
 
     def _draw_video(self, col: Column, loaded: LoadedModel, media: Media, inputs: dict[str, Any],
-                    rows: torch.Tensor, scores: dict[str, torch.Tensor]) -> None:
+                    rows: torch.Tensor, spy: ScoreSpy, columns: int = overlay.STRIP_COLUMNS) -> None:
         ids = inputs["input_ids"][0].cpu()
-        kept = overlay.kept_placeholders(ids, rows, loaded.model.config.video_token_id).numpy()
+        token_id = loaded.model.config.video_token_id
+        kept = overlay.kept_placeholders(ids, rows, token_id).numpy()
         thw = inputs.get("video_grid_thw")
         # token groups in time: one per frame, or one per temporal patch (Qwen2-VL merges 2 frames)
         n_groups = int(thw[0, 0]) if thw is not None else media.frames.shape[0]
-        per_group_kept, per_group = overlay.frames_kept(kept, n_groups)
         record = next((r for r in col.stats["stages"] if r["stage"] == "frames" and r.get("videos")), None)
         plan = record["videos"][0] if record else {}
+        per_group_kept, per_group = overlay.frames_kept(kept, n_groups, plan["tokens_per_frame"] if plan.get("packed") else None)
         frame_scores = plan.get("frame_scores") or [None] * n_groups
         budgets = plan.get("tokens_per_frame") or [None] * n_groups
         stride = media.frames.shape[0] / n_groups
         frames = [overlay.FrameInfo(media.frames[int(t * stride)], per_group_kept[t], per_group, frame_scores[t], budgets[t])
                   for t in range(n_groups)]
         shown = sum(k > 0 for k in per_group_kept)
-        caption = [f"{col.name}: {shown} of {n_groups} frames keep tokens, {int(kept.sum())} of {kept.size} video tokens",
+        caption = [f"{col.name}: {shown} of {n_groups} frames keep tokens, {sum(per_group_kept)} of "
+                   f"{n_groups * per_group} video tokens",
                    "s = frame score of the frames-stage method, b = its token budget; grey frames are dropped"]
+        if plan.get("packed"):
+            caption.append("the frames-stage method resized the kept frames: their tokens are new ones, counted per frame")
         col.stats.update(frames_kept_tokens=per_group_kept, tokens_per_frame=per_group)
-        col.picture = overlay.frame_strip(frames, caption)
+        col.picture = overlay.frame_strip(frames, caption, columns=columns)
+        pictures = [f.picture for f in frames]
         into = self._merges(col, n_groups * per_group)
         side = math.isqrt(per_group)
         if into is not None and side * side == per_group:
-            col.merges = overlay.merge_strip([f.picture for f in frames], into, (side, side),
-                                             merge_caption(col.name, into, per_frame=per_group))
+            col.merges = overlay.merge_strip(pictures, into, (side, side),
+                                             merge_caption(col.name, into, per_frame=per_group), columns=columns)
         elif into is not None:
             col.merge_note = f"merges of {col.name} not drawn: a frame's {per_group} tokens form no square grid"
+        found = placed_scores(spy.scores(n_groups), ids, token_id, n_groups * per_group, col.stats)
+        if found is not None and side * side == per_group:
+            name, values, partial = found
+            col.stats["token_scores"] = [None if np.isnan(v) else float(v) for v in values]
+            col.heatmap = overlay.score_strip(pictures, values, (side, side), [
+                f"{name}: its token scores in each frame (yellow = high, ranked over the whole video), before it "
+                "chose what to keep" + ("; dark: not scored (dropped by an earlier stage)" if partial else "")],
+                columns=columns)
+        elif record is not None and plan.get("frame_scores"):
+            col.heatmap = overlay.score_strip(pictures, np.array(plan["frame_scores"], dtype=np.float64), (1, 1), [
+                f"{record['method']}: its frame scores (yellow = high, ranked over the video; s on the kept-frames "
+                "picture), before it chose the frames"], columns=columns)
+        elif found is not None:
+            col.heatmap_note = f"no score heatmap for {col.name}: a frame's {per_group} tokens form no square grid"
+        else:
+            col.heatmap_note = NO_HEATMAP.format(name=col.name)
 
     @staticmethod
     def _merges(col: Column, n_tokens: int) -> np.ndarray | None:
@@ -734,6 +824,34 @@ class Session:
             col.merge_note = f"merges of {col.name} not drawn: they cover {into.size} tokens, the picture {n_tokens}"
             return None
         return into
+
+
+NO_HEATMAP = ("no score heatmap for {name}: the demo draws the token scores of methods that rank by one score "
+              "before choosing (FastV, PACT, AdaptInfer, CDPruner, VisionZip) and the frame scores of KeyScore and QuoTA")
+
+
+def placed_scores(found: dict[str, tuple[torch.Tensor, torch.Tensor | None]], ids: torch.Tensor, token_id: int,
+                  n: int, stats: dict[str, Any]) -> tuple[str, np.ndarray, bool] | None:
+    """(method, scores [n] of the first ``n`` placeholders of ``token_id`` in ``ids`` - NaN where
+    unscored -, whether some are unscored) from :meth:`ScoreSpy.scores`; None when none fits.
+
+    Scores of all ``n`` tokens are taken in order. An LLM-stage method that saw fewer (an earlier
+    stage dropped some) is placed by its rows' position ids, unless an earlier stage merged or
+    packed tokens (then a position no longer names the placeholder the token came from)."""
+    moved = any(r["stage"] != "llm" and ("merged_into" in r or any(v.get("packed") for v in r.get("videos") or []))
+                for r in stats.get("stages", []))
+    places = torch.nonzero(ids == token_id).squeeze(1)
+    for name, (values, positions) in found.items():
+        out = np.full(n, np.nan)
+        if values.numel() == n:
+            out[:] = values.numpy()
+            return name, out, False
+        if positions is not None and not moved and values.numel() < n:
+            at = torch.searchsorted(places, positions.to(places.dtype)).clamp(max=places.numel() - 1)
+            ok = (places[at] == positions) & (at < n)
+            out[at[ok].numpy()] = values[ok].numpy()
+            return name, out, True
+    return None
 
 
 def merged_into(stats: dict[str, Any]) -> np.ndarray | None:

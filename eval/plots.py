@@ -227,10 +227,26 @@ def bench_figure(pooled: list[dict[str, Any]], path: str) -> list[str]:
     return save_figure(fig, path)
 
 
+def short_name(model: str) -> str:
+    """A model's short name for titles: the last part of a hub id or folder
+    ("llava-hf/llava-1.5-7b-hf" -> "llava-1.5-7b-hf", "/home/me/ckpt/llava/" -> "llava")."""
+    return os.path.basename(os.path.normpath(model.rstrip("/\\"))) or model
+
+
+NO_SPEEDUP = ("no speed-up to show: the sweep has no unpruned run\n(setting 'none') nor keep 1.0 run to compare with;\n"
+              "add none to --method to get one")
+
+
 def plot(rows: list[dict[str, Any]], path: str, title: str) -> list[str]:
+    """:func:`sweep_figure` written as PNG, SVG and PDF (:func:`save_figure`)."""
+    return save_figure(sweep_figure(rows, title), path)
+
+
+def sweep_figure(rows: list[dict[str, Any]], title: str) -> Any:
     """The sweep figure: accuracy against the kept fraction of visual tokens and against the ideal
     prefill FLOPs ratio, and the speed-up (measured TTFT, solid; ideal from FLOPs, dashed) against
-    the kept fraction; one colour per method, the unpruned run as reference."""
+    the kept fraction; one colour per method, the unpruned run as reference. Without a reference
+    run (no "none", no keep 1.0) the speed-up panel says so instead of staying empty."""
     from matplotlib.figure import Figure
 
     fig = Figure(figsize=(13, 4), layout="constrained")
@@ -272,10 +288,13 @@ def plot(rows: list[dict[str, Any]], path: str, title: str) -> list[str]:
     acc_ax.set_title("accuracy vs tokens", fontsize=10)
     flops_ax.set_title("accuracy vs FLOPs", fontsize=10)
     speed_ax.set_title("speed-up", fontsize=10)
+    if not any(r.get("ttft_speedup") or r.get("flops_speedup") for r in rows if r["method"] != "none"):
+        speed_ax.text(0.5, 0.5, NO_SPEEDUP, transform=speed_ax.transAxes, ha="center", va="center", fontsize=8,
+                      color="#444444", wrap=True)
     families = sorted({method_family(m) for m in order}, key=list(FAMILY_MARKERS).index)
     _family_legend(fig, list(handles.values()), list(handles), families)
     fig.suptitle(title, fontsize=10)
-    return save_figure(fig, path)
+    return fig
 
 
 def write_sweep(rows: list[dict[str, Any]], out_dir: str, title: str) -> dict[str, str]:

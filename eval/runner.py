@@ -617,7 +617,7 @@ def run_eval(
     ``skip_missing``); the accuracy counts the answered ones and the summaries say how many of
     each there are, and why.
     """
-    from vlm_prune.eval.plots import write_sweep
+    from vlm_prune.eval.plots import short_name, write_sweep
 
     dist = sharding.current()
     if cfg.sync_timeout_min <= 0:
@@ -652,5 +652,5 @@ def run_eval(
     rows = [{"name": st.name, **asdict(st), **merge_setting(run_dirs[st.name], questions, skipped, cfg.dataset,
                                                     cfg.sync_timeout_min)}
             for st in plan]
-    write_sweep(rows, cfg.out, title=f"{cfg.model} on {cfg.dataset}")
+    write_sweep(rows, cfg.out, title=f"{short_name(cfg.model)} on {cfg.dataset}")
     return rows

@@ -16,8 +16,8 @@ import vlm_prune
 from vlm_prune.api import is_wrapped
 from vlm_prune.demo import overlay
 from vlm_prune.demo.session import (
-    DemoError, Media, Session, answer, build_pipeline, encode, load_synthetic, merged_into, model_box,
-    normalise_question, parse_entries, read_media,
+    DemoError, Media, Session, answer, build_pipeline, encode, flops_text, load_synthetic, merged_into, model_box,
+    normalise_question, parse_entries, placed_scores, read_media,
 )
 from vlm_prune.eval import metrics
 
@@ -57,6 +57,60 @@ def test_frames_kept_counts_per_frame_and_ignores_the_trailing_newline():
     assert overlay.frames_kept(kept, 2) == ([2, 1], 4)
     with pytest.raises(ValueError, match="cannot cover"):
         overlay.frames_kept(np.ones(3, dtype=bool), 4)
+
+
+def test_frames_kept_of_a_packed_plan_counts_each_frames_own_slots():
+    """QuoTA resizes frames and packs their tokens into the first slots in frame order: slot s
+    belongs to the frame whose share of the packed budget covers it, not to s // per_frame."""
+    kept = np.zeros(9, dtype=bool)
+    kept[:5] = True  # 2 frames x 4 slots + newline; frame 0 got 0 tokens, frame 1 got 5 (upsampled)
+    assert overlay.frames_kept(kept, 2, packed=[0, 5]) == ([0, 5], 4)
+    kept[4] = False  # a later stage dropped one of frame 1's tokens
+    assert overlay.frames_kept(kept, 2, packed=[0, 5]) == ([0, 4], 4)
+    assert overlay.frames_kept(kept, 2) == ([4, 0], 4)  # what the slots alone would say
+
+
+def test_token_fate_follows_packed_merges_and_later_drops():
+    slots = np.array([True, True, True, False, False, False])  # output rows in the first three slots
+    # a packed merge (VisionZip's official layout): tokens 3, 5 alone into slots 1, 2; tokens 0, 1, 4 into slot 0
+    into = np.array([0, 0, -1, 1, 0, 2])
+    fate = overlay.token_fate(slots, into)
+    assert fate.tolist() == [0, 0, -1, 1, 0, 2]
+    kept, merged = overlay.fate_masks(fate)
+    assert kept.tolist() == [False, False, False, True, False, True]
+    assert merged.tolist() == [True, True, False, False, True, False]
+    slots[2] = False  # a later stage dropped the row in slot 2: token 5 is gone too
+    assert overlay.token_fate(slots, into).tolist() == [0, 0, -1, 1, 0, -1]
+    assert overlay.token_fate(slots, None).tolist() == [0, 1, -1, -1, -1, -1]  # no merges: the slots themselves
+
+
+def test_flops_text_is_a_share_not_a_speed_up():
+    assert flops_text(0.35) == "0.35 of unpruned (2.9x fewer)"
+    assert flops_text(1.0) == "1.00 of unpruned (no saving)"
+
+
+def test_score_strip_ranks_over_the_video_and_darkens_unscored_cells():
+    frames = [np.full((8, 8, 3), 128, dtype=np.uint8) for _ in range(3)]
+    scores = np.array([0.1, 5.0, np.nan, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0])  # 3 frames x (2 x 2)
+    im = np.asarray(overlay.score_strip(frames, scores, (2, 2), ["x"], side=40, columns=3)).astype(float)
+    colours = overlay.rank_colours(scores)
+    assert np.allclose(colours[1], overlay.HEAT_STOPS[-1]) and np.allclose(colours[0], overlay.HEAT_STOPS[0])
+    assert np.allclose(colours[2], overlay.DROPPED_TINT)  # NaN: not scored
+    expected = 0.4 * 128 + 0.6 * colours[1]  # frame 0, top-right cell: the highest score
+    assert np.abs(im[2 + 10, 2 + 30] - expected).max() <= 1
+    with pytest.raises(ValueError, match="need 12 scores"):
+        overlay.score_strip(frames, scores[:5], (2, 2), ["x"])
+
+
+def test_placed_scores_by_position_after_an_earlier_drop():
+    ids = torch.tensor([1, 5, 5, 5, 5, 2])  # placeholders at positions 1..4
+    found = {"pact": (torch.tensor([0.5, 0.75]), torch.tensor([2, 4]))}  # it saw the tokens at positions 2 and 4
+    name, values, partial = placed_scores(found, ids, 5, 4, {"stages": [{"stage": "vision"}]})
+    assert name == "pact" and partial and np.isnan(values[[0, 2]]).all() and values[[1, 3]].tolist() == [0.5, 0.75]
+    packed = {"stages": [{"stage": "vision", "merged_into": [[0, 0, 1, 1]]}]}  # positions no longer name placeholders
+    assert placed_scores(found, ids, 5, 4, packed) is None
+    whole = {"cdpruner": (torch.arange(4.0), None)}
+    assert placed_scores(whole, ids, 5, 4, {"stages": []})[1].tolist() == [0.0, 1.0, 2.0, 3.0]
 
 
 def test_display_size_keeps_the_uploads_resolution_within_bounds():
@@ -160,8 +214,8 @@ def test_build_pipeline_splits_stages_and_sets_the_llm_layer():
 
 
 def test_build_pipeline_reports_a_missing_extra(hide_module):
-    hide_module("sklearn")
-    with pytest.raises(DemoError, match=r"scikit-learn: pip install 'vlm-prune\[video\]'"):
+    hide_module("cv2")
+    with pytest.raises(DemoError, match=r"opencv-python-headless: pip install 'vlm-prune\[video\]'"):
         build_pipeline(["keyscore"], layer=0)
 
 
@@ -227,7 +281,8 @@ def test_run_matches_the_model_and_the_eval_metrics(session):
     assert random.picture.width == overlay.MIN_WIDTH  # the 64 x 64 upload, enlarged
     table = out.markdown()
     assert "| **visual tokens, final** | 64 | **16** (25%) | **16** (25%) |" in table
-    assert f"**x{random.cost.flops_ratio:.2f}**" in table and "median of 1" in table
+    assert f"**{flops_text(random.cost.flops_ratio)}**" in table and "median of 1" in table
+    assert "share of unpruned" in table and "x0." not in table  # a FLOPs share, not a speed-up
     summary = out.summary()
     json.dumps(summary)
     assert [p["pipeline"] for p in summary["pruned"]] == ["random", "fastv"]
@@ -252,6 +307,52 @@ def test_merging_methods_show_which_tokens_merged_into_which(session):
     assert both.merges is not None and merged_into(both.stats).size == both.cost.visual_in
     assert [r["method"] for r in both.stats["stages"] if "merged_into" in r] == ["visionzip", "pact"]
     assert uniform.merges is None and "no merge picture" in uniform.merge_note
+
+
+def test_visionzip_kept_picture_shows_the_tokens_it_kept(session):
+    """VisionZip's official variant packs its 16 tokens into the first 16 slots: the kept picture
+    shows the 13 dominant patches it kept as they were (CLS is the 14th dominant token), the rest as
+    merged into its 2 contextual tokens - the groups the merge picture shows - not the top rows."""
+    out = session.run(EXAMPLES_DIR / "synthetic_colour_0.png", "what colour is the shape ?", ["visionzip"], keep=0.25)
+    col = out.columns[0]
+    grid = np.array(col.stats["kept_grid"])
+    into = merged_into(col.stats)
+    slots, sizes = np.unique(into[into >= 0], return_counts=True)
+    alone = np.isin(into, slots[sizes == 1])
+    assert (grid == 1).tolist() == alone.tolist() and (grid == 2).tolist() == (~alone & (into >= 0)).tolist()
+    assert (grid == 1).sum() == 13 and (grid == 2).sum() == 51 and (grid == 0).sum() == 0
+    assert grid[:16].tolist() != [1] * 16
+    # the dominant tokens are those of highest tower attention: the top 13 of the heatmap's scores
+    scores = np.array(col.stats["token_scores"])
+    assert col.heatmap is not None and set(np.argsort(-scores)[:13].tolist()) == set(np.flatnonzero(grid == 1).tolist())
+    picture = np.asarray(col.picture).astype(int)
+    cell = overlay.MIN_WIDTH // 8
+    for t in (int(np.flatnonzero(grid == 1)[0]), int(np.flatnonzero(grid == 2)[0])):
+        r, c = divmod(t, 8)
+        edge = picture[r * cell + cell // 2, c * cell + 1]  # on the cell's left outline
+        assert tuple(edge) == (overlay.KEPT_OUTLINE if grid[t] == 1 else overlay.MERGED_OUTLINE), t
+
+
+def test_quota_budget_warning_is_shown_in_its_column(session):
+    out = session.run(EXAMPLES_DIR / "synthetic_clip.mp4", "what colour is the shape ?", ["quota", "uniform"], keep=0.25)
+    quota, uniform = out.columns
+    assert quota.warnings and "falls short of it" in quota.warnings[0]
+    assert "**budget note:** quota allocates as the official QuoTA" in quota.card()
+    assert not uniform.warnings and "budget note" not in uniform.card()
+
+
+def test_videos_get_score_heatmaps_per_frame(session):
+    out = session.run(EXAMPLES_DIR / "synthetic_clip.mp4", "what colour is the shape ?",
+                      ["pact", "keyscore", "uniform", "keyscore+pact"], keep=0.25)
+    pact, keyscore, uniform, both = out.columns
+    assert pact.heatmap is not None and not pact.heatmap_note  # PACT's token scores, frame by frame
+    assert keyscore.heatmap is not None and not keyscore.heatmap_note  # KeyScore's frame scores
+    assert uniform.heatmap is None and "no score heatmap for uniform" in uniform.heatmap_note
+    assert both.heatmap is not None  # PACT's scores of the frames KeyScore kept, the others dark
+    for col in out.columns:  # four columns side by side: two frames per row, so the labels stay readable
+        assert col.picture.width == overlay.strip_columns(4) * overlay.FRAME_SIDE == 2 * overlay.FRAME_SIDE
+        if col.heatmap is not None:
+            assert col.heatmap.width == 2 * (overlay.FRAME_SIDE + 4)
 
 
 def test_quota_scores_the_example_video_in_the_toy_models_words(session):

@@ -94,3 +94,18 @@ def test_sweep_outputs(tmp_path):
     with open(paths["plot"], "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
     assert os.path.getsize(paths["plot"]) > 5000
+
+
+def test_sweep_figure_short_title_and_a_speed_panel_that_says_why_it_is_empty():
+    assert plots.short_name("llava-hf/llava-1.5-7b-hf") == "llava-1.5-7b-hf"
+    assert plots.short_name("/home/me/checkpoints/llava-ov/") == "llava-ov"
+    one = [{"name": "random_keep0.5", "method": "random", "keep": 0.5, "n": 4, "accuracy": 0.5, "kept_fraction": 0.5,
+            "ttft_s": 1.0, "prefill_flops": 40.0}]
+    fig = plots.sweep_figure(plots.add_speedups(one), "llava-ov on mlvu")
+    speed = fig.axes[2]
+    assert [t.get_text() for t in speed.texts] == [plots.NO_SPEEDUP] and "add none to --method" in plots.NO_SPEEDUP
+    assert fig._suptitle.get_text() == "llava-ov on mlvu"
+    with_ref = [{"name": "none", "method": "none", "keep": None, "n": 4, "accuracy": 0.75, "kept_fraction": 1.0,
+                 "ttft_s": 2.0, "prefill_flops": 100.0}] + one
+    fig = plots.sweep_figure(plots.add_speedups(with_ref), "t")
+    assert len(fig.axes[2].texts) == 0 and len(fig.axes[2].lines) == 3  # TTFT and ideal speed-up of random, the 1x line

@@ -98,6 +98,8 @@ def test_sweep_accuracy_tokens_and_outputs(ckpt, data, tmp_path):
         assert not hasattr(model, "vlm_prune")  # unwrapped after each setting
     table = open(tmp_path / "summary.md").read()
     assert table.count("\n| ") == len(rows) + 1
+    # the title names the model by its folder's name, not the absolute path of this machine
+    assert table.startswith(f"# {os.path.basename(os.path.normpath(str(ckpt)))} on ") and str(ckpt) not in table
     assert "- none: category=x: 0.500 (n=2); category=y: 1.000 (n=2)" in table
     assert json.load(open(tmp_path / "summary.json"))[0]["name"] == "none"
     assert os.path.getsize(tmp_path / "sweep.png") > 5000
