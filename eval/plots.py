@@ -176,11 +176,33 @@ def _family_legend(fig: Any, handles: list[Any], labels: list[str], families: li
                bbox_to_anchor=(1.0, 0.5), frameon=False, fontsize=8)
 
 
+def bench_caption(pooled: list[dict[str, Any]]) -> str:
+    """What ``vlm-prune bench``'s figure shows, per model: the models (the shipped synthetic toys
+    when their names say so), seeds x samples (n per point) and what the error bars are."""
+    lines = []
+    for model in dict.fromkeys(r["model"] for r in pooled):
+        base = next((r for r in pooled if r["model"] == model and r["method"] == "none"), None)
+        if base is None:
+            continue
+        seeds = len(base.get("seeds") or [0])
+        what = "the shipped synthetic toy model (tiny, trained on procedural shapes; not a real checkpoint)" \
+            if str(model).startswith("synthetic-") else "model"
+        bars = "bars: min-max over the seeds" if seeds > 1 else "bars: 95% interval over the samples"
+        lines.append(f"{model}: {what}; {seeds} seed(s) x {base['n'] // seeds} test samples "
+                     f"(n = {base['n']} per point); points: accuracy, mean over seeds; {bars}")
+    return "\n".join(lines)
+
+
 def bench_figure(pooled: list[dict[str, Any]], path: str) -> list[str]:
+    """:func:`bench_plot` written as PNG, SVG and PDF (:func:`save_figure`)."""
+    return save_figure(bench_plot(pooled), path)
+
+
+def bench_plot(pooled: list[dict[str, Any]]) -> Any:
     """``vlm-prune bench``'s figure: accuracy (mean over model seeds; bars = seed range, or the 95%
     interval with one seed) against the fraction of visual tokens averaged over the LLM's layers
     (left) and the ideal prefill FLOPs ratio (right), one row per model. The unpruned accuracy
-    and the chance level are drawn as reference lines."""
+    and the chance level are drawn as reference lines; :func:`bench_caption` is its title."""
     from matplotlib.figure import Figure
 
     models = list(dict.fromkeys(r["model"] for r in pooled))
@@ -224,7 +246,8 @@ def bench_figure(pooled: list[dict[str, Any]], path: str) -> list[str]:
             ax.set_title(f"{model}: accuracy vs {'tokens' if key == 'layer_avg_fraction' else 'FLOPs'}", fontsize=10)
     families = sorted({method_family(m) for m in order}, key=list(FAMILY_MARKERS).index)
     _family_legend(fig, list(handles.values()), list(handles), families)
-    return save_figure(fig, path)
+    fig.suptitle(bench_caption(pooled), fontsize=8)
+    return fig
 
 
 def short_name(model: str) -> str:

@@ -246,3 +246,24 @@ def test_figures_give_each_method_its_own_colour_and_write_png_svg_pdf(tmp_path)
     paths = write_sweep(rows, str(tmp_path), "test")
     assert paths["plot"].endswith("sweep.png") and (tmp_path / "sweep.png").read_bytes()[:8] == PNG_MAGIC
     assert (tmp_path / "sweep.svg").exists() and (tmp_path / "sweep.pdf").read_bytes()[:4] == b"%PDF"
+
+
+def test_bench_figure_says_what_the_models_points_and_bars_are():
+    from vlm_prune.eval.plots import bench_caption, bench_plot
+
+    pooled = [
+        {"model": "synthetic-image", "method": "none", "seeds": [0, 1, 2], "n": 900, "accuracy": 0.9,
+         "layer_avg_fraction": 1.0, "flops_ratio": 1.0, "chance": 0.25},
+        {"model": "synthetic-image", "method": "random", "seeds": [0, 1, 2], "n": 900, "accuracy": 0.6,
+         "accuracy_min": 0.5, "accuracy_max": 0.7, "layer_avg_fraction": 0.25, "flops_ratio": 0.3},
+        {"model": "my/ckpt", "method": "none", "seeds": [0], "n": 96, "accuracy": 0.8,
+         "layer_avg_fraction": 1.0, "flops_ratio": 1.0},
+    ]
+    caption = bench_caption(pooled).splitlines()
+    assert caption == [
+        "synthetic-image: the shipped synthetic toy model (tiny, trained on procedural shapes; not a real checkpoint); "
+        "3 seed(s) x 300 test samples (n = 900 per point); points: accuracy, mean over seeds; bars: min-max over the seeds",
+        "my/ckpt: model; 1 seed(s) x 96 test samples (n = 96 per point); points: accuracy, mean over seeds; "
+        "bars: 95% interval over the samples",
+    ]
+    assert bench_plot(pooled)._suptitle.get_text() == "\n".join(caption)

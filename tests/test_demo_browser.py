@@ -143,3 +143,31 @@ def test_a_bad_request_clears_the_previous_result(page, tmp_path):
     assert page.locator("#answer_unpruned textarea").input_value() == ""
     assert not page.locator("#column0").is_visible() and page.locator("#summary").inner_text().strip() == ""
     assert page.get_by_text("Error", exact=True).count() == 0
+
+
+def test_video_at_four_columns_readable_strips_heatmaps_and_budget_note(page):
+    """Four video methods side by side: each frame strip is drawn two frames per row, so its labels
+    are at least 11 CSS pixels high on the page; methods that score tokens or frames show a score
+    heatmap per frame; QuoTA's budget warning is in its column; FLOPs read as a share of unpruned."""
+    from vlm_prune.demo import overlay
+
+    page.reload()
+    page.locator("#media input[type=file]").set_input_files(str(EXAMPLES_DIR / "synthetic_clip.mp4"))
+    page.locator("#preview_video video").wait_for(timeout=90_000)
+    page.locator("#question textarea").fill("what colour is the shape ?")
+    names = ["quota", "pact", "keyscore", "visionzip"]
+    choose(page, names)
+    cards = run_and_check(page, names)
+    assert "budget note:" in cards[0] and "falls short" in cards[0]
+    assert all("budget note" not in card for card in cards[1:])
+    summary = page.locator("#summary").inner_text()
+    assert "share of unpruned" in summary and "fewer)" in summary and "x0." not in summary
+    for i in range(len(names)):
+        img = page.locator(f"#kept{i} img")
+        img.wait_for(state="attached", timeout=REQUEST_TIMEOUT_MS)
+        page.wait_for_function("el => el.complete && el.naturalWidth > 0", arg=img.element_handle(), timeout=60_000)
+        shown, natural = img.evaluate("el => [el.getBoundingClientRect().width, el.naturalWidth]")
+        assert natural == 2 * overlay.FRAME_SIDE and overlay.LABEL_SIZE * shown / natural >= 11, (names[i], shown, natural)
+        heat = page.locator(f"#heat{i} img")
+        heat.wait_for(state="attached", timeout=REQUEST_TIMEOUT_MS)  # token scores (pact, visionzip) or frame scores
+        assert heat.get_attribute("src"), names[i]

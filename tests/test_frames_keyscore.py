@@ -17,7 +17,6 @@ from vlm_prune.frames.stacfp import (
 from vlm_prune.frames.uniform import Uniform, uniform_indices
 from vlm_prune.methods.base import FramesContext
 
-pytest.importorskip("sklearn")
 pytest.importorskip("cv2")
 
 COLOURS = [(220, 30, 30), (30, 200, 40), (40, 40, 210)]

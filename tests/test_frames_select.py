@@ -12,7 +12,6 @@ from vlm_prune.cli import main
 from vlm_prune.frames.keyscore import HFImageTextEncoder, load_encoder
 
 cv2 = pytest.importorskip("cv2")
-pytest.importorskip("sklearn")
 
 COLOURS = {"red": (220, 30, 30), "green": (30, 200, 40), "blue": (40, 40, 210)}
 

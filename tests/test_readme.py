@@ -11,7 +11,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 
 pytest.importorskip("timm", reason="the README's ViT snippets need timm: pip install -e '.[vit]'")
-pytest.importorskip("sklearn", reason="KeyScore (STACFP) needs scikit-learn: pip install -e '.[video]'")
+pytest.importorskip("cv2", reason="KeyScore (STACFP) needs OpenCV: pip install -e '.[video]'")
 
 
 def python_blocks(text: str) -> list[str]:

@@ -37,8 +37,8 @@ PROMPTS = [
     ("<s> user : w9 <video> w10 w11 w12 w13 assistant :", "video"),
     ("<s> user : w14 <image> w15 <video> w16 w17 w18 assistant :", "both"),
 ]
-STACFP = all(importlib.util.find_spec(m) is not None for m in ("cv2", "sklearn"))
-#: keyscore's in-model default ranks STACFP's proposals (OpenCV, scikit-learn); "all" frames without them
+STACFP = importlib.util.find_spec("cv2") is not None
+#: keyscore's in-model default ranks STACFP's proposals (OpenCV); "all" frames without them
 KEYSCORE = {} if STACFP else {"proposals": "all"}
 
 VISION_CASES = [("random", {"keep": 0.5}), ("pool", {"keep": 0.25}), ("divprune", {"keep": 0.5}),

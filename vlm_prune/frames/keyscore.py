@@ -191,7 +191,7 @@ class KeyScore(FramesMethod):
       weights=(1/3, 1/3, 1/3): (a, b, c) of S_sem, S_temp, S_drop (unverified).
       proposals="stacfp": the paper's pipeline - STACFP clusters the frames first (from ctx.pixels,
         min-max rescaled to RGB; k in (max(2, n_frames), k_max) by silhouette) and KeyScore ranks
-        the cluster medoids; needs the ``video`` extra (OpenCV, scikit-learn). "all": every
+        the cluster medoids; needs the ``video`` extra (OpenCV). "all": every
         sampled frame is a candidate.
       encoder=None: frame embedding = the frame's tokens (ctx.features) mean-pooled, caption
         embedding = the query's input embeddings (ctx.text_features) - both in the LLM's input
