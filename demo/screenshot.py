@@ -26,7 +26,7 @@ def main(out: str = "docs/demo.png") -> None:
         with sync_playwright() as pw:
             browser = pw.chromium.launch(executable_path="/usr/bin/chromium", args=ARGS)
             page = browser.new_page(viewport={"width": 1700, "height": 1000})
-            page.goto(f"http://127.0.0.1:{port}/")
+            page.goto(f"http://127.0.0.1:{port}/", timeout=300_000)  # a busy machine serves the page slowly
             page.locator("#media input[type=file]").set_input_files(str(EXAMPLES_DIR / "synthetic_colour_0.png"))
             page.locator("#preview_image img").wait_for(timeout=90_000)
             page.locator("#question textarea").fill("what colour is the shape ?")
