@@ -419,6 +419,17 @@ def test_unknown_words_are_named_and_the_toy_says_what_it_is(session, tmp_path):
     assert col.picture.width == 900  # drawn on the photo at its own resolution
 
 
+def test_model_notes_name_no_folder_of_this_machine(session):
+    """The notes (on the page and in docs/demo.png) say where the toy models ship inside the package,
+    never the absolute path of an installation."""
+    from vlm_prune.eval.synthetic import model_path
+
+    notes = session.notes()
+    assert "synthetic image model, shipped with vlm-prune (vlm_prune/eval/synthetic/models/image)" in notes
+    assert not any(str(model_path(kind)) in note or str(model_path(kind).parent) in note
+                   for note in notes for kind in ("image", "video"))
+
+
 def test_default_layer_follows_the_models_depth(session, monkeypatch):
     assert session.default_layer() == 0  # the shipped 6-layer models take every method's own layer
     monkeypatch.setattr(type(session.models["video"]), "depth", property(lambda m: 4))
