@@ -568,7 +568,27 @@ def meta(mode: str, argv_args: argparse.Namespace) -> dict[str, Any]:
 
 
 # ---- command --------------------------------------------------------------------------------------
+def torch_threads(args: argparse.Namespace) -> int | None:
+    """torch CPU threads for this run: ``--threads``; for ``--quick`` on the shipped models one
+    (tiny models gain nothing from a second thread, whose waits cost CPU time on a busy machine);
+    else None (torch's choice)."""
+    if args.threads:
+        return args.threads
+    if args.quick and args.model is None and not args.speed and not getattr(args, "serve", False):
+        return 1
+    return None
+
+
+def timing_repeats(args: argparse.Namespace) -> int:
+    """Prefill timings per batch: ``--repeats``; else 1 for ``--quick`` on the shipped models (a
+    smoke run: its time ratios are the median of one) and 3 otherwise."""
+    if args.repeats:
+        return args.repeats
+    return 1 if args.quick and args.model is None and not args.speed and not getattr(args, "serve", False) else 3
+
+
 def run(args: argparse.Namespace) -> int:
+    args.repeats = timing_repeats(args)
     if getattr(args, "serve", False):  # vLLM serving throughput (eval/bench_serve.py, issue 19)
         from vlm_prune.eval import bench_serve
 
@@ -577,8 +597,9 @@ def run(args: argparse.Namespace) -> int:
     fresh_output(args.out, ["speed.json" if args.speed else "bench.json"], args.overwrite)
     if args.device == "cuda" and not torch.cuda.is_available():
         raise UsageError("--device cuda: no CUDA device is visible to torch; use --device cpu")
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    threads = torch_threads(args)
+    if threads:
+        torch.set_num_threads(threads)
     if args.speed:
         from vlm_prune.eval import speed
 

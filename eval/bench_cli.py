@@ -35,7 +35,8 @@ def add_parser(subparsers: Any) -> None:
     )
     p.add_argument("--quick", action="store_true",
                    help="a smoke run: the first seed only, fewer samples (96 image / 48 video) and keep ratios "
-                        "(0.25, 0.05 / 0.25); a row per method, no spread over seeds")
+                        "(0.25, 0.05 / 0.25), one torch thread and one prefill timing per setting; a row per "
+                        "method, no spread over seeds")
     p.add_argument("--limit", type=positive_int, default=None,
                    help="test samples per model kind, split over the shipped seeds (default 900; --quick 96 image / 48 video)")
     p.add_argument("--kinds", type=_kinds, default=("image", "video"), help="shipped model kinds to bench (default image,video)")
@@ -48,11 +49,13 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--out", default="runs/bench", help="output folder (default runs/bench)")
     p.add_argument("--overwrite", action="store_true", help="replace the results of an earlier run in --out")
     p.add_argument("--batch-size", type=positive_int, default=32)
-    p.add_argument("--repeats", type=positive_int, default=3, help="prefill timings per batch, the median counts (default 3)")
+    p.add_argument("--repeats", type=positive_int, default=None,
+                   help="prefill timings per batch, the median counts (default 3; --quick on the shipped models: 1)")
     p.add_argument("--time-batches", type=positive_int, default=1, help="batches timed per setting (default 1)")
     p.add_argument("--seed", type=int, default=0, help="seed of the sampling methods (random; default 0)")
     p.add_argument("--threads", type=positive_int, default=None,
-                   help="torch CPU threads (default: torch's choice); 1 gives stable timings on a shared machine")
+                   help="torch CPU threads (default: torch's choice; --quick on the shipped models: 1); 1 gives stable "
+                        "timings on a shared machine")
     s = p.add_argument_group("--speed: time-to-first-token on random models of real shapes")
     s.add_argument("--speed", action="store_true", help="time LLaVA-1.5-7B / OneVision-7B shapes instead")
     s.add_argument("--serve", action="store_true",

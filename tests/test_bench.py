@@ -267,3 +267,26 @@ def test_bench_figure_says_what_the_models_points_and_bars_are():
         "bars: 95% interval over the samples",
     ]
     assert bench_plot(pooled)._suptitle.get_text() == "\n".join(caption)
+
+
+def test_quick_runs_on_one_thread_unless_told():
+    from vlm_prune.cli import build_parser
+    from vlm_prune.eval.bench import torch_threads
+
+    def threads(*argv: str) -> int | None:
+        return torch_threads(build_parser("bench").parse_args(["bench", *argv]))
+
+    assert threads("--quick") == 1 and threads("--quick", "--threads", "2") == 2
+    assert threads() is None and threads("--threads", "3") == 3
+    assert threads("--quick", "--model", "some/ckpt") is None and threads("--quick", "--speed") is None
+
+
+def test_quick_times_each_setting_once_unless_told():
+    from vlm_prune.cli import build_parser
+    from vlm_prune.eval.bench import timing_repeats
+
+    def repeats(*argv: str) -> int:
+        return timing_repeats(build_parser("bench").parse_args(["bench", *argv]))
+
+    assert repeats("--quick") == 1 and repeats("--quick", "--repeats", "5") == 5
+    assert repeats() == 3 and repeats("--speed") == 3 and repeats("--quick", "--model", "x/y") == 3
