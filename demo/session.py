@@ -360,6 +360,8 @@ class ScoreSpy:
     def __init__(self, methods: list[Any]) -> None:
         self.found: dict[str, list[torch.Tensor]] = {}
         self.positions: dict[str, torch.Tensor | None] = {}
+        #: an earlier stage renumbers the positions (DivPrune, CDPruner, VisionZip's official shorter sequence)
+        self.renumbered = any(m.stage != "llm" and getattr(m, "renumber_positions", False) for m in methods)
         self.patched: list[tuple[Any, str]] = []
         for m in methods:
             if inspect.ismethod(getattr(m, "reduce_image", None)):  # VisionZip: the tower's CLS attention
@@ -753,7 +755,7 @@ class Session:
         into = self._merges(col, n)
         if into is not None:
             col.merges = overlay.merge_overlay(picture, into, grid, merge_caption(col.name, into), box=box)
-        found = placed_scores(spy.scores(1), ids, token_id, n, col.stats)
+        found = placed_scores(spy.scores(1), ids, token_id, n, col.stats, spy.renumbered)
         if found is not None:
             name, values, partial = found
             col.stats["token_scores"] = [None if np.isnan(v) else float(v) for v in values]
@@ -795,7 +797,7 @@ class Session:
                                              merge_caption(col.name, into, per_frame=per_group), columns=columns)
         elif into is not None:
             col.merge_note = f"merges of {col.name} not drawn: a frame's {per_group} tokens form no square grid"
-        found = placed_scores(spy.scores(n_groups), ids, token_id, n_groups * per_group, col.stats)
+        found = placed_scores(spy.scores(n_groups), ids, token_id, n_groups * per_group, col.stats, spy.renumbered)
         if found is not None and side * side == per_group:
             name, values, partial = found
             col.stats["token_scores"] = [None if np.isnan(v) else float(v) for v in values]
@@ -831,13 +833,13 @@ NO_HEATMAP = ("no score heatmap for {name}: the demo draws the token scores of m
 
 
 def placed_scores(found: dict[str, tuple[torch.Tensor, torch.Tensor | None]], ids: torch.Tensor, token_id: int,
-                  n: int, stats: dict[str, Any]) -> tuple[str, np.ndarray, bool] | None:
+                  n: int, stats: dict[str, Any], renumbered: bool = False) -> tuple[str, np.ndarray, bool] | None:
     """(method, scores [n] of the first ``n`` placeholders of ``token_id`` in ``ids`` - NaN where
     unscored -, whether some are unscored) from :meth:`ScoreSpy.scores`; None when none fits.
 
     Scores of all ``n`` tokens are taken in order. An LLM-stage method that saw fewer (an earlier
-    stage dropped some) is placed by its rows' position ids, unless an earlier stage merged or
-    packed tokens (then a position no longer names the placeholder the token came from)."""
+    stage dropped some) is placed by its rows' position ids, unless an earlier stage merged, packed
+    or ``renumbered`` them (then a position no longer names the placeholder the token came from)."""
     moved = any(r["stage"] != "llm" and ("merged_into" in r or any(v.get("packed") for v in r.get("videos") or []))
                 for r in stats.get("stages", []))
     places = torch.nonzero(ids == token_id).squeeze(1)
@@ -846,7 +848,7 @@ def placed_scores(found: dict[str, tuple[torch.Tensor, torch.Tensor | None]], id
         if values.numel() == n:
             out[:] = values.numpy()
             return name, out, False
-        if positions is not None and not moved and values.numel() < n:
+        if positions is not None and not moved and not renumbered and values.numel() < n:
             at = torch.searchsorted(places, positions.to(places.dtype)).clamp(max=places.numel() - 1)
             ok = (places[at] == positions) & (at < n)
             out[at[ok].numpy()] = values[ok].numpy()

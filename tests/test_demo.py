@@ -109,6 +109,7 @@ def test_placed_scores_by_position_after_an_earlier_drop():
     assert name == "pact" and partial and np.isnan(values[[0, 2]]).all() and values[[1, 3]].tolist() == [0.5, 0.75]
     packed = {"stages": [{"stage": "vision", "merged_into": [[0, 0, 1, 1]]}]}  # positions no longer name placeholders
     assert placed_scores(found, ids, 5, 4, packed) is None
+    assert placed_scores(found, ids, 5, 4, {"stages": []}, renumbered=True) is None  # positions renumbered before
     whole = {"cdpruner": (torch.arange(4.0), None)}
     assert placed_scores(whole, ids, 5, 4, {"stages": []})[1].tolist() == [0.0, 1.0, 2.0, 3.0]
 
