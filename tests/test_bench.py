@@ -49,7 +49,7 @@ def test_quick_bench_has_a_row_per_applicable_method(quick):
         left_out = {s["method"] for s in skipped if s["model"] == model}
         assert left_out == set(vlm_prune.available_methods()) - applicable(stages, family)
     table = (out / "bench.md").read_text()
-    assert "| synthetic-video | quota+pact | 0.25 |" in table and "asvit - vit-stage method" in table
+    assert "| synthetic-video | quota+pact | 0.25 |" in table and "asvit - method 'asvit' works in the 'vit' stage" in table
     assert "Matched layer-avg tokens, synthetic-image" in table and "Best method per task family" in table
     assert (out / "bench.png").read_bytes()[:8] == PNG_MAGIC
     assert (out / "bench.svg").read_text().lstrip().startswith("<?xml") and (out / "bench.pdf").read_bytes()[:4] == b"%PDF"

@@ -275,7 +275,7 @@ def test_nothing_lost_silently_failures_isolated_and_retried(ckpt, tmp_path, mon
 
 def test_misspelled_method_is_rejected_before_anything_runs(tmp_path):
     out = tmp_path / "never"
-    with pytest.raises(ValueError, match=r"--method 'pakt': unknown method 'pakt'. Did you mean 'pact'\?"):
+    with pytest.raises(ValueError, match=r"--method 'pakt': unknown method 'pakt'. Did you mean 'pact'"):
         run_eval(EvalConfig(model=tmp_path / "no_model", data=tmp_path / "no_data", dataset="jsonl", out=out,
                             methods=["none", "pakt"], keeps=[0.5]))
     assert not out.exists()  # neither data nor model were touched (both paths do not exist)

@@ -26,7 +26,9 @@ MODELS = {"onevision_video": "llava_onevision", "qwen2_vl_video": "qwen2_vl"}
 def _refusal(frames, vision, family):
     """The message wrap() must refuse the pair with on this family, or None."""
     if method_class(frames).resizes_frames and method_class(vision).needs_tower_attention:
-        return "resizes away; after 'quota' use random, pool, divprune or cdpruner"
+        return f"resizes or merges away; after '{frames}' use random, pool, divprune or cdpruner"
+    if method_class(frames).supported is not None and family not in method_class(frames).supported:
+        return "supports"
     if method_class(vision).supported is not None and family not in method_class(vision).supported:
         return "supports"
     return None

@@ -101,7 +101,7 @@ def build_pipeline(
     if getattr(frames_m, "resizes_frames", False) and getattr(vision_m, "needs_tower_attention", False):
         raise ValueError(
             f"{vision_m.name!r} reads the vision tower's attention to each token, which the frames "
-            f"{frames_m.name!r} resizes away; after {frames_m.name!r} use random, pool, divprune or cdpruner, "
+            f"{frames_m.name!r} resizes or merges away; after {frames_m.name!r} use random, pool, divprune or cdpruner, "
             f"or put {vision_m.name!r} after uniform or keyscore"
         )
     if "vision" in by_stage and "vit" in by_stage:

@@ -159,6 +159,7 @@ class FastVID(FramesMethod):
     paper = "FastVID, NeurIPS 2025 (arXiv 2503.11187)"
     supported = ("llava_onevision",)
     wants_tower_attention = True
+    resizes_frames = True  # merged tokens: new features without a tower row of their own
 
     def __init__(self, keep: float | None = None, budget: int | None = None, c: int = 8, tau: float = 0.9,
                  d: float = 0.4, p: int = 4, beta: float = 0.6) -> None:

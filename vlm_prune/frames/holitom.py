@@ -149,6 +149,7 @@ class HoliTom(FramesMethod):
     paper = "HoliTom, NeurIPS 2025 (arXiv 2505.21334)"
     supported = ("llava_onevision",)
     wants_tower_attention = True
+    resizes_frames = True  # merged tokens: new features without a tower row of their own
 
     def __init__(self, keep: float | None = None, budget: int | None = None, tau: float = 0.8, d: float = 0.0,
                  beta: float = 0.6, k: int = 7, max_window: int = 1024) -> None:

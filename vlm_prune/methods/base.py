@@ -443,7 +443,7 @@ class FramesMethod(Method):
     """A method that chooses frames and their token budgets for a video (frames stage)."""
 
     stage: ClassVar[str] = "frames"
-    #: True when kept frames come back resized (new features without a tower row of their own)
+    #: True when kept frames come back resized or merged (new features without a tower row of their own)
     resizes_frames: ClassVar[bool] = False
 
     def allocate(self, ctx: FramesContext) -> FramesPlan:  # pragma: no cover - abstract

@@ -27,6 +27,7 @@ class FasterVLM(ShorterSequence, VisionMethod):
 
     name = "fastervlm"
     supported = ("llava", "llava_onevision")  # adapters that tap the tower feature layer (OneVision: video frames)
+    needs_tower_attention = True
     paper = "FasterVLM, Zhang et al., arXiv 2412.01818v1 (Theia-4869/FasterVLM)"
     summary = "keeps the tokens the vision tower's [CLS] token attends to most, before the LLM"
 

@@ -63,6 +63,7 @@ class VisPruner(ShorterSequence, VisionMethod):
 
     name = "vispruner"
     supported = ("llava", "llava_onevision")  # adapters that tap the tower feature layer (OneVision: video frames)
+    needs_tower_attention = True
     paper = "VisPruner, Zhang et al., ICCV 2025 (Theia-4869/VisPruner)"
     summary = "keeps the tokens the tower's [CLS] attends to most, plus diverse ones after removing duplicates"
 
