@@ -6,8 +6,9 @@ import torch
 
 import tiny_models as T
 import tiny_models_llavalike as L
+import tiny_models_qwen3 as Q
 import vlm_prune
-from reference import capture_lm_inputs, masked_llm_reference, positions_of
+from reference import capture_lm_inputs, injection_kwargs, injections_of, masked_llm_reference, multi_axis, positions_of
 
 CASES = {
     "llava": (T.tiny_llava, lambda m, **k: T.llava_inputs(**k), {}),
@@ -24,6 +25,11 @@ CASES = {
     "gemma3": (L.tiny_gemma3, L.gemma3_inputs, {}),
     "ov15_image": (L.tiny_onevision15, L.onevision15_inputs, {}),
     "ov15_video": (L.tiny_onevision15, L.onevision15_inputs, {"video": True}),
+    "qwen3_vl_image": (Q.tiny_qwen3_vl, Q.qwen3_vl_inputs, {}),
+    "qwen3_vl_video": (Q.tiny_qwen3_vl, Q.qwen3_vl_inputs, {"video": True}),
+    "qwen3_vl_moe": (lambda attn="sdpa": Q.tiny_qwen3_vl(attn, moe=True), Q.qwen3_vl_inputs, {}),
+    "glm4v_image": (Q.tiny_glm4v, Q.glm4v_inputs, {}),
+    "glm4v_video": (Q.tiny_glm4v, Q.glm4v_inputs, {"video": True}),
 }
 _MODELS: dict = {}
 
@@ -122,13 +128,15 @@ def test_vision_stage_equals_hand_built_input(case, method, attn):
     embeds = seen[0]["inputs_embeds"]  # reduced features already in their slots
     b, s, _ = embeds.shape
     pos = positions_of(seen[0], b, s)
+    inject = injections_of(seen[0])  # Qwen3-VL's DeepStack additions, for the kept rows only
     lm = model.model.language_model
     for i in range(b):
         keep = rows[i][rows[i] >= 0]
         p = pos[:, i : i + 1, keep]
-        p = p if "Qwen2" in type(model).__name__ else p[0]
+        p = p if multi_axis(model) else p[0]
         short = dict(inputs_embeds=embeds[i : i + 1, keep], position_ids=p,
-                     attention_mask=torch.ones(1, keep.numel(), dtype=torch.long))
+                     attention_mask=torch.ones(1, keep.numel(), dtype=torch.long),
+                     **injection_kwargs(inject and (inject[0][i : i + 1], inject[1][:, i : i + 1]), keep[None]))
         with torch.no_grad():
             if "token_type_ids" in inp:  # Gemma 3: the model's own bidirectional image mask over the kept rows
                 h = model.model(token_type_ids=inp["token_type_ids"][i : i + 1, keep], **short).last_hidden_state
@@ -138,8 +146,9 @@ def test_vision_stage_equals_hand_built_input(case, method, attn):
         torch.testing.assert_close(logits[i, rows[i] >= 0], ref, atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("case", ["llava", "llava_next", "onevision_video", "qwen2_vl_image", "qwen2_5_vl", "mistral3",
-                                  "internvl", "nextvideo_video", "gemma3", "ov15_video"])
+@pytest.mark.parametrize("case", ["llava", "llava_next", "onevision_video", "qwen2_vl_image", "qwen2_5_vl",
+                                  "mistral3", "internvl", "nextvideo_video", "gemma3", "ov15_video",
+                                  "qwen3_vl_image", "qwen3_vl_video", "qwen3_vl_moe", "glm4v_image", "glm4v_video"])
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
 def test_llm_stage_equals_masked_reference(case, attn):
     """Invariant 3: FastV's in-LLM removal equals the full sequence with the removed tokens
@@ -191,7 +200,8 @@ def test_batch_equals_samples_alone(case, method):
         vlm_prune.unwrap(model)
 
 
-@pytest.mark.parametrize("case", ["llava", "onevision_video", "qwen2_vl_image", "mistral3", "gemma3"])
+@pytest.mark.parametrize("case", ["llava", "onevision_video", "qwen2_vl_image", "mistral3", "gemma3",
+                                  "qwen3_vl_image", "glm4v_image"])
 def test_pact_merging_equals_masked_reference_with_log_size_bias(case):
     """Invariant 3 with merges: PACT's clusters (mean hidden state at the centre, log cluster
     size added to that key's logits in every later layer) equal the full-sequence reference;

@@ -7,6 +7,7 @@ import torch
 
 import tiny_models as T
 import tiny_models_llavalike as L
+import tiny_models_qwen3 as Q
 import vlm_prune
 from vlm_prune.registry import method_class
 
@@ -19,6 +20,8 @@ MODELS = {
     "nextvideo": (L.tiny_llava_next_video, L.llava_next_video_inputs),
     "gemma3": (L.tiny_gemma3, L.gemma3_inputs),
     "ov15": (L.tiny_onevision15, L.onevision15_inputs),
+    "qwen3_vl": (Q.tiny_qwen3_vl, lambda m: Q.qwen3_vl_inputs(m)),
+    "glm4v": (Q.tiny_glm4v, lambda m: Q.glm4v_inputs(m)),
 }
 TOKEN_METHODS = ["random", "pool", "divprune", "cdpruner", "visionzip", "fastv", "pact", "adaptinfer",
                  "fastervlm", "vispruner", "dart", "pdrop"]

@@ -19,6 +19,7 @@ FAMILY_DEFAULTS: dict[str, tuple[float, float]] = {
     "qwen2_vl": (0.8, 0.1),
     "llava": (0.55, 0.21),
     "llava_next": (0.55, 0.21),
+    "qwen3_vl": (0.8, 0.1),  # no official setting: Qwen2-VL's (unverified choice)
 }
 FALLBACK_DEFAULTS = FAMILY_DEFAULTS["llava_onevision"]
 
