@@ -23,6 +23,8 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
+import torch
+
 from vlm_prune.adapters import FAMILY_STAGES
 from vlm_prune.adapters.hf_vlm import Request, placeholder_runs
 from vlm_prune.adapters.qwen2_vl import Qwen2VLAdapter
@@ -50,7 +52,11 @@ class Glm4vAdapter(Qwen2VLAdapter):
         slots = request.masks["image"]
         types = kwargs.get("mm_token_type_ids")
         if types is not None:
-            video = slots & (types[:, -slots.shape[1]:].to(slots.device) == 2)
+            # the prompt's types; rows generated after it (use_cache=False, draft tokens) are text, and after a
+            # cached prefix only the last columns are this call's
+            s = slots.shape[1]
+            types = torch.nn.functional.pad(types, (0, max(0, s - types.shape[1])))[:, -s:]
+            video = slots & (types.to(slots.device) == 2)
         else:
             encoded = kwargs.get("mm_encoder_outputs") or {}
             with_video = kwargs.get("pixel_values_videos") is not None or encoded.get("video") is not None

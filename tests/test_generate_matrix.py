@@ -61,8 +61,10 @@ ADAPTERS = {
     "qwen3_vl_video": (Q.tiny_qwen3_vl, lambda m, batch=2: Q.qwen3_vl_inputs(m, batch=batch, video=True)),
     "glm4v_image": (Q.tiny_glm4v, lambda m, batch=2: Q.glm4v_inputs(m, batch=batch)),
     "glm4v_video": (Q.tiny_glm4v, lambda m, batch=2: Q.glm4v_inputs(m, batch=batch, video=True)),
+    "qwen3_5_image": (Q.tiny_qwen3_5, lambda m, batch=2: Q.qwen3_vl_inputs(m, batch=batch)),
+    "qwen3_5_video": (Q.tiny_qwen3_5, lambda m, batch=2: Q.qwen3_vl_inputs(m, batch=batch, video=True)),
 }
-VIDEO = {"onevision_video", "qwen2_vl_video", "qwen3_vl_video", "glm4v_video"}
+VIDEO = {"onevision_video", "qwen2_vl_video", "qwen3_vl_video", "glm4v_video", "qwen3_5_video"}
 #: decoding paths the UNWRAPPED model cannot run (a transformers bug, checked by
 #: test_paths_the_unwrapped_model_cannot_run): never compared
 UNWRAPPED_FAILS = {
@@ -233,7 +235,8 @@ def wrap_or_refuse(model, method, adapter, inp, **kw) -> bool:
     try:
         vlm_prune.wrap(model, _method(method, kw["keep"]), **kw)
     except ValueError as e:
-        assert any(s in str(e) for s in ("does not offer", "supports", "needs", "CLS", "is not available on")), str(e)
+        assert any(s in str(e) for s in ("does not offer", "supports", "needs", "CLS", "is not available on",
+                                          "inside the language model")), str(e)
         return False
     refusal = CALL_REFUSALS.get((adapter, method))
     if refusal is not None and kw["keep"] < 1.0:

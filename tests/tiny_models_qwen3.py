@@ -67,17 +67,26 @@ def qwen3_vl_inputs(model, batch: int = 2, pad: str = "left", seed: int = 1, vid
 IMAGE_START, IMAGE_END = 94, 95
 
 
-def tiny_glm4v(attn: str = "sdpa", seed: int = 0):
-    """GLM-4.1V: 2-block tower (patch 4, merge 2), 6 decoder layers with GLM's partial rotary
-    (half of each head) on M-RoPE's three axes."""
-    from transformers import Glm4vConfig, Glm4vForConditionalGeneration
+def tiny_glm4v(attn: str = "sdpa", seed: int = 0, variant: str = "4.1"):
+    """GLM-4.1V (variant "4.5": GLM-4.5V's MoE language model, first layer dense; "4.6": GLM-4.6V's
+    classes): 2-block tower (patch 4, merge 2), 6 decoder layers with GLM's partial rotary (half of
+    each head) on M-RoPE's three axes."""
+    import transformers
 
+    Glm4vConfig, Glm4vForConditionalGeneration = {
+        "4.1": (transformers.Glm4vConfig, transformers.Glm4vForConditionalGeneration),
+        "4.5": (transformers.Glm4vMoeConfig, transformers.Glm4vMoeForConditionalGeneration),
+        "4.6": (transformers.Glm46VConfig, transformers.Glm46VForConditionalGeneration),
+    }[variant]
     torch.manual_seed(seed)
     vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=4,
                   image_size=32, temporal_patch_size=2, spatial_merge_size=2)
     text = {k: v for k, v in _TEXT.items() if k != "head_dim"}
     text["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1],
                                "partial_rotary_factor": 0.5}
+    if variant == "4.5":
+        text.update(moe_intermediate_size=32, num_experts_per_tok=2, n_routed_experts=4, n_shared_experts=1,
+                    first_k_dense_replace=1)
     cfg = Glm4vConfig(text_config=text, vision_config=vision, image_token_id=IMAGE_TOKEN, video_token_id=VIDEO_TOKEN,
                       image_start_token_id=IMAGE_START, image_end_token_id=IMAGE_END, video_start_token_id=VISION_START,
                       video_end_token_id=VISION_END, pad_token_id=0)
@@ -112,3 +121,25 @@ def glm4v_inputs(model, batch: int = 2, pad: str = "left", seed: int = 1, video:
     key = "video" if video else "image"
     return {"input_ids": ids, "attention_mask": mask, f"pixel_values{'_videos' if video else ''}": pixels,
             f"{key}_grid_thw": grid, "mm_token_type_ids": mm}
+
+
+def tiny_qwen3_5(attn: str = "sdpa", seed: int = 0, moe: bool = False):
+    """Qwen3.5 (or Qwen3.5-MoE): Qwen3-VL's tower without DeepStack; 4 decoder layers alternating
+    Gated DeltaNet (linear attention, recurrent state + 4-wide causal convolution) and full attention."""
+    if moe:
+        from transformers import Qwen3_5MoeConfig as Qwen3_5Config, Qwen3_5MoeForConditionalGeneration as Qwen3_5ForConditionalGeneration
+    else:
+        from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+
+    torch.manual_seed(seed)
+    vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=4,
+                  temporal_patch_size=2, spatial_merge_size=2, num_position_embeddings=64)
+    text = dict(_TEXT, num_hidden_layers=4, rope_parameters=dict(_ROPE, partial_rotary_factor=1.0),
+                layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
+                linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+                linear_conv_kernel_dim=4)
+    if moe:
+        text.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32)
+    cfg = Qwen3_5Config(text_config=text, vision_config=vision, image_token_id=IMAGE_TOKEN, video_token_id=VIDEO_TOKEN,
+                        vision_start_token_id=VISION_START, vision_end_token_id=VISION_END, pad_token_id=0)
+    return _never_placeholders(_finish(Qwen3_5ForConditionalGeneration(cfg), attn))

@@ -164,6 +164,9 @@ class LMSpec:
     #: sequence fits the window; a longer one is refused
     sliding_window: int | None = None
     take_injections: Callable[[dict[str, Any], torch.Tensor], torch.Tensor | None] | None = None
+    #: layer_mask(idx, mask, q_valid [B, q]) -> the mask layer idx takes instead of the attention
+    #: mask (Qwen3.5's linear-attention layers take the 2-D padding mask of the newest rows)
+    layer_mask: Callable[[int, Any, torch.Tensor], Any] | None = None
 
 
 @functools.lru_cache(maxsize=None)
@@ -417,8 +420,11 @@ class PrunedDecoder:
         hidden = lm.norm(hidden)
         return BaseModelOutputWithPast(last_hidden_state=hidden, **{_OUTPUT_CACHE_FIELD: cache if use_cache else None})
 
-    def _run_layer(self, idx: int, hidden: torch.Tensor, mask: Any, pe: Any, pos: torch.Tensor, cache: Any, use_cache: bool, kwargs: dict) -> torch.Tensor:
+    def _run_layer(self, idx: int, hidden: torch.Tensor, mask: Any, pe: Any, pos: torch.Tensor, cache: Any, use_cache: bool,
+                   kwargs: dict, q_valid: torch.Tensor | None = None) -> torch.Tensor:
         layer = self.spec.layers[idx]
+        if self.spec.layer_mask is not None:
+            mask = self.spec.layer_mask(idx, mask, q_valid)
         # FlashAttention reads position ids only to find packed sequences (gaps after a removal
         # look like packing); without a mask every row is real, so the dense kernel is right
         flash_dense = mask is None and "flash" in self.attn_impl()
@@ -535,7 +541,7 @@ class PrunedDecoder:
                 planned[idx + 1] = self._select(idx, rows, idx + 1)
             if keep_previous and (idx + 1) in points:
                 previous[idx + 1] = rows.hidden
-            rows = replace(rows, hidden=injected(rows, idx, self._run_layer(idx, rows.hidden, mask, pe, rows.pos, cache, use_cache, kwargs)))
+            rows = replace(rows, hidden=injected(rows, idx, self._run_layer(idx, rows.hidden, mask, pe, rows.pos, cache, use_cache, kwargs, rows.valid)))
 
         if cache is not None and use_cache:
             # tokens after the prompt (assisted decoding's first draft, checked in the prefill) were not
@@ -579,7 +585,7 @@ class PrunedDecoder:
         layer_visual = []
         for idx in range(len(self.spec.layers)):
             seg = prefix.layer_segment[idx]
-            hidden = injected(rows, idx, self._run_layer(idx, hidden, masks[seg], pes[seg], seg_pos[seg], cache, True, kwargs))
+            hidden = injected(rows, idx, self._run_layer(idx, hidden, masks[seg], pes[seg], seg_pos[seg], cache, True, kwargs, rows.valid))
             layer_visual.append((rows.visual & rows.valid).sum(1))
         prefix.key_valid, prefix.key_bias = key_valid, key_bias
         prefix.next_pos = (rows.pos if renumbered_rows else pos)[:, :, -1] + 1
@@ -615,7 +621,7 @@ class PrunedDecoder:
         hidden = embeds
         for idx in range(len(spec.layers)):
             seg = segs.layer_segment[idx]
-            hidden = self._run_layer(idx, hidden, masks[seg], pes[seg], seg_pos[seg], cache, True, kwargs)
+            hidden = self._run_layer(idx, hidden, masks[seg], pes[seg], seg_pos[seg], cache, True, kwargs, valid)
         return hidden
 
 
