@@ -42,23 +42,33 @@ def qwen3_vl_inputs(model, batch: int = 2, pad: str = "left", seed: int = 1, vid
     """One 32 x 32 px image (8 x 8 patches -> 16 tokens) per sample, or a 4-frame video (2 temporal
     slices x 16 tokens) laid out as Qwen3-VL's processor does: each slice behind its own timestamp
     text and vision start / end tokens."""
+    tok = VIDEO_TOKEN if video else IMAGE_TOKEN
+    return _sliced_inputs(model, batch, pad, seed, video, tok,
+                          lambda f: (list(TIMESTAMP) if video else []) + [VISION_START] + [tok] * 16 + [VISION_END])
+
+
+def _sliced_inputs(model, batch: int, pad: str, seed: int, video: bool, placeholder: int, block, around=((), ())):
+    """Inputs of one 8 x 8-patch image (16 tokens) or a 2-slice video per sample: random text, then
+    ``block(slice)`` for each temporal slice (between ``around`` for a video), then random text;
+    patches, grid and mm_token_type_ids (the ``placeholder`` rows: 1 image, 2 video)."""
     g = torch.Generator().manual_seed(seed)
     vc = model.config.vision_config
     t = 2 if video else 1
     grid = torch.tensor([[t, 8, 8]] * batch)
     dim = 3 * vc.temporal_patch_size * vc.patch_size**2
     pixels = torch.randn(int(grid.prod(-1).sum()), dim, generator=g)
-    tok = VIDEO_TOKEN if video else IMAGE_TOKEN
     seqs = []
     for b in range(batch):
         s = [1] + torch.randint(3, 50, (2 + b,), generator=g).tolist()
-        for _ in range(t):
-            s += (list(TIMESTAMP) if video else []) + [VISION_START] + [tok] * 16 + [VISION_END]
+        s += list(around[0]) if video else []
+        for f in range(t):
+            s += block(f)
+        s += list(around[1]) if video else []
         s += torch.randint(3, 50, (5 + 2 * b,), generator=g).tolist()
         seqs.append(s)
     ids, mask = _pad(seqs, pad)
     mm = torch.zeros_like(ids, dtype=torch.int)
-    mm[ids == tok] = 2 if video else 1
+    mm[ids == placeholder] = 2 if video else 1
     key = "video" if video else "image"
     return {"input_ids": ids, "attention_mask": mask, f"pixel_values{'_videos' if video else ''}": pixels,
             f"{key}_grid_thw": grid, "mm_token_type_ids": mm}
@@ -100,27 +110,10 @@ def glm4v_inputs(model, batch: int = 2, pad: str = "left", seed: int = 1, video:
     tokens) laid out as GLM-4.1V's processor does: every slice is image placeholders between image
     start / end tokens followed by its timestamp, inside video start / end; mm_token_type_ids tell
     video slots (2) from image slots (1)."""
-    g = torch.Generator().manual_seed(seed)
-    vc = model.config.vision_config
-    t = 2 if video else 1
-    grid = torch.tensor([[t, 8, 8]] * batch)
-    dim = 3 * vc.temporal_patch_size * vc.patch_size**2
-    pixels = torch.randn(int(grid.prod(-1).sum()), dim, generator=g)
-    seqs = []
-    for b in range(batch):
-        s = [1] + torch.randint(3, 50, (2 + b,), generator=g).tolist()
-        s += [VISION_START] if video else []
-        for f in range(t):
-            s += [IMAGE_START] + [IMAGE_TOKEN] * 16 + [IMAGE_END] + ([TIMESTAMP[f % 2]] if video else [])
-        s += [VISION_END] if video else []
-        s += torch.randint(3, 50, (5 + 2 * b,), generator=g).tolist()
-        seqs.append(s)
-    ids, mask = _pad(seqs, pad)
-    mm = torch.zeros_like(ids, dtype=torch.int)
-    mm[ids == IMAGE_TOKEN] = 2 if video else 1
-    key = "video" if video else "image"
-    return {"input_ids": ids, "attention_mask": mask, f"pixel_values{'_videos' if video else ''}": pixels,
-            f"{key}_grid_thw": grid, "mm_token_type_ids": mm}
+    return _sliced_inputs(
+        model, batch, pad, seed, video, IMAGE_TOKEN,
+        lambda f: [IMAGE_START] + [IMAGE_TOKEN] * 16 + [IMAGE_END] + ([TIMESTAMP[f % 2]] if video else []),
+        around=([VISION_START], [VISION_END]))
 
 
 def tiny_qwen3_5(attn: str = "sdpa", seed: int = 0, moe: bool = False):
