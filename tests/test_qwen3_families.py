@@ -19,7 +19,7 @@ _MODELS: dict = {}
 
 def model(name: str):
     if name not in _MODELS:
-        _MODELS[name] = {"qwen3_vl": Q.tiny_qwen3_vl, "glm4v": Q.tiny_glm4v}[name]()
+        _MODELS[name] = {"qwen3_vl": Q.tiny_qwen3_vl, "glm4v": Q.tiny_glm4v, "qwen3_5": Q.tiny_qwen3_5}[name]()
     return _MODELS[name]
 
 
@@ -136,14 +136,16 @@ def test_quota_is_refused_at_wrap_time_with_the_reason(name):
     assert not hasattr(m, "vlm_prune")
 
 
-@pytest.mark.parametrize("name, inputs", [("qwen3_vl", Q.qwen3_vl_inputs), ("glm4v", Q.glm4v_inputs)])
-def test_uniform_frames_drop_whole_slices_at_their_own_slots(name, inputs):
-    """A video of 2 temporal slices, each its own run behind its timestamp: uniform frames at keep
-    0.5 keeps one slice per sample, at its own slots; the stage says video (GLM: told from images
-    by mm_token_type_ids, although both use the image placeholder)."""
+@pytest.mark.parametrize("frames", ["uniform", "keyscore"])
+@pytest.mark.parametrize("name, inputs", [("qwen3_vl", Q.qwen3_vl_inputs), ("glm4v", Q.glm4v_inputs),
+                                          ("qwen3_5", Q.qwen3_vl_inputs)])
+def test_frames_methods_drop_whole_slices_at_their_own_slots(name, inputs, frames):
+    """A video of 2 temporal slices, each its own run behind its timestamp: uniform / KeyScore frames
+    at keep 0.5 keep one slice per sample, at its own slots; the stage says video (GLM: told from
+    images by mm_token_type_ids, although both use the image placeholder)."""
     m = model(name)
     inp = inputs(m, video=True)
-    vlm_prune.wrap(m, frames="uniform", keep=0.5)
+    vlm_prune.wrap(m, frames=frames, keep=0.5)
     try:
         with torch.no_grad():
             m(**inp)
