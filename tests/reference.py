@@ -266,3 +266,19 @@ class HookedReference:
         if getattr(self, "named_embeds", False):
             del self.model.prepare_inputs_for_generation
             self.named_embeds = False
+
+
+def recording(method_cls, **knobs):
+    """``method_cls(**knobs)`` (an llm-stage method) whose ``seen`` dict holds the rows' input
+    indices (``origin``) and the reductions of its last ``select`` (also in the copy wrap() makes)."""
+    seen: dict = {}
+
+    class Recording(method_cls):
+        def select(self, ctx):
+            reds = super().select(ctx)
+            seen.update(origin=ctx.extras["origin"], reds=reds)
+            return reds
+
+    method = Recording(**knobs)
+    method.seen = seen
+    return method

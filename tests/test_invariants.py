@@ -8,7 +8,8 @@ import tiny_models as T
 import tiny_models_llavalike as L
 import tiny_models_qwen3 as Q
 import vlm_prune
-from reference import capture_lm_inputs, injection_kwargs, injections_of, masked_llm_reference, multi_axis, positions_of
+from reference import (capture_lm_inputs, injection_kwargs, injections_of, masked_llm_reference, multi_axis,
+                       positions_of, recording)
 
 CASES = {
     "llava": (T.tiny_llava, lambda m, **k: T.llava_inputs(**k), {}),
@@ -231,15 +232,9 @@ def test_pact_merging_equals_masked_reference_with_log_size_bias(case):
 
     model, make = build(case, "sdpa")
     inp = make()
-    seen = {}
-
-    class Recording(PACT):
-        def select(self, ctx):
-            reds = super().select(ctx)
-            seen["origin"], seen["reds"] = ctx.extras["origin"], reds
-            return reds
-
-    logits, rows = pruned_prefill(model, Recording(layer=2, rho=0.75, cutoff=0.6), inp)
+    method = recording(PACT, layer=2, rho=0.75, cutoff=0.6)
+    logits, rows = pruned_prefill(model, method, inp)
+    seen = method.seen
     b, s = inp["input_ids"].shape
     d = model.config.text_config.hidden_size
     kept = torch.zeros(b, s, dtype=torch.bool)

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 import tiny_models_qwen3 as Q
 import vlm_prune
-from reference import capture_lm_inputs, float_mask, injections_of, positions_of, run_layers
+from reference import capture_lm_inputs, float_mask, injections_of, positions_of, recording, run_layers
 from vlm_prune.frames.quota import QuoTA
 from vlm_prune.methods import PACT
 from vlm_prune.methods.simple import pooled_grid
@@ -72,21 +72,15 @@ def test_a_merge_before_a_deepstack_layer_merges_its_features():
     replaced by the members' mean."""
     m = model("qwen3_vl")
     inp = Q.qwen3_vl_inputs(m)
-    seen_select = {}
-
-    class Recording(PACT):
-        def select(self, ctx):
-            reds = super().select(ctx)
-            seen_select["origin"], seen_select["reds"] = ctx.extras["origin"], reds
-            return reds
-
-    vlm_prune.wrap(m, Recording(layer=1, rho=0.75, cutoff=0.6))
+    method = recording(PACT, layer=1, rho=0.75, cutoff=0.6)
+    vlm_prune.wrap(m, method)
     try:
         with torch.no_grad():
             logits = m(**inp).logits
         rows = m.vlm_prune.last_rows
     finally:
         vlm_prune.unwrap(m)
+    seen_select = method.seen
     with torch.no_grad(), capture_lm_inputs(m) as seen:
         m(**inp)
     cap = seen[0]
