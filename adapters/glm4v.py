@@ -28,7 +28,6 @@ import torch
 from vlm_prune.adapters import FAMILY_STAGES
 from vlm_prune.adapters.hf_vlm import Request, placeholder_runs
 from vlm_prune.adapters.qwen2_vl import Qwen2VLAdapter
-from vlm_prune.adapters.qwen3_vl import refuse_packing_frames
 
 
 class Glm4vAdapter(Qwen2VLAdapter):
@@ -36,10 +35,6 @@ class Glm4vAdapter(Qwen2VLAdapter):
     stages: ClassVar[tuple[str, ...]] = FAMILY_STAGES[family]
     model_classes: ClassVar[tuple[str, ...]] = (
         "Glm4vForConditionalGeneration", "Glm4vMoeForConditionalGeneration", "Glm46VForConditionalGeneration")
-
-    def check_methods(self) -> None:
-        super().check_methods()
-        refuse_packing_frames(self)
 
     def placeholder_ids(self) -> dict[str, int]:
         tok = self.model.config.image_token_id

@@ -28,7 +28,8 @@ from vlm_prune.adapters.qwen3_vl import Qwen3VLAdapter
 from vlm_prune.engine import LMSpec
 
 IN_LLM_REFUSAL = (
-    "{name!r} removes rows inside the language model, but {model}'s Gated DeltaNet (linear-attention) layers "
+    "method {name!r} works in the 'llm' stage, which the qwen3_5 adapter does not offer: it removes rows inside "
+    "the language model, but {model}'s Gated DeltaNet (linear-attention) layers "
     "keep no keys to mask: every earlier row is folded into a recurrent state through a causal convolution, so "
     "a row removed before layer L cannot leave the later linear layers' states the way it leaves the attention "
     "layers' keys, and the removal has no exact counterpart in the unwrapped model. Use a vision-stage method "

@@ -19,8 +19,8 @@ slice, so a video's placeholders form one run per slice; each slice's M-RoPE pos
 the text before it. Frames methods that keep whole slices (uniform, KeyScore) keep every kept
 token at its own slot and position; the dropped slices' timestamp text stays in the prompt (it was
 written before pruning: choose frames first with ``vlm_prune.select_frames`` when that matters).
-QuoTA is refused: it packs resized frames into the video's first slots, which on Qwen3-VL lie
-behind other slices' timestamps.
+QuoTA is refused (``QuoTA.refusal``): it packs resized frames into the video's first slots, which on
+Qwen3-VL lie behind other slices' timestamps.
 
 MoE language models (Qwen3-VL-MoE) route every token on its own (no capacity limit in
 transformers), so removing rows changes no other row's experts.
@@ -57,34 +57,10 @@ def deepstack_injections(kwargs: dict[str, Any], embeds: torch.Tensor) -> torch.
     return out
 
 
-#: frames methods that cannot run where every temporal slice has its own run of slots behind its
-#: own timestamp text (Qwen3-VL, GLM-4.xV), and why
-PACKING_FRAMES = {
-    "quota": (
-        "QuoTA resizes frames and packs their tokens into the video's first slots, but this model gives every "
-        "temporal slice its own run of slots behind its own timestamp text, so packed tokens would sit behind "
-        "other slices' timestamps. Use frames='uniform' or 'keyscore' (whole slices kept at their own slots), "
-        "or a vision-stage method"
-    ),
-}
-
-
-def refuse_packing_frames(adapter: Any) -> None:
-    """At wrap time: refuse a frames method of :data:`PACKING_FRAMES` with its reason."""
-    frames = adapter.state.methods.get("frames")
-    reason = None if frames is None else PACKING_FRAMES.get(frames.name)
-    if reason is not None:
-        raise ValueError(f"method {frames.name!r} is not available on {type(adapter.model).__name__}: {reason}")
-
-
 class Qwen3VLAdapter(Qwen2VLAdapter):
     family = "qwen3_vl"
     stages: ClassVar[tuple[str, ...]] = FAMILY_STAGES[family]
     model_classes = ("Qwen3VLForConditionalGeneration", "Qwen3VLMoeForConditionalGeneration")
-    def check_methods(self) -> None:
-        super().check_methods()
-        refuse_packing_frames(self)
-
     def lm_spec(self) -> LMSpec:
         spec = super().lm_spec()
         spec.take_injections = deepstack_injections

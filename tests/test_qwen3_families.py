@@ -125,7 +125,7 @@ def test_a_merge_before_a_deepstack_layer_merges_its_features():
 def test_quota_is_refused_at_wrap_time_with_the_reason(name):
     m = model(name)
     fixed = QuoTA(scorer=lambda pixels, prompt: torch.linspace(0.9, 0.1, pixels.shape[0]))
-    with pytest.raises(ValueError, match="QuoTA resizes frames and packs.*timestamp.*frames='uniform'"):
+    with pytest.raises(ValueError, match="supports videos laid out as one run.*timestamp.*frames='uniform'"):
         vlm_prune.wrap(m, frames=fixed, keep=0.5)
     assert not hasattr(m, "vlm_prune")
 
