@@ -7,8 +7,8 @@ The pruned decoder takes them as :attr:`vlm_prune.engine.Rows.inject`, so:
 
 - a token dropped by the vision, frames or llm stage leaves every DeepStack layer with its row;
 - a token whose features a vision method rewrites (pool's averages) gets its DeepStack features
-  rewritten the same way: the method is replayed on each DeepStack map with the same generator and
-  must choose the same slots (a method whose choice depends on the values and that also rewrites
+  rewritten the same way: the method is replayed on each DeepStack map with the same generator (in a
+  frames + vision pipeline, on the frames the frames stage kept) and must choose the same slots (a method whose choice depends on the values and that also rewrites
   features is refused at run time with that reason); a vision-stage merge (``merged_into``) averages
   its members' DeepStack rows;
 - an llm-stage merge (PACT before a DeepStack layer) averages the members' additions with the
@@ -84,6 +84,20 @@ class Qwen3VLAdapter(Qwen2VLAdapter):
         ]
         return new
 
+    @property
+    def _frames_plans(self) -> dict[int, Any]:
+        """The calling request's frames plans per video item (a frames + vision pipeline replays the
+        vision stage on them)."""
+        request = self.request
+        if not hasattr(request, "vlm_prune_frames_plans"):
+            request.vlm_prune_frames_plans = {}
+        return request.vlm_prune_frames_plans
+
+    def vision_after_frames(self, method: Any, it: Item, plan: Any, sample: int, gen: torch.Generator,
+                            index: int) -> tuple[Any, list[int]]:
+        self._frames_plans[index] = plan  # the frames stage's plan, before the vision stage composes it
+        return super().vision_after_frames(method, it, plan, sample, gen, index)
+
     def _follow(self, modality: str, side: Item, red: Reduction, samples: list[int], index: int) -> torch.Tensor:
         """One item's DeepStack map [N, D] after the reduction ``red`` of its main features."""
         if red.features is None:
@@ -97,18 +111,23 @@ class Qwen3VLAdapter(Qwen2VLAdapter):
                 0, into[members], torch.ones(members.numel(), device=feats.device))
             merged = (total[red.indices] / count[red.indices, None]).to(feats.dtype)
         else:
-            method = self.state.methods.get("vision") if "frames" not in self.state.methods or modality != "video" else None
+            method = self.state.methods.get("vision")
+            plan = self._frames_plans.get(index) if modality == "video" and "frames" in self.state.methods else None
             replay = None
-            if method is not None:
+            if method is not None and (plan is not None or modality != "video" or "frames" not in self.state.methods):
+                gen = self.item_generator(samples, index)
                 with torch.no_grad():
-                    replay = self.reduce_frames(method, side, samples[index], self.item_generator(samples, index), index)
+                    if plan is None:
+                        replay = self.reduce_frames(method, side, samples[index], gen, index)
+                    else:  # a frames + vision pipeline: the vision stage again on the frames the frames stage kept
+                        replay = super().vision_after_frames(method, side, plan, samples[index], gen, index)[0].reduction
             if replay is None or not torch.equal(replay.indices.cpu(), red.indices.cpu()) or replay.features is None:
                 name = (self.state.methods.get("frames") if method is None else method).name
                 raise ValueError(
                     f"{name!r} rewrote visual features in a way vlm_prune cannot repeat on Qwen3-VL's DeepStack "
                     "features (replayed on them it chose other tokens), so the rewritten tokens would get DeepStack "
                     "features of other tokens. Use a method that only keeps / drops tokens (random, divprune, "
-                    "cdpruner, uniform) or pool"
+                    "cdpruner, uniform, keyscore) or pool"
                 )
             merged = replay.features.to(feats.dtype)
         feats = feats.clone()

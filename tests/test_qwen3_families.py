@@ -156,3 +156,31 @@ def test_frames_methods_drop_whole_slices_at_their_own_slots(name, inputs, frame
         slice_slots = mine[16 * per_frame[b].index(16):][:16]  # the kept slice's own run
         kept = rows[b][rows[b] >= 0]
         assert torch.equal(kept[torch.isin(kept, mine)], slice_slots)
+
+
+def test_a_frames_and_pool_pipeline_pools_the_kept_slices_deepstack_features():
+    """uniform + pool on a Qwen3-VL video (keep 0.25 of 2 slices x 16 tokens: one slice, pooled to 8):
+    the DeepStack maps at the kept slots are the adaptive pooling of the kept slice's maps."""
+    m = model("qwen3_vl")
+    inp = Q.qwen3_vl_inputs(m, video=True)
+    with torch.no_grad():
+        maps = m.model.get_video_features(inp["pixel_values_videos"], inp["video_grid_thw"]).deepstack_features
+    vlm_prune.wrap(m, ["uniform", "pool"], keep=0.25)
+    try:
+        with torch.no_grad(), capture_lm_inputs(m) as seen:
+            m(**inp)
+        rows = m.vlm_prune.last_rows
+    finally:
+        vlm_prune.unwrap(m)
+    mask, full = injections_of(seen[0])
+    r, c = pooled_grid(4, 4, 8)
+    for b in range(2):
+        slots = torch.nonzero(inp["mm_token_type_ids"][b] == 2).squeeze(1)
+        kept = rows[b][rows[b] >= 0]
+        kept_visual = kept[mask[b, kept]]
+        assert kept_visual.numel() == r * c
+        t = int(torch.nonzero(slots == kept_visual[0]).squeeze()) // 16  # the slice the frames stage kept
+        for layer, per_item in enumerate(maps):
+            grid = per_item[b][16 * t : 16 * (t + 1)].t().reshape(1, -1, 4, 4)
+            expected = F.adaptive_avg_pool2d(grid, (r, c))[0].reshape(grid.shape[1], -1).t()
+            torch.testing.assert_close(full[layer, b, kept_visual], expected, atol=1e-6, rtol=0)
