@@ -43,12 +43,16 @@ NO_LLM = {"qwen3_5_image", "qwen3_5_video", "qwen3_5_moe"}
 
 
 def with_llm(case: str, methods: list[str]) -> list[str]:
-    """``methods`` without FastV where the adapter refuses in-LLM methods (after checking it does)."""
+    """``methods`` without the in-LLM ones where the adapter refuses them (after checking it does)."""
     if case not in NO_LLM:
         return methods
-    with pytest.raises(ValueError, match="inside the language model.*vision-stage method"):
-        vlm_prune.wrap(build(case)[0], "fastv", keep=0.5)
-    return [m for m in methods if m != "fastv"]
+    from vlm_prune.registry import method_class
+
+    in_llm = [m for m in methods if method_class(m).stage == "llm"]
+    for m in in_llm:
+        with pytest.raises(ValueError, match="inside the language model.*vision-stage method"):
+            vlm_prune.wrap(build(case)[0], m, keep=0.5)
+    return [m for m in methods if m not in in_llm]
 _MODELS: dict = {}
 
 
