@@ -41,11 +41,20 @@ def test_pool_pools_the_deepstack_features_too():
     """Pool writes each pooled cell's average into one slot: the DeepStack maps the language
     model receives hold the same average of the same cells (torch's adaptive pooling of the
     unwrapped tower's maps), at the same kept slots."""
+    assert_deepstack_pooled("pool", keep=0.5, video=False)
+
+
+def assert_deepstack_pooled(methods, keep: float, video: bool) -> None:
+    """Wrapped with ``methods`` at ``keep`` (8 of each image's / kept slice's 16 tokens left), the
+    DeepStack maps at each sample's kept slots are torch's adaptive pooling of the unwrapped tower's
+    maps of the image / of the slice the frames stage kept."""
     m = model("qwen3_vl")
-    inp = Q.qwen3_vl_inputs(m)
+    inp = Q.qwen3_vl_inputs(m, video=video)
+    key = "video" if video else "image"
     with torch.no_grad():
-        maps = m.model.get_image_features(inp["pixel_values"], inp["image_grid_thw"]).deepstack_features
-    vlm_prune.wrap(m, "pool", keep=0.5)
+        encode = m.model.get_video_features if video else m.model.get_image_features
+        maps = encode(inp[f"pixel_values{'_videos' if video else ''}"], inp[f"{key}_grid_thw"]).deepstack_features
+    vlm_prune.wrap(m, methods, keep=keep)
     try:
         with torch.no_grad(), capture_lm_inputs(m) as seen:
             m(**inp)
@@ -55,11 +64,13 @@ def test_pool_pools_the_deepstack_features_too():
     mask, full = injections_of(seen[0])
     r, c = pooled_grid(4, 4, 8)
     for b in range(2):
+        slots = torch.nonzero(inp["mm_token_type_ids"][b] > 0).squeeze(1)
         kept = rows[b][rows[b] >= 0]
         kept_visual = kept[mask[b, kept]]
         assert kept_visual.numel() == r * c
+        t = int(torch.nonzero(slots == kept_visual[0]).squeeze()) // 16  # the slice kept (0 for an image)
         for layer, per_item in enumerate(maps):
-            grid = per_item[b].t().reshape(1, -1, 4, 4)
+            grid = per_item[b][16 * t : 16 * (t + 1)].t().reshape(1, -1, 4, 4)
             expected = F.adaptive_avg_pool2d(grid, (r, c))[0].reshape(grid.shape[1], -1).t()
             torch.testing.assert_close(full[layer, b, kept_visual], expected, atol=1e-6, rtol=0)
 
@@ -161,26 +172,4 @@ def test_frames_methods_drop_whole_slices_at_their_own_slots(name, inputs, frame
 def test_a_frames_and_pool_pipeline_pools_the_kept_slices_deepstack_features():
     """uniform + pool on a Qwen3-VL video (keep 0.25 of 2 slices x 16 tokens: one slice, pooled to 8):
     the DeepStack maps at the kept slots are the adaptive pooling of the kept slice's maps."""
-    m = model("qwen3_vl")
-    inp = Q.qwen3_vl_inputs(m, video=True)
-    with torch.no_grad():
-        maps = m.model.get_video_features(inp["pixel_values_videos"], inp["video_grid_thw"]).deepstack_features
-    vlm_prune.wrap(m, ["uniform", "pool"], keep=0.25)
-    try:
-        with torch.no_grad(), capture_lm_inputs(m) as seen:
-            m(**inp)
-        rows = m.vlm_prune.last_rows
-    finally:
-        vlm_prune.unwrap(m)
-    mask, full = injections_of(seen[0])
-    r, c = pooled_grid(4, 4, 8)
-    for b in range(2):
-        slots = torch.nonzero(inp["mm_token_type_ids"][b] == 2).squeeze(1)
-        kept = rows[b][rows[b] >= 0]
-        kept_visual = kept[mask[b, kept]]
-        assert kept_visual.numel() == r * c
-        t = int(torch.nonzero(slots == kept_visual[0]).squeeze()) // 16  # the slice the frames stage kept
-        for layer, per_item in enumerate(maps):
-            grid = per_item[b][16 * t : 16 * (t + 1)].t().reshape(1, -1, 4, 4)
-            expected = F.adaptive_avg_pool2d(grid, (r, c))[0].reshape(grid.shape[1], -1).t()
-            torch.testing.assert_close(full[layer, b, kept_visual], expected, atol=1e-6, rtol=0)
+    assert_deepstack_pooled(["uniform", "pool"], keep=0.25, video=True)
