@@ -29,6 +29,13 @@ SUPPORTED = {
                                                "llava_next_video"),
     "LlavaOnevision15ForConditionalGeneration": ("vlm_prune.adapters.llava_onevision15", "LlavaOnevision15Adapter",
                                                  "llava_onevision15"),
+    "Qwen3VLForConditionalGeneration": ("vlm_prune.adapters.qwen3_vl", "Qwen3VLAdapter", "qwen3_vl"),
+    "Qwen3VLMoeForConditionalGeneration": ("vlm_prune.adapters.qwen3_vl", "Qwen3VLAdapter", "qwen3_vl"),
+    "Qwen3_5ForConditionalGeneration": ("vlm_prune.adapters.qwen3_5", "Qwen3_5Adapter", "qwen3_5"),
+    "Qwen3_5MoeForConditionalGeneration": ("vlm_prune.adapters.qwen3_5", "Qwen3_5Adapter", "qwen3_5"),
+    "Glm4vForConditionalGeneration": ("vlm_prune.adapters.glm4v", "Glm4vAdapter", "glm4v"),
+    "Glm4vMoeForConditionalGeneration": ("vlm_prune.adapters.glm4v", "Glm4vAdapter", "glm4v"),
+    "Glm46VForConditionalGeneration": ("vlm_prune.adapters.glm4v", "Glm4vAdapter", "glm4v"),
     "VisionTransformer": ("vlm_prune.adapters.timm_vit", "TimmViTAdapter", "timm_vit"),
 }
 
@@ -45,6 +52,9 @@ FAMILY_STAGES: dict[str, tuple[str, ...]] = {
     "internvl": ("vision", "llm"),
     "llava_next_video": ("frames", "vision", "vit", "llm"),
     "llava_onevision15": ("frames", "vision", "llm"),
+    "qwen3_vl": ("frames", "vision", "llm"),
+    "glm4v": ("frames", "vision", "llm"),
+    "qwen3_5": ("frames", "vision"),
     "timm_vit": ("vit",),
 }
 

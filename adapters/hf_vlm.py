@@ -22,7 +22,7 @@ import itertools
 import math
 import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any, Callable, ClassVar
 
@@ -88,6 +88,8 @@ class Request:
     tower_attention: Callable[[int, int], tuple[torch.Tensor, torch.Tensor]] | None = None
     #: the call's inputs_embeds [B, S, D] when it gave no input_ids
     embeds: torch.Tensor | None = None
+    #: modality -> the Reduction of every item of its encoder output (set by reduce_features)
+    reductions: dict[str, list[Reduction]] = field(default_factory=dict)
 
 
 class HFVLMAdapter(Adapter):
@@ -132,6 +134,8 @@ class HFVLMAdapter(Adapter):
         super().__init__(model, state)
         self._request: ContextSlot[Request | None] = ContextSlot("request", None)
         self._bypass: ContextSlot[bool] = ContextSlot("bypass", False)
+        #: True while a patched feature function runs (a nested one is passed through)
+        self._encoding: ContextSlot[bool] = ContextSlot("encoding", False)
         #: columns of the prompt of the calling thread's generate() call in progress
         self._prompt: ContextSlot[int | None] = ContextSlot("prompt", None)
 
@@ -312,9 +316,12 @@ class HFVLMAdapter(Adapter):
 
         @functools.wraps(original)
         def features(*args: Any, **kwargs: Any) -> Any:
+            if self._encoding.get():  # called by another feature function (Qwen3-VL's video -> image)
+                return original(*args, **kwargs)
             call = signature.bind_partial(*args, **kwargs).arguments
             self.before_features(modality, call)
-            out = original(*args, **kwargs)
+            with self._encoding.use(True):
+                out = original(*args, **kwargs)
             # remember the call's arguments (grid sizes): generate() encodes before the forward
             out.vlm_prune_call = call
             self.annotate_output(modality, out)
@@ -501,6 +508,7 @@ class HFVLMAdapter(Adapter):
             n_out.append(int((keep[:body] & visual).sum()))
             offset += it.features.shape[0]
         secs, cpu_secs = time.perf_counter() - t0, time.process_time() - c0
+        request.reductions[modality] = merges
         self._commit_vision(modality, keep_list, size_list)
         if frames_m is None and getattr(vision_m, "renumber_positions", False):
             request.pending.renumber = True  # the official code feeds the LLM the shorter sequence
@@ -536,6 +544,11 @@ class HFVLMAdapter(Adapter):
                 f"has {tokens} {modality} placeholder tokens; build it with the model's processor, which gives each "
                 f"{modality} exactly its placeholders"
             )
+
+    def item_generator(self, samples: list[int], index: int) -> torch.Generator:
+        """:func:`item_generator` of item ``index`` (``samples``: the sample of every item), seeded by
+        the item's rank within its sample."""
+        return item_generator(self.state.seed, samples[:index].count(samples[index]))
 
     def not_visual_rows(self, it: "Item", index: int) -> torch.Tensor | None:
         """[N] bool: the rows of item ``index`` that are not visual tokens (the ``image_newline`` rows

@@ -37,6 +37,8 @@ class Qwen2VLAdapter(HFVLMAdapter):
     model_classes = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration")
     stages: ClassVar[tuple[str, ...]] = FAMILY_STAGES[family]
     feature_functions: ClassVar[dict[str, str]] = {"image": "get_image_features", "video": "get_video_features"}
+    #: M-RoPE: (t, h, w) positions, which a removal keeps (methods that renumber refuse)
+    multi_axis_positions: ClassVar[bool] = True
 
     def lm_spec(self) -> LMSpec:
         spec = super().lm_spec()

@@ -29,15 +29,44 @@ def positions_of(captured: dict, b: int, s: int) -> torch.Tensor:
     return pos.expand(pos.shape[0], b, s) if pos.shape[1] == 1 else pos  # one row for the batch (LLaVA-OV-1.5)
 
 
+def multi_axis(model) -> bool:
+    """True for models with M-RoPE's 3-D positions (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, GLM-4.xV)."""
+    return hasattr(model.model, "get_rope_index")
+
+
+def injections_of(captured: dict):
+    """(mask [B, S], features [n, B, S, D]) of the DeepStack additions a language-model call got
+    (Qwen3-VL's ``visual_pos_masks`` / ``deepstack_visual_embeds``), or None."""
+    mask, feats = captured.get("visual_pos_masks"), captured.get("deepstack_visual_embeds")
+    if mask is None or not feats:
+        return None
+    stacked = torch.stack(feats)
+    full = stacked.new_zeros(len(feats), *mask.shape, stacked.shape[-1])
+    full[:, mask] = stacked
+    return mask, full
+
+
+def injection_kwargs(inject, rows: torch.Tensor) -> dict:
+    """The language model's DeepStack kwargs for the rows ``rows`` [B, k] (long, per sample) of a
+    call whose additions were ``inject`` (from :func:`injections_of`); {} when there are none."""
+    if inject is None:
+        return {}
+    mask, full = inject
+    sub = torch.gather(mask, 1, rows)
+    feats = torch.stack([torch.gather(f, 1, rows[..., None].expand(-1, -1, f.shape[-1])) for f in full])
+    return {"visual_pos_masks": sub, "deepstack_visual_embeds": [f[sub] for f in feats]}
+
+
 def split_positions(model, pos: torch.Tensor):
     """(rotary positions, decoder-layer position_ids) for the model family."""
-    if "Qwen2" in type(model).__name__:
+    if multi_axis(model):
         return (pos[1:] if pos.shape[0] == 4 else pos), (pos[0] if pos.shape[0] == 4 else None)
     return pos[0], pos[0]
 
 
-def run_layers(model, embeds, pos, masks_for_layer, replace_at=None):
-    """Run the decoder layers with an explicit 4-D float mask per layer; returns logits."""
+def run_layers(model, embeds, pos, masks_for_layer, replace_at=None, inject=None):
+    """Run the decoder layers with an explicit 4-D float mask per layer; returns logits.
+    inject: (mask [B, S], features [n, B, S, D]) added after layers 0..n-1 (DeepStack)."""
     lm = model.model.language_model
     rope_pos, layer_pos = split_positions(model, pos)
     types = getattr(lm.config, "layer_types", None)
@@ -53,6 +82,9 @@ def run_layers(model, embeds, pos, masks_for_layer, replace_at=None):
             h = replace_at[1](h)
         out = layer(h, attention_mask=masks_for_layer(idx), position_embeddings=pe_of(idx), position_ids=layer_pos)
         h = out[0] if isinstance(out, tuple) else out
+        if inject is not None and idx < inject[1].shape[0]:
+            h = h.clone()
+            h[inject[0]] = h[inject[0]] + inject[1][idx][inject[0]].to(h.dtype)
     return model.lm_head(lm.norm(h))
 
 
@@ -95,7 +127,8 @@ def masked_llm_reference(model, inputs, layer: int, kept: torch.Tensor, merged=N
     m_before = float_mask(before, dtype)
     m_after = float_mask(after, dtype, bias)
     with torch.set_grad_enabled(grad):
-        return run_layers(model, embeds.detach(), pos, lambda i: m_before if i < layer else m_after, replace)
+        return run_layers(model, embeds.detach(), pos, lambda i: m_before if i < layer else m_after, replace,
+                          injections_of(cap))
 
 
 # ---- generate() references: the unwrapped model driven by its own generate(), with hooks -------------
@@ -119,12 +152,15 @@ class HookedReference:
     - per layer, rope positions ``layer_positions[i]`` [P, B, k] (renumbered after a removal;
       later columns continue from their last one);
     - ``replace`` = (layer, rows [B, k] bool, feats [B, k, D]): the prompt rows' hidden states
-      entering that layer (merged cluster centres), in calls that hold the prompt.
+      entering that layer (merged cluster centres), in calls that hold the prompt;
+    - ``inject`` = (mask [B, k], features [n, B, k, D]): the prompt rows' DeepStack additions
+      (Qwen3-VL), given to calls that hold the prompt.
 
     Batch rows repeated by generate() (beams, num_return_sequences) take their sample's plan.
     """
 
-    def __init__(self, model, k: int, positions=None, hidden=None, bias=None, layer_positions=None, replace=None):
+    def __init__(self, model, k: int, positions=None, hidden=None, bias=None, layer_positions=None, replace=None,
+                 inject=None):
         self.model, self.k = model, k
         self.lm = model.model.language_model
         n = len(self.lm.layers)
@@ -133,6 +169,7 @@ class HookedReference:
         self.bias = bias or [None] * n
         self.layer_positions = layer_positions or [None] * n
         self.replace = replace
+        self.inject = inject  # (mask [B, k], features [n, B, k, D]): DeepStack additions of the prompt rows
         self.handles: list = []
         self.call = (0, 0, 1)
 
@@ -155,8 +192,14 @@ class HookedReference:
         b, q = x.shape[:2]
         past = cache.get_seq_length() if cache is not None else 0
         self.call = (past, q, b)
+        if self.inject is not None and past == 0:  # the prompt (again, without a cache): its DeepStack rows
+            mask = self._per_sample(self.inject[0], b)[:, :q]
+            mask = torch.cat([mask, mask.new_zeros(b, q - mask.shape[1])], 1)
+            feats = torch.stack([self._per_sample(f, b)[:, : min(q, self.k)] for f in self.inject[1]])
+            kwargs["visual_pos_masks"] = mask
+            kwargs["deepstack_visual_embeds"] = [f[mask[:, : f.shape[1]]] for f in feats]
         if self.positions is None:
-            return None
+            return args, kwargs
         new = self._at(self.positions, past, q, b)
         given = kwargs.get("position_ids")
         if given is not None and given.dim() == 3 and given.shape[0] == new.shape[0] + 1:
@@ -223,3 +266,19 @@ class HookedReference:
         if getattr(self, "named_embeds", False):
             del self.model.prepare_inputs_for_generation
             self.named_embeds = False
+
+
+def recording(method_cls, **knobs):
+    """``method_cls(**knobs)`` (an llm-stage method) whose ``seen`` dict holds the rows' input
+    indices (``origin``) and the reductions of its last ``select`` (also in the copy wrap() makes)."""
+    seen: dict = {}
+
+    class Recording(method_cls):
+        def select(self, ctx):
+            reds = super().select(ctx)
+            seen.update(origin=ctx.extras["origin"], reds=reds)
+            return reds
+
+    method = Recording(**knobs)
+    method.seen = seen
+    return method

@@ -314,13 +314,15 @@ def test_methods_error_path(capsys):
 def _tiny_family_models() -> dict:
     import tiny_models as T
     import tiny_models_llavalike as L
+    import tiny_models_qwen3 as Q
     from timm.models.vision_transformer import VisionTransformer
 
     return {"llava": T.tiny_llava(tower_layers=4), "llava_next": T.tiny_llava_next(tower_layers=4),
             "llava_onevision": T.tiny_onevision(), "qwen2_vl": T.tiny_qwen2_vl(),
             "timm_vit": VisionTransformer(img_size=32, patch_size=4, embed_dim=32, depth=12, num_heads=2).eval(),
             "mistral3": L.tiny_mistral3(), "gemma3": L.tiny_gemma3(), "internvl": L.tiny_internvl(),
-            "llava_next_video": L.tiny_llava_next_video(tower_layers=4), "llava_onevision15": L.tiny_onevision15()}
+            "llava_next_video": L.tiny_llava_next_video(tower_layers=4), "llava_onevision15": L.tiny_onevision15(),
+            "qwen3_vl": Q.tiny_qwen3_vl(), "glm4v": Q.tiny_glm4v(), "qwen3_5": Q.tiny_qwen3_5()}
 
 
 def test_methods_lists_the_model_families_wrap_accepts(capsys):
@@ -355,5 +357,7 @@ def test_methods_lists_the_model_families_wrap_accepts(capsys):
                 vlm_prune.unwrap(model)
                 assert family in listed[name], f"wrap() accepts {name} on {family}, `vlm-prune methods` omits it"
     assert listed["visionzip"] == {"llava", "llava_onevision"} and "(video only" in out
-    assert listed["uniform"] == {"llava_onevision", "qwen2_vl", "llava_next_video", "llava_onevision15"}
+    assert listed["uniform"] == {"llava_onevision", "qwen2_vl", "llava_next_video", "llava_onevision15", "qwen3_vl",
+                                 "glm4v", "qwen3_5"}
     assert listed["tome"] == {"llava", "llava_next", "llava_next_video", "timm_vit"}
+    assert "qwen3_vl" not in listed["quota"] and "glm4v" not in listed["quota"] and "qwen3_5" not in listed["fastv"]

@@ -26,8 +26,9 @@ import torch
 
 import tiny_models as T
 import tiny_models_llavalike as L
+import tiny_models_qwen3 as Q
 import vlm_prune
-from reference import HookedReference, capture_lm_inputs, positions_of, renumber
+from reference import HookedReference, capture_lm_inputs, injection_kwargs, injections_of, multi_axis, positions_of, renumber
 from vlm_prune import engine
 from vlm_prune.frames.fastvid import FastVID
 from vlm_prune.frames.holitom import HoliTom
@@ -56,8 +57,21 @@ ADAPTERS = {
     "gemma3": (L.tiny_gemma3, L.gemma3_inputs),
     "ov15_image": (L.tiny_onevision15, L.onevision15_inputs),
     "ov15_video": (L.tiny_onevision15, L.onevision15_video_inputs),
+    "qwen3_vl_image": (Q.tiny_qwen3_vl, lambda m, batch=2: Q.qwen3_vl_inputs(m, batch=batch)),
+    "qwen3_vl_video": (Q.tiny_qwen3_vl, lambda m, batch=2: Q.qwen3_vl_inputs(m, batch=batch, video=True)),
+    "glm4v_image": (Q.tiny_glm4v, lambda m, batch=2: Q.glm4v_inputs(m, batch=batch)),
+    "glm4v_video": (Q.tiny_glm4v, lambda m, batch=2: Q.glm4v_inputs(m, batch=batch, video=True)),
+    "qwen3_5_image": (Q.tiny_qwen3_5, lambda m, batch=2: Q.qwen3_vl_inputs(m, batch=batch)),
+    "qwen3_5_video": (Q.tiny_qwen3_5, lambda m, batch=2: Q.qwen3_vl_inputs(m, batch=batch, video=True)),
 }
-VIDEO = {"onevision_video", "qwen2_vl_video", "nextvideo_video", "ov15_video"}
+VIDEO = {"onevision_video", "qwen2_vl_video", "qwen3_vl_video", "glm4v_video", "qwen3_5_video"}
+#: decoding paths the UNWRAPPED model cannot run (a transformers bug, checked by
+#: test_paths_the_unwrapped_model_cannot_run): never compared
+UNWRAPPED_FAILS = {
+    # transformers 5.25 Glm4vForConditionalGeneration._expand_multimodal_outputs counts video_token_id
+    # placeholders, but GLM's processor writes every video frame with image placeholders
+    "glm4v_video": ("beams3", "return2"),
+}
 METHODS = ["random", "pool", "divprune", "cdpruner", "visionzip", "tome", "asvit", "fastv", "pact", "adaptinfer",
            "uniform", "quota", "vidcom2", "fastvid", "holitom", "dycoke", "fastervlm", "vispruner", "dart", "pdrop"]
 #: combinations a pruning call refuses with a documented message (no tower attention there)
@@ -134,7 +148,7 @@ def multi_turn_by_hand(model, inp):
         p = pos[:, -toks.shape[1]:]
         if "mm_token_type_ids" in inp:  # M-RoPE: text continues on all three axes after the rope delta
             p = p[None].expand(3, -1, -1) + model.model.rope_deltas
-        nxt = model(input_ids=toks, attention_mask=mask, cache=cache, position_ids=p).logits[:, -1].argmax(-1, keepdim=True)
+        nxt = greedy_token(model, model(input_ids=toks, attention_mask=mask, cache=cache, position_ids=p).logits[:, -1])
         nxt = nxt.masked_fill(done, pad)  # as generate(): a finished sequence continues with padding
         done |= torch.isin(nxt, eos)
         out.append(nxt)
@@ -142,6 +156,15 @@ def multi_turn_by_hand(model, inp):
         mask = torch.cat([mask, torch.ones_like(nxt)], 1)
         pos = torch.cat([pos, pos[:, -1:] + 1], 1)
     return torch.cat(out, 1)
+
+
+def greedy_token(model, logits: torch.Tensor) -> torch.Tensor:
+    """[B, 1] greedy next token, as generate() picks it (its suppress_tokens never chosen)."""
+    suppress = model.generation_config.suppress_tokens
+    if suppress:
+        logits = logits.clone()
+        logits[:, suppress] = float("-inf")
+    return logits.argmax(-1, keepdim=True)
 
 
 def same_answer(got: torch.Tensor, by_hand: torch.Tensor, model) -> bool:
@@ -168,12 +191,27 @@ PATHS = {
 }
 
 
+def paths(adapter: str) -> dict:
+    """The decoding paths compared on ``adapter`` (all but its :data:`UNWRAPPED_FAILS`)."""
+    return {name: fn for name, fn in PATHS.items() if name not in UNWRAPPED_FAILS.get(adapter, ())}
+
+
+@pytest.mark.parametrize("adapter", list(UNWRAPPED_FAILS))
+def test_paths_the_unwrapped_model_cannot_run(adapter):
+    """The paths left out of the matrix fail on the unwrapped model itself (so the matrix takes them
+    back once transformers fixes them: this test then fails)."""
+    model, inp, inp1 = setup(adapter)
+    for name in UNWRAPPED_FAILS[adapter]:
+        with pytest.raises(ValueError, match="non-empty list"), torch.no_grad():
+            PATHS[name](model, inp, inp1)
+
+
 def unwrapped_reference(adapter: str) -> dict:
     key = ("ref", adapter)
     if key not in _cache:
         model, inp, inp1 = setup(adapter)
         with torch.no_grad():
-            _cache[key] = {name: fn(model, inp, inp1) for name, fn in PATHS.items()}
+            _cache[key] = {name: fn(model, inp, inp1) for name, fn in paths(adapter).items()}
             _cache[key]["assistant"] = assisted(model, inp1, adapter)
     return _cache[key]
 
@@ -220,7 +258,7 @@ def test_every_path_at_keep_one_equals_the_unwrapped_model(adapter, method):
     model, inp, inp1 = case
     try:
         with torch.no_grad():
-            for name, fn in PATHS.items():
+            for name, fn in paths(adapter).items():
                 got = fn(model, inp, inp1)
                 assert torch.equal(got, ref[name]), f"{name} differs from the unwrapped model"
             assert torch.equal(assisted(model, inp1, adapter), ref["assistant"]), "assistant model"
@@ -288,7 +326,7 @@ def record_prefill(model, inp) -> dict:
     if rewritten:
         pos = rewritten[-1]
     pos = pos[-3:] if pos.shape[0] == 4 else pos  # Qwen2-VL: the M-RoPE axes
-    return {"embeds": seen[0]["inputs_embeds"], "pos": pos, "rows": state.last_rows.clone(),
+    return {"embeds": seen[0]["inputs_embeds"], "pos": pos, "rows": state.last_rows.clone(), "inject": injections_of(seen[0]),
             "stats": state.last_stats, "selects": selects, "methods": dict(state.methods),
             "sizes": sizes[-1] if sizes and bool((sizes[-1] > 1).any()) else None}
 
@@ -317,7 +355,15 @@ def vision_reference(model, inp: dict, rec: dict):
     if getattr(method, "renumber_positions", False) and "frames" not in rec["methods"]:
         target = renumber(target, mask.bool())
     n = len(model.model.language_model.layers)
-    hooks = HookedReference(model, k, positions=target, bias=[bias] * n if sizes is not None else None)
+    inject = None
+    if rec["inject"] is not None:  # DeepStack (Qwen3-VL): the kept rows' additions, in the short layout
+        src = torch.zeros(b, k, dtype=torch.long)
+        for i, r in enumerate(kept):
+            src[i, k - len(r):] = r
+        rows_of = injection_kwargs(rec["inject"], src)["visual_pos_masks"] & mask.bool()
+        inject = (rows_of, torch.stack([torch.gather(f, 1, src[..., None].expand(-1, -1, f.shape[-1]))
+                                     for f in rec["inject"][1]]))
+    hooks = HookedReference(model, k, positions=target, bias=[bias] * n if sizes is not None else None, inject=inject)
     ref = {"inputs_embeds": short, "attention_mask": mask}
     if "token_type_ids" in inp:  # Gemma 3: the kept rows' token types (its bidirectional image mask)
         types = torch.zeros(b, k, dtype=inp["token_type_ids"].dtype)
@@ -385,9 +431,9 @@ def reference_turn(model, ref_inp: dict, hooks, answer: torch.Tensor) -> torch.T
         out = []
         for _ in range(STEPS):
             p = (mask.cumsum(-1) - 1)[:, -toks.shape[1]:]  # (the hooks give the positions)
-            if "Qwen2" in type(model).__name__:
+            if multi_axis(model):
                 p = p[None].expand(3, -1, -1)
-            nxt = model(input_ids=toks, attention_mask=mask, cache=cache, position_ids=p).logits[:, -1].argmax(-1, keepdim=True)
+            nxt = greedy_token(model, model(input_ids=toks, attention_mask=mask, cache=cache, position_ids=p).logits[:, -1])
             nxt = nxt.masked_fill(done, pad)
             done |= torch.isin(nxt, eos)
             out.append(nxt)
@@ -406,21 +452,24 @@ def assistant(adapter: str):
 
 def wrapped_paths(model, inp, inp1, adapter):
     """Every decoding path of the wrapped model (outputs compared to the reference after unwrap)."""
-    out = {name: fn(model, inp, inp1) for name, fn in PATHS.items()}
+    out = {name: fn(model, inp, inp1) for name, fn in paths(adapter).items()}
     out["greedy1"] = model.generate(**inp1, max_new_tokens=2 * STEPS, do_sample=False)
     out["assistant"] = assisted(model, inp1, adapter)
     return out
 
 
-def reference_paths(model, ref_inp, hooks, ref_inp1, hooks1, first_answer):
+def reference_paths(model, ref_inp, hooks, ref_inp1, hooks1, first_answer, skip=()):
     """The same paths on the reference (prompt lookup and the assistant: greedy decoding's answer,
     which they must reproduce; multi-turn: :func:`reference_turn`)."""
     out = {}
     with hooks:
         out["greedy"] = model.generate(**ref_inp, max_new_tokens=STEPS, do_sample=False)
         out["sampling"] = _seeded(lambda: model.generate(**ref_inp, max_new_tokens=STEPS, do_sample=True, top_k=0))
-        out["beams3"] = model.generate(**ref_inp, max_new_tokens=STEPS, num_beams=3, do_sample=False)
-        out["return2"] = _seeded(lambda: model.generate(**ref_inp, max_new_tokens=STEPS, num_return_sequences=2, do_sample=True))
+        if "beams3" not in skip:
+            out["beams3"] = model.generate(**ref_inp, max_new_tokens=STEPS, num_beams=3, do_sample=False)
+        if "return2" not in skip:
+            out["return2"] = _seeded(lambda: model.generate(**ref_inp, max_new_tokens=STEPS, num_return_sequences=2,
+                                                            do_sample=True))
         out["no_cache"] = model.generate(**ref_inp, max_new_tokens=STEPS, do_sample=False, use_cache=False)
     with hooks1:
         out["greedy1"] = model.generate(**ref_inp1, max_new_tokens=2 * STEPS, do_sample=False)
@@ -450,6 +499,8 @@ def test_every_path_when_pruning_equals_its_reference(adapter, method):
             got = wrapped_paths(model, inp, inp1, adapter)
             first = model.generate(**inp, max_new_tokens=STEPS, do_sample=False)
             for name, copies in (("beams3", 3), ("return2", 2)):
+                if name in UNWRAPPED_FAILS.get(adapter, ()):
+                    continue
                 PATHS[name](model, inp, inp1)
                 assert torch.equal(state.last_rows, rows.repeat_interleave(copies, 0)), name
                 assert state.last_stats["visual_tokens_out"] == [n for n in stats["visual_tokens_out"] for _ in range(copies)]
@@ -461,9 +512,11 @@ def test_every_path_when_pruning_equals_its_reference(adapter, method):
     s, s1 = inp["input_ids"].shape[1], inp1["input_ids"].shape[1]
     answer = first[:, s:]
     with torch.no_grad():
-        ref = reference_paths(model, ref_inp, hooks, ref_inp1, hooks1, answer)
+        ref = reference_paths(model, ref_inp, hooks, ref_inp1, hooks1, answer, UNWRAPPED_FAILS.get(adapter, ()))
     cut = 0 if in_llm else s  # generate() on inputs_embeds returns the new tokens only
     for name in ("greedy", "sampling", "beams3", "return2", "no_cache"):
+        if name in UNWRAPPED_FAILS.get(adapter, ()):
+            continue
         assert torch.equal(got[name][:, cut:], ref[name]), f"{name} differs from the reference"
     cut1 = 0 if in_llm else s1
     for name in ("greedy1", "prompt_lookup", "assistant"):

@@ -6,8 +6,10 @@ import torch
 
 import tiny_models as T
 import tiny_models_llavalike as L
+import tiny_models_qwen3 as Q
 import vlm_prune
-from reference import capture_lm_inputs, masked_llm_reference, positions_of
+from reference import (capture_lm_inputs, injection_kwargs, injections_of, masked_llm_reference, multi_axis,
+                       positions_of, recording)
 
 CASES = {
     "llava": (T.tiny_llava, lambda m, **k: T.llava_inputs(**k), {}),
@@ -24,7 +26,33 @@ CASES = {
     "gemma3": (L.tiny_gemma3, L.gemma3_inputs, {}),
     "ov15_image": (L.tiny_onevision15, L.onevision15_inputs, {}),
     "ov15_video": (L.tiny_onevision15, L.onevision15_inputs, {"video": True}),
+    "qwen3_vl_image": (Q.tiny_qwen3_vl, Q.qwen3_vl_inputs, {}),
+    "qwen3_vl_video": (Q.tiny_qwen3_vl, Q.qwen3_vl_inputs, {"video": True}),
+    "qwen3_vl_moe": (lambda attn="sdpa": Q.tiny_qwen3_vl(attn, moe=True), Q.qwen3_vl_inputs, {}),
+    "glm4v_image": (Q.tiny_glm4v, Q.glm4v_inputs, {}),
+    "glm4v_video": (Q.tiny_glm4v, Q.glm4v_inputs, {"video": True}),
+    "qwen3_5_image": (Q.tiny_qwen3_5, Q.qwen3_vl_inputs, {}),
+    "qwen3_5_video": (Q.tiny_qwen3_5, Q.qwen3_vl_inputs, {"video": True}),
+    "qwen3_5_moe": (lambda attn="sdpa": Q.tiny_qwen3_5(attn, moe=True), Q.qwen3_vl_inputs, {}),
+    "glm4v_moe": (lambda attn="sdpa": Q.tiny_glm4v(attn, variant="4.5"), Q.glm4v_inputs, {}),
+    "glm46v": (lambda attn="sdpa": Q.tiny_glm4v(attn, variant="4.6"), Q.glm4v_inputs, {}),
 }
+#: cases whose adapter refuses in-LLM methods at wrap time (Qwen3.5's linear-attention layers):
+#: there the invariants run the vision stage alone and check the refusal
+NO_LLM = {"qwen3_5_image", "qwen3_5_video", "qwen3_5_moe"}
+
+
+def with_llm(case: str, methods: list[str]) -> list[str]:
+    """``methods`` without the in-LLM ones where the adapter refuses them (after checking it does)."""
+    if case not in NO_LLM:
+        return methods
+    from vlm_prune.registry import method_class
+
+    in_llm = [m for m in methods if method_class(m).stage == "llm"]
+    for m in in_llm:
+        with pytest.raises(ValueError, match="inside the language model.*vision-stage method"):
+            vlm_prune.wrap(build(case)[0], m, keep=0.5)
+    return [m for m in methods if m not in in_llm]
 _MODELS: dict = {}
 
 
@@ -72,9 +100,11 @@ def test_identity_when_everything_is_kept(case, attn):
         inp = make(pad=pad)
         valid = inp["attention_mask"].bool()
         ref_logits, ref_gen = run(model, inp, steps=steps)
+        methods = with_llm(case, methods)
         vlm_prune.wrap(model, methods, keep=1.0)
         try:
-            model.vlm_prune.methods["llm"].keep = 1.0
+            if "llm" in model.vlm_prune.methods:
+                model.vlm_prune.methods["llm"].keep = 1.0
             logits, gen = run(model, inp, steps=steps)
             _, gen2 = run(model, inp, steps=steps)
             stats = model.vlm_prune.last_stats
@@ -83,7 +113,7 @@ def test_identity_when_everything_is_kept(case, attn):
         torch.testing.assert_close(logits[valid], ref_logits[valid], atol=1e-5, rtol=0)
         assert torch.equal(gen, ref_gen) and torch.equal(gen2, ref_gen), (methods, pad)
         assert stats["visual_tokens_out"] == stats["visual_tokens_in"]
-        assert [r["stage"] for r in stats["stages"]] == ["vision", "llm"]
+        assert [r["stage"] for r in stats["stages"]] == ["vision", "llm"][: len(methods)]
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -94,7 +124,7 @@ def test_unwrap_restores_bit_identical(case):
     modules = list(model.modules())
     ref, ref_gen = run(model, inp, steps=5)  # transformers installs its own hooks on first use
     before = [set(vars(m)) for m in modules]
-    vlm_prune.wrap(model, ["random", "fastv"], keep=0.5)
+    vlm_prune.wrap(model, with_llm(case, ["random", "fastv"]), keep=0.5)
     run(model, inp, steps=5)
     vlm_prune.unwrap(model)
     out, gen = run(model, inp, steps=5)
@@ -122,13 +152,15 @@ def test_vision_stage_equals_hand_built_input(case, method, attn):
     embeds = seen[0]["inputs_embeds"]  # reduced features already in their slots
     b, s, _ = embeds.shape
     pos = positions_of(seen[0], b, s)
+    inject = injections_of(seen[0])  # Qwen3-VL's DeepStack additions, for the kept rows only
     lm = model.model.language_model
     for i in range(b):
         keep = rows[i][rows[i] >= 0]
         p = pos[:, i : i + 1, keep]
-        p = p if "Qwen2" in type(model).__name__ else p[0]
+        p = p if multi_axis(model) else p[0]
         short = dict(inputs_embeds=embeds[i : i + 1, keep], position_ids=p,
-                     attention_mask=torch.ones(1, keep.numel(), dtype=torch.long))
+                     attention_mask=torch.ones(1, keep.numel(), dtype=torch.long),
+                     **injection_kwargs(inject and (inject[0][i : i + 1], inject[1][:, i : i + 1]), keep[None]))
         with torch.no_grad():
             if "token_type_ids" in inp:  # Gemma 3: the model's own bidirectional image mask over the kept rows
                 h = model.model(token_type_ids=inp["token_type_ids"][i : i + 1, keep], **short).last_hidden_state
@@ -138,8 +170,9 @@ def test_vision_stage_equals_hand_built_input(case, method, attn):
         torch.testing.assert_close(logits[i, rows[i] >= 0], ref, atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("case", ["llava", "llava_next", "onevision_video", "qwen2_vl_image", "qwen2_5_vl", "mistral3",
-                                  "internvl", "nextvideo_video", "gemma3", "ov15_video"])
+@pytest.mark.parametrize("case", ["llava", "llava_next", "onevision_video", "qwen2_vl_image", "qwen2_5_vl",
+                                  "mistral3", "internvl", "nextvideo_video", "gemma3", "ov15_video",
+                                  "qwen3_vl_image", "qwen3_vl_video", "qwen3_vl_moe", "glm4v_image", "glm4v_video"])
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
 def test_llm_stage_equals_masked_reference(case, attn):
     """Invariant 3: FastV's in-LLM removal equals the full sequence with the removed tokens
@@ -163,6 +196,8 @@ def test_batch_equals_samples_alone(case, method):
     10-step generate)."""
     model, make = build(case)
     inp = make()
+    if not with_llm(case, [method]):
+        return
     vlm_prune.wrap(model, method, keep=0.3)
     try:
         logits, gen = run(model, inp, steps=10)
@@ -191,7 +226,8 @@ def test_batch_equals_samples_alone(case, method):
         vlm_prune.unwrap(model)
 
 
-@pytest.mark.parametrize("case", ["llava", "onevision_video", "qwen2_vl_image", "mistral3", "gemma3"])
+@pytest.mark.parametrize("case", ["llava", "onevision_video", "qwen2_vl_image", "mistral3", "gemma3",
+                                  "qwen3_vl_image", "glm4v_image"])
 def test_pact_merging_equals_masked_reference_with_log_size_bias(case):
     """Invariant 3 with merges: PACT's clusters (mean hidden state at the centre, log cluster
     size added to that key's logits in every later layer) equal the full-sequence reference;
@@ -200,15 +236,9 @@ def test_pact_merging_equals_masked_reference_with_log_size_bias(case):
 
     model, make = build(case, "sdpa")
     inp = make()
-    seen = {}
-
-    class Recording(PACT):
-        def select(self, ctx):
-            reds = super().select(ctx)
-            seen["origin"], seen["reds"] = ctx.extras["origin"], reds
-            return reds
-
-    logits, rows = pruned_prefill(model, Recording(layer=2, rho=0.75, cutoff=0.6), inp)
+    method = recording(PACT, layer=2, rho=0.75, cutoff=0.6)
+    logits, rows = pruned_prefill(model, method, inp)
+    seen = method.seen
     b, s = inp["input_ids"].shape
     d = model.config.text_config.hidden_size
     kept = torch.zeros(b, s, dtype=torch.bool)

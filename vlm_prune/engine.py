@@ -48,6 +48,9 @@ class Rows:
     visual: torch.Tensor  # [B, S] bool
     sizes: torch.Tensor  # [B, S] float32
     origin: torch.Tensor  # [B, S] long: index in the model input, -1 for padding
+    #: features added to some rows' hidden states after the first layers (Qwen3-VL's DeepStack):
+    #: [n, B, S, D], layer i's addition in inject[i], zero on rows that get none; None: no layer adds any
+    inject: torch.Tensor | None = None
 
     @property
     def text(self) -> torch.Tensor:
@@ -139,7 +142,9 @@ class LMSpec:
     rope_positions(pos [P,B,S]) -> what the rotary module takes; layer_position_ids(pos) ->
     the ``position_ids`` kwarg the decoder layers take; apply_rope(q, k, cos, sin) -> (q, k).
     default_positions(pos_ids_or_None, B, S, past_len, device) -> [P,B,S] positions exactly as
-    the unwrapped model would build them.
+    the unwrapped model would build them. take_injections(kwargs, embeds) pops the language
+    model's own extra inputs that add features to rows after its first layers (Qwen3-VL's
+    DeepStack) and returns them as :attr:`Rows.inject` [n, B, S, D] (None when the call has none).
     """
 
     lm: torch.nn.Module
@@ -158,6 +163,10 @@ class LMSpec:
     #: runs every layer with full causal attention, which is the model's own while the whole
     #: sequence fits the window; a longer one is refused
     sliding_window: int | None = None
+    take_injections: Callable[[dict[str, Any], torch.Tensor], torch.Tensor | None] | None = None
+    #: layer_mask(idx, mask, q_valid [B, q]) -> the mask layer idx takes instead of the attention
+    #: mask (Qwen3.5's linear-attention layers take the 2-D padding mask of the newest rows)
+    layer_mask: Callable[[int, Any, torch.Tensor], Any] | None = None
 
 
 @functools.lru_cache(maxsize=None)
@@ -368,6 +377,8 @@ class PrunedDecoder:
         spec = self.spec
         lm = spec.lm
         cache = _pop_cache(kwargs)
+        inject = spec.take_injections(kwargs, inputs_embeds if inputs_embeds is not None else input_ids) \
+            if spec.take_injections is not None else None
         if kwargs.get("output_attentions") or kwargs.get("output_hidden_states"):
             raise ValueError(
                 "vlm_prune does not return output_attentions / output_hidden_states: after a removal each layer "
@@ -399,18 +410,21 @@ class PrunedDecoder:
             if segs is None:
                 segs = self._foreign_segments(cache, attention_mask, b, past, position_ids, device)
             pos = spec.default_positions(position_ids, b, s, None, device, segs)
-            hidden = self._prefill(inputs_embeds, pos, new_valid, cache, True, kwargs, prefix=segs)
+            hidden = self._prefill(inputs_embeds, pos, new_valid, cache, True, kwargs, prefix=segs, inject=inject)
         elif segs is not None or past > 0:
             pos = spec.default_positions(position_ids, b, s, past if segs is None else None, device, segs)
             hidden = self._decode(inputs_embeds, pos, new_valid, cache, segs, kwargs)
         else:
             pos = spec.default_positions(position_ids, b, s, 0, device, None)
-            hidden = self._prefill(inputs_embeds, pos, new_valid, cache, use_cache, kwargs)
+            hidden = self._prefill(inputs_embeds, pos, new_valid, cache, use_cache, kwargs, inject=inject)
         hidden = lm.norm(hidden)
         return BaseModelOutputWithPast(last_hidden_state=hidden, **{_OUTPUT_CACHE_FIELD: cache if use_cache else None})
 
-    def _run_layer(self, idx: int, hidden: torch.Tensor, mask: Any, pe: Any, pos: torch.Tensor, cache: Any, use_cache: bool, kwargs: dict) -> torch.Tensor:
+    def _run_layer(self, idx: int, hidden: torch.Tensor, mask: Any, pe: Any, pos: torch.Tensor, cache: Any, use_cache: bool,
+                   kwargs: dict, q_valid: torch.Tensor | None = None) -> torch.Tensor:
         layer = self.spec.layers[idx]
+        if self.spec.layer_mask is not None:
+            mask = self.spec.layer_mask(idx, mask, q_valid)
         # FlashAttention reads position ids only to find packed sequences (gaps after a removal
         # look like packing); without a mask every row is real, so the dense kernel is right
         flash_dense = mask is None and "flash" in self.attn_impl()
@@ -441,7 +455,7 @@ class PrunedDecoder:
         return segs
 
     def _prefill(self, embeds: torch.Tensor, pos: torch.Tensor, valid: torch.Tensor, cache: Any, use_cache: bool,
-                 kwargs: dict, prefix: CacheSegments | None = None) -> torch.Tensor:
+                 kwargs: dict, prefix: CacheSegments | None = None, inject: torch.Tensor | None = None) -> torch.Tensor:
         """A prompt's forward: the vision stage's removal before layer 0, the llm stage between layers.
 
         ``prefix``: the bookkeeping of a cache that already holds earlier tokens (a system prompt, an
@@ -460,7 +474,7 @@ class PrunedDecoder:
             pos = pos.clone()
             for rewrite in pending.position_rewrites:
                 rewrite.apply(pos)
-        rows = Rows(embeds, pos, valid, visual, sizes, origin)
+        rows = Rows(embeds, pos, valid, visual, sizes, origin, inject)
         visual_in = visual & valid
         stats_in = visual_in.sum(1).tolist()
         if pending is not None:
@@ -527,7 +541,7 @@ class PrunedDecoder:
                 planned[idx + 1] = self._select(idx, rows, idx + 1)
             if keep_previous and (idx + 1) in points:
                 previous[idx + 1] = rows.hidden
-            rows = replace(rows, hidden=self._run_layer(idx, rows.hidden, mask, pe, rows.pos, cache, use_cache, kwargs))
+            rows = replace(rows, hidden=injected(rows, idx, self._run_layer(idx, rows.hidden, mask, pe, rows.pos, cache, use_cache, kwargs, rows.valid)))
 
         if cache is not None and use_cache:
             # tokens after the prompt (assisted decoding's first draft, checked in the prefill) were not
@@ -571,7 +585,7 @@ class PrunedDecoder:
         layer_visual = []
         for idx in range(len(self.spec.layers)):
             seg = prefix.layer_segment[idx]
-            hidden = self._run_layer(idx, hidden, masks[seg], pes[seg], seg_pos[seg], cache, True, kwargs)
+            hidden = injected(rows, idx, self._run_layer(idx, hidden, masks[seg], pes[seg], seg_pos[seg], cache, True, kwargs, rows.valid))
             layer_visual.append((rows.visual & rows.valid).sum(1))
         prefix.key_valid, prefix.key_bias = key_valid, key_bias
         prefix.next_pos = (rows.pos if renumbered_rows else pos)[:, :, -1] + 1
@@ -607,7 +621,7 @@ class PrunedDecoder:
         hidden = embeds
         for idx in range(len(spec.layers)):
             seg = segs.layer_segment[idx]
-            hidden = self._run_layer(idx, hidden, masks[seg], pes[seg], seg_pos[seg], cache, True, kwargs)
+            hidden = self._run_layer(idx, hidden, masks[seg], pes[seg], seg_pos[seg], cache, True, kwargs, valid)
         return hidden
 
 
@@ -719,6 +733,7 @@ def apply(rows: Rows, reds: list[Reduction]) -> Rows:
     pos = torch.stack([gather(p) for p in rows.pos])
     visual = gather(rows.visual) & new_valid
     origin = torch.where(new_valid, gather(rows.origin), torch.full_like(src, -1))
+    inject = None if rows.inject is None else _carry_injections(rows, reds, src, new_valid)
     for i, r in enumerate(reds):
         k = r.indices.numel()
         if r.features is not None and k:
@@ -727,7 +742,47 @@ def apply(rows: Rows, reds: list[Reduction]) -> Rows:
             sizes[i, n_max - k:] = r.sizes.to(sizes.dtype)
     hidden = hidden.masked_fill(~new_valid[..., None], 0.0)
     sizes = sizes.masked_fill(~new_valid, 1.0)
-    return Rows(hidden, pos, new_valid, visual, sizes, origin)
+    return Rows(hidden, pos, new_valid, visual, sizes, origin, inject)
+
+
+def _carry_injections(rows: Rows, reds: list[Reduction], src: torch.Tensor, new_valid: torch.Tensor) -> torch.Tensor:
+    """:attr:`Rows.inject` [n, B, k, D] after a removal: a kept row keeps its own additions, a merged
+    row (``Reduction.merged_into``) gets its members' additions averaged with the weights its hidden
+    state was averaged with (their sizes), so that merging and adding commute; padding gets zeros."""
+    inj = rows.inject
+    n, b, k = inj.shape[0], src.shape[0], src.shape[1]
+    out = torch.gather(inj, 2, src.view(1, b, k, 1).expand(n, b, k, inj.shape[-1])).clone()
+    for i, r in enumerate(reds):
+        if r.features is None or not r.indices.numel():
+            continue
+        if r.merged_into is None:
+            raise ValueError(
+                "this language model adds features to visual rows after its first layers (DeepStack), and the "
+                "method replaced hidden states without saying which rows it merged (Reduction.merged_into), so "
+                "those additions cannot follow. Prune after the last layer that adds them, or use a method "
+                "that only keeps / drops rows"
+            )
+        into = r.merged_into.to(inj.device)
+        members = torch.nonzero(into >= 0).squeeze(1)
+        slot = torch.searchsorted(r.indices.to(inj.device), into[members])
+        w = rows.sizes[i, members].to(torch.float32)
+        total = torch.zeros(n, r.indices.numel(), inj.shape[-1], dtype=torch.float32, device=inj.device)
+        total.index_add_(1, slot, inj[:, i, members].float() * w[None, :, None])
+        norm = torch.zeros(r.indices.numel(), dtype=torch.float32, device=inj.device).index_add_(0, slot, w)
+        merged = (total / norm[None, :, None]).to(inj.dtype)
+        changed = torch.bincount(slot, minlength=r.indices.numel()) > 1  # rows that absorbed others
+        cols = k - r.indices.numel() + torch.nonzero(changed).squeeze(1)
+        out[:, i, cols] = merged[:, changed]
+    return out.masked_fill(~new_valid[None, :, :, None], 0.0)
+
+
+def injected(rows: Rows, layer: int, hidden: torch.Tensor) -> torch.Tensor:
+    """``hidden`` [B, S, D] after decoder ``layer`` with that layer's :attr:`Rows.inject` added to
+    the rows that get one (as the model's own loop does: ``h[rows] = h[rows] + features``)."""
+    if rows.inject is None or layer >= rows.inject.shape[0]:
+        return hidden
+    add = rows.inject[layer].to(hidden.device, hidden.dtype)
+    return torch.where((add != 0).any(-1, keepdim=True), hidden + add, hidden)
 
 
 def _append_rows(red: Reduction, rows: Rows, b: int, cut: int) -> Reduction:
@@ -735,7 +790,8 @@ def _append_rows(red: Reduction, rows: Rows, b: int, cut: int) -> Reduction:
     tail = torch.arange(cut, rows.valid.shape[1], device=red.indices.device)
     feats = None if red.features is None else torch.cat([red.features, rows.hidden[b, cut:].to(red.features.device)])
     sizes = None if red.sizes is None else torch.cat([red.sizes, rows.sizes[b, cut:].to(red.sizes.device)])
-    return Reduction(torch.cat([red.indices, tail]), feats, sizes)
+    into = None if red.merged_into is None else torch.cat([red.merged_into, tail.to(red.merged_into.device)])
+    return Reduction(torch.cat([red.indices, tail]), feats, sizes, into)
 
 
 def merged_into(rows: Rows, reds: list[Reduction], visual_in: torch.Tensor) -> list[list[int]]:

@@ -375,6 +375,10 @@ def quota_plan(
 
 Scorer = Callable[[torch.Tensor, str], torch.Tensor]
 
+#: adapter families whose videos give every temporal slice its own run of slots behind its own
+#: timestamp text (Qwen3-VL, GLM-4.xV, Qwen3.5): QuoTA's packing cannot place resized frames there
+SLICED_VIDEO_FAMILIES = ("qwen3_vl", "glm4v", "qwen3_5")
+
 
 @register
 class QuoTA(FramesMethod):
@@ -474,6 +478,19 @@ class QuoTA(FramesMethod):
     def wants_unpooled(self) -> bool:
         """Whether the adapter should hand over the frames' unpooled maps (v1, v2, v3, v5)."""
         return self.variant in UNPOOLED_VARIANTS
+
+    @classmethod
+    def refusal(cls, family: str, stages: tuple[str, ...]) -> str | None:
+        """The stage rule, and the families whose video QuoTA's packing cannot lay out."""
+        reason = super().refusal(family, stages)
+        if reason is None and family in SLICED_VIDEO_FAMILIES:
+            reason = (
+                f"method 'quota' supports videos laid out as one run of slots; the '{family}' adapter's model gives "
+                "every temporal slice its own run behind its own timestamp text, and QuoTA resizes frames and packs "
+                "their tokens into the video's first slots, which would sit behind other slices' timestamps. Use "
+                "frames='uniform' or 'keyscore' (whole slices kept at their own slots), or a vision-stage method"
+            )
+        return reason
 
     def check_model(self, adapter) -> None:
         """At wrap time: the default scorer needs its answer token(s) in the model's vocabulary."""

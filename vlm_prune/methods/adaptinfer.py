@@ -258,8 +258,9 @@ class AdaptInfer(LLMMethod):
             self._published = published_for(adapter.family, text.num_hidden_layers, text.hidden_size)
         if self.positions is None:
             self.positions = OFFICIAL_POSITIONS.get(adapter.family, "keep")
-        if self.positions == "renumber" and adapter.family == "qwen2_vl":
-            raise ValueError("AdaptInfer positions='renumber' is for 1-D positions; Qwen2-VL's M-RoPE keeps its positions")
+        if self.positions == "renumber" and getattr(adapter, "multi_axis_positions", False):
+            raise ValueError(f"AdaptInfer positions='renumber' is for 1-D positions; {type(adapter.model).__name__}'s "
+                             "M-RoPE keeps its positions")
         published = SCHEDULES.get(self._published or "")
         has_target = self.keep is not None or self.budget is not None or self.average is not None
         if not has_target and not (published is not None and None in published.ratios):

@@ -427,7 +427,7 @@ class ShorterSequence:
 
     def check_model(self, adapter: Any) -> None:
         super().check_model(adapter)  # type: ignore[misc]
-        if adapter.family in self.KEEPS_POSITIONS:
+        if adapter.family in self.KEEPS_POSITIONS or getattr(adapter, "multi_axis_positions", False):
             if self.positions == "renumber":
                 raise ValueError(f"{self.name} positions='renumber' is for 1-D positions; "  # type: ignore[attr-defined]
                                  f"{adapter.family}'s multi-axis positions (M-RoPE) keep their ids")

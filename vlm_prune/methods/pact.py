@@ -19,6 +19,7 @@ FAMILY_DEFAULTS: dict[str, tuple[float, float]] = {
     "qwen2_vl": (0.8, 0.1),
     "llava": (0.55, 0.21),
     "llava_next": (0.55, 0.21),
+    "qwen3_vl": (0.8, 0.1),  # no official setting: Qwen2-VL's (unverified choice)
 }
 FALLBACK_DEFAULTS = FAMILY_DEFAULTS["llava_onevision"]
 
@@ -58,7 +59,7 @@ class PACT(LLMMethod):
     Defaults per model family (``ctx.extras["family"]``): rho 0.55 / d_c 0.21 for
     llava_onevision, 0.8 / 0.1 for qwen2_vl (orailix/PACT: configs/pact.json at commit 423c799f,
     scripts/pact_qwenvl2.0_7b.sh at f18acc1f); llava and llava_next use the
-    OneVision values (unverified). Without keep / budget, PACT is the official algorithm (with
+    OneVision values (unverified); qwen3_vl uses the Qwen2-VL values (unverified). Without keep / budget, PACT is the official algorithm (with
     ``rho`` / ``cutoff`` if given) and the final count follows from the clustering.
 
     With ``keep`` / ``budget`` (the visual tokens reaching the last layer) PACT meets the target
