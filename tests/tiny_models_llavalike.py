@@ -149,7 +149,11 @@ def tiny_onevision15(attn: str = "sdpa", seed: int = 0):
                                           spatial_merge_size=2, out_hidden_size=64)
     cfg = LlavaOnevision15Config(text_config=text, vision_config=vision, image_token_id=IMAGE_TOKEN,
                                  video_token_id=VIDEO_TOKEN, vision_start_token_id=IMG_BREAK, vision_end_token_id=IMG_END)
-    return _finish(LlavaOnevision15ForConditionalGeneration(cfg), attn)
+    model = _finish(LlavaOnevision15ForConditionalGeneration(cfg), attn)
+    # a real checkpoint never answers with a placeholder; a random one may, and with use_cache=False
+    # the model (wrapped or not) then refuses the unmatched placeholder, as transformers does
+    model.generation_config.suppress_tokens = [IMAGE_TOKEN, VIDEO_TOKEN, IMG_BREAK, IMG_END]
+    return model
 
 
 def onevision15_inputs(model, batch: int = 2, pad: str = "left", seed: int = 1, video: bool = False):
