@@ -352,9 +352,10 @@ print(rank.pid, flush=True)
 time.sleep(300)
 """
 RANK = """
-import time
+import sys, time
 from vlm_prune.eval import sharding
 assert sharding.exit_with_launcher(sharding.current(), poll_s=0.1)
+print("watching", file=sys.stderr, flush=True)
 time.sleep(300)  # a rank still working (or waiting at the sync) when its launcher dies
 """
 
@@ -377,11 +378,8 @@ def test_ranks_exit_when_the_launcher_dies(tmp_path):
             return False
 
     deadline = time.monotonic() + 120
-    while "vlm_prune-launcher-watch" not in err.read_text() and rank_alive() and time.monotonic() < deadline:
-        if os.path.exists(f"/proc/{rank}/task") and any(
-                open(f"/proc/{rank}/task/{t}/comm").read().startswith("vlm_prune-") for t in os.listdir(f"/proc/{rank}/task")):
-            break
-        time.sleep(0.2)
+    while "watching" not in err.read_text() and rank_alive() and time.monotonic() < deadline:
+        time.sleep(0.2)  # until the rank's watcher runs
     assert rank_alive(), err.read_text()
     launcher.kill()
     launcher.wait()
