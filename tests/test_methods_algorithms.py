@@ -318,12 +318,13 @@ def test_adaptinfer_select_keeps_text_and_n_keep_best_visual():
 
 
 class _Adapter:
-    """The two things AdaptInfer.check_model reads of an adapter: family and LM shape."""
+    """What AdaptInfer.check_model reads of an adapter: family, LM shape, whether positions are M-RoPE."""
 
     def __init__(self, family, layers, hidden):
         from transformers import LlamaConfig
 
         self.family = family
+        self.multi_axis_positions = family == "qwen2_vl"
         self.model = type("M", (), {"config": LlamaConfig(num_hidden_layers=layers, hidden_size=hidden)})()
 
 
