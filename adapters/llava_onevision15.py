@@ -19,7 +19,7 @@ from typing import Any
 
 from vlm_prune.adapters.generic import FamilyTable, TableAdapter
 from vlm_prune.adapters.hf_vlm import Item, source_of
-from vlm_prune.adapters.qwen2_vl import unpatchify
+from vlm_prune.adapters.qwen2_vl import video_pixels
 from vlm_prune.methods.base import FramesContext
 
 
@@ -46,15 +46,8 @@ class LlavaOnevision15Adapter(TableAdapter):
     def frames_context(self, method: Any, it: Item, index: int, sample: int) -> FramesContext:
         """Adds the video's frames as pixels [T, C, H, W], rebuilt from its patches."""
         ctx = super().frames_context(method, it, index, sample)
-        out = self.request.out
-        call = getattr(out, "vlm_prune_call", {})
-        patches, grids = call.get("pixel_values_videos"), call.get("video_grid_thw")
-        if patches is not None and grids is not None:
-            src = source_of(out, index)
-            start = int(grids[:src].prod(-1).sum())
-            t, h, w = (int(x) for x in grids[src])
-            vc = self.model.config.vision_config
-            layout = SimpleNamespace(spatial_merge_size=vc.spatial_merge_size, patch_size=vc.patch_size,
-                                     temporal_patch_size=1)  # Qwen2-VL's patch order without temporal patches
-            ctx.pixels = unpatchify(patches[start : start + t * h * w], (t, h, w), layout)
+        vc = self.model.config.vision_config
+        layout = SimpleNamespace(spatial_merge_size=vc.spatial_merge_size, patch_size=vc.patch_size,
+                                 temporal_patch_size=1)  # Qwen2-VL's patch order without temporal patches
+        ctx.pixels = video_pixels(self.request.out, index, layout)
         return ctx

@@ -76,14 +76,7 @@ class Qwen2VLAdapter(HFVLMAdapter):
 
     def frames_context(self, method: Any, it: Item, index: int, sample: int) -> FramesContext:
         ctx = super().frames_context(method, it, index, sample)
-        out = self.request.out
-        call = getattr(out, "vlm_prune_call", {})
-        patches, grids = call.get("pixel_values_videos"), call.get("video_grid_thw")
-        if patches is not None and grids is not None:
-            index = source_of(out, index)
-            start = int(grids[:index].prod(-1).sum())
-            t, h, w = (int(x) for x in grids[index])
-            ctx.pixels = unpatchify(patches[start : start + t * h * w], (t, h, w), self.model.config.vision_config)
+        ctx.pixels = video_pixels(self.request.out, index, self.model.config.vision_config)
         if self.state.processor is not None:
             frames = ctx.features
             ctx.score_frames = lambda prompts, tokens, grid=None: self.score_frames(frames, it.grid, prompts, tokens, grid)
@@ -122,3 +115,17 @@ def unpatchify(patches: torch.Tensor, grid: tuple[int, int, int], vc: Any) -> to
     c = patches.shape[1] // (tp * p * p)
     x = patches.reshape(t, h // m, w // m, m, m, c, tp, p, p).permute(0, 6, 5, 1, 3, 7, 2, 4, 8)
     return x.reshape(t, tp, c, h * p, w * p)[:, 0]
+
+
+def video_pixels(out: Any, index: int, layout: Any) -> torch.Tensor | None:
+    """Video ``index``'s frames as pixels [T, C, H, W], rebuilt from the patches its feature call got
+    (``pixel_values_videos`` / ``video_grid_thw``; None when the call had none); ``layout`` gives
+    ``spatial_merge_size``, ``patch_size`` and ``temporal_patch_size``."""
+    call = getattr(out, "vlm_prune_call", {})
+    patches, grids = call.get("pixel_values_videos"), call.get("video_grid_thw")
+    if patches is None or grids is None:
+        return None
+    src = source_of(out, index)
+    start = int(grids[:src].prod(-1).sum())
+    t, h, w = (int(x) for x in grids[src])
+    return unpatchify(patches[start : start + t * h * w], (t, h, w), layout)
