@@ -14,6 +14,7 @@ reason (use a vision-stage or frames method for videos).
 """
 from __future__ import annotations
 
+import copy
 from typing import Any, ClassVar
 
 from vlm_prune.adapters.hf_vlm import HFVLMAdapter, Item, source_of
@@ -32,6 +33,15 @@ class LlavaNextVideoAdapter(LlavaNextAdapter):
         cfg = self.model.config
         side = (cfg.vision_config.image_size // cfg.vision_config.patch_size) // cfg.spatial_pool_stride
         return side, side
+
+    def encoded(self, modality: str, out: Any) -> Any:
+        """Videos as one [T * n, D] entry each: transformers before 5.22 splits the pooled frames
+        per video as [T, n, D] (its forward flattens either form the same way)."""
+        pooled = getattr(out, "pooler_output", None)
+        if modality == "video" and pooled is not None and pooled[0].dim() == 3:
+            out = copy.copy(out)
+            out.pooler_output = tuple(v.flatten(0, 1) for v in pooled)
+        return super().encoded(modality, out)
 
     def items(self, modality: str, out: Any) -> list[Item]:
         if modality == "image":

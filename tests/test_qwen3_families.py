@@ -173,3 +173,22 @@ def test_a_frames_and_pool_pipeline_pools_the_kept_slices_deepstack_features():
     """uniform + pool on a Qwen3-VL video (keep 0.25 of 2 slices x 16 tokens: one slice, pooled to 8):
     the DeepStack maps at the kept slots are the adaptive pooling of the kept slice's maps."""
     assert_deepstack_pooled(["uniform", "pool"], keep=0.25, video=True)
+
+
+@pytest.mark.parametrize("build", [lambda: Q.tiny_qwen3_vl(moe=True), lambda: Q.tiny_qwen3_5(moe=True)],
+                         ids=["qwen3_vl_moe", "qwen3_5_moe"])
+def test_moe_router_logits_are_refused_and_plain_calls_run(build):
+    """A wrapped MoE model runs (its forward reads router_logits from the language model's output,
+    None there) and refuses output_router_logits: the layers' rows differ after a removal."""
+    m = build()
+    inp = Q.qwen3_vl_inputs(m)
+    with torch.no_grad():
+        ref = m(**inp).logits
+    vlm_prune.wrap(m, "random", keep=1.0)
+    try:
+        with torch.no_grad():
+            assert torch.equal(m(**inp).logits, ref)
+            with pytest.raises(ValueError, match="output_router_logits.*unwrap"):
+                m(**inp, output_router_logits=True)
+    finally:
+        vlm_prune.unwrap(m)

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 import torch
-from transformers.modeling_outputs import BaseModelOutputWithPast
+from transformers.modeling_outputs import MoeModelOutputWithPast
 
 from vlm_prune.kv_cache import CacheSegments, install, segments_of
 from vlm_prune.methods.base import LayerContext, Reduction
@@ -180,7 +180,9 @@ def _cache_keyword(layer: torch.nn.Module) -> str:
     return _cache_keyword_of(type(layer))
 
 
-_OUTPUT_CACHE_FIELD = "cache" if "cache" in BaseModelOutputWithPast.__dataclass_fields__ else "past_key_values"
+# the language model's output: a MoE model's forward reads ``router_logits`` from it (None here, as for
+# any model: output_router_logits is refused)
+_OUTPUT_CACHE_FIELD = "cache" if "cache" in MoeModelOutputWithPast.__dataclass_fields__ else "past_key_values"
 
 
 def _pop_cache(kwargs: dict[str, Any]) -> Any:
@@ -373,16 +375,16 @@ class PrunedDecoder:
         inputs_embeds: torch.Tensor | None = None,
         use_cache: bool | None = None,
         **kwargs: Any,
-    ) -> BaseModelOutputWithPast:
+    ) -> MoeModelOutputWithPast:
         spec = self.spec
         lm = spec.lm
         cache = _pop_cache(kwargs)
         inject = spec.take_injections(kwargs, inputs_embeds if inputs_embeds is not None else input_ids) \
             if spec.take_injections is not None else None
-        if kwargs.get("output_attentions") or kwargs.get("output_hidden_states"):
+        if kwargs.get("output_attentions") or kwargs.get("output_hidden_states") or kwargs.get("output_router_logits"):
             raise ValueError(
-                "vlm_prune does not return output_attentions / output_hidden_states: after a removal each layer "
-                "holds different rows. Use model.vlm_prune.last_rows (the input row of every output row) with the "
+                "vlm_prune does not return output_attentions / output_hidden_states / output_router_logits: after a "
+                "removal each layer holds different rows. Use model.vlm_prune.last_rows (the input row of every output row) with the "
                 "logits, or unwrap the model (vlm_prune.unwrap) to inspect attentions and hidden states"
             )
         if (input_ids is None) == (inputs_embeds is None):
@@ -418,7 +420,7 @@ class PrunedDecoder:
             pos = spec.default_positions(position_ids, b, s, 0, device, None)
             hidden = self._prefill(inputs_embeds, pos, new_valid, cache, use_cache, kwargs, inject=inject)
         hidden = lm.norm(hidden)
-        return BaseModelOutputWithPast(last_hidden_state=hidden, **{_OUTPUT_CACHE_FIELD: cache if use_cache else None})
+        return MoeModelOutputWithPast(last_hidden_state=hidden, **{_OUTPUT_CACHE_FIELD: cache if use_cache else None})
 
     def _run_layer(self, idx: int, hidden: torch.Tensor, mask: Any, pe: Any, pos: torch.Tensor, cache: Any, use_cache: bool,
                    kwargs: dict, q_valid: torch.Tensor | None = None) -> torch.Tensor:
