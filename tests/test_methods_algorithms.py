@@ -532,3 +532,42 @@ def test_vision_methods_honour_n_keep():
         red = method.reduce_image(ctx)
         assert red.indices.numel() == k, (method.name, k)
         assert red.features is None or red.features.shape == (k, 12)
+
+
+# ---------------------------------------------------------------------------------------------
+# Pool: exactly n_keep cells, each the mean of its rectangle
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("rows, cols", [(8, 8), (4, 6), (2, 16), (7, 5)])
+def test_pool_keeps_exactly_the_budget_each_token_the_mean_of_a_cell(rows, cols):
+    """Every budget 1..rows*cols: exactly n_keep tokens, whose cells (a brute-force reference:
+    row bands split evenly, adaptive pooling's windows) tile the grid, each pooled token the
+    mean of its cell at the slot of the cell's centre."""
+    from vlm_prune.methods.simple import Pool, pool_cells
+
+    feats = torch.randn(rows * cols, 3, generator=torch.Generator().manual_seed(rows * cols))
+    grid = feats.reshape(rows, cols, 3)
+    for k in range(1, rows * cols):
+        red = Pool().reduce_image(VisionContext(feats, k, grid=(rows, cols)))
+        assert red.indices.numel() == k == red.features.shape[0]
+        bands = pool_cells(rows, cols, k)
+        assert max(bands) - min(bands) <= 1 and len(bands) <= rows
+        covered, j = torch.zeros(rows, cols, dtype=torch.long), 0
+        for i, cells in enumerate(bands):
+            r0, r1 = math.floor(i * rows / len(bands)), math.ceil((i + 1) * rows / len(bands))
+            for c in range(cells):
+                c0, c1 = math.floor(c * cols / cells), math.ceil((c + 1) * cols / cells)
+                covered[r0:r1, c0:c1] += 1
+                torch.testing.assert_close(red.features[j], grid[r0:r1, c0:c1].mean((0, 1)), atol=1e-6, rtol=0)
+                assert int(red.indices[j]) == ((r0 + r1 - 1) // 2) * cols + (c0 + c1 - 1) // 2
+                j += 1
+        assert bool((covered >= 1).all())  # adaptive windows may overlap by a row / column, never leave a gap
+
+
+def test_pool_on_a_product_budget_is_torchs_adaptive_pooling():
+    from vlm_prune.methods.simple import Pool
+
+    feats = torch.randn(48, 5)
+    red = Pool().reduce_image(VisionContext(feats, 12, grid=(6, 8)))  # 3 x 4 keeps the 6 x 8 aspect
+    expected = F.adaptive_avg_pool2d(feats.t().reshape(1, 5, 6, 8), (3, 4))[0].reshape(5, -1).t()
+    assert torch.equal(red.features, expected)

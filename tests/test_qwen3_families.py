@@ -12,7 +12,7 @@ import vlm_prune
 from reference import capture_lm_inputs, float_mask, injections_of, positions_of, recording, run_layers
 from vlm_prune.frames.quota import QuoTA
 from vlm_prune.methods import PACT
-from vlm_prune.methods.simple import pooled_grid
+from vlm_prune.methods.simple import pool_cells
 
 _MODELS: dict = {}
 
@@ -62,7 +62,9 @@ def assert_deepstack_pooled(methods, keep: float, video: bool) -> None:
     finally:
         vlm_prune.unwrap(m)
     mask, full = injections_of(seen[0])
-    r, c = pooled_grid(4, 4, 8)
+    bands = pool_cells(4, 4, 8)  # two bands of four cells: a 2 x 4 adaptive pooling grid
+    r, c = len(bands), bands[0]
+    assert bands == [c] * r
     for b in range(2):
         slots = torch.nonzero(inp["mm_token_type_ids"][b] > 0).squeeze(1)
         kept = rows[b][rows[b] >= 0]

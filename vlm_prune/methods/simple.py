@@ -27,23 +27,30 @@ class Random(VisionMethod):
         return Reduction(torch.sort(perm).values.to(ctx.features.device))
 
 
-def pooled_grid(rows: int, cols: int, n_keep: int) -> tuple[int, int]:
-    """The largest (r, c) grid with r * c <= n_keep that keeps the aspect ratio of rows x cols."""
+def pool_cells(rows: int, cols: int, n_keep: int) -> list[int]:
+    """Cells per row band of a rows x cols grid pooled to exactly ``n_keep`` cells.
+
+    The band count r keeps the grid's aspect ratio (r ~ rows * sqrt(n_keep / (rows * cols))), raised
+    where a band could not hold its share (r >= n_keep / cols); every band gets n_keep // r cells and
+    the n_keep % r left over add one cell to bands spread evenly over the height. Where n_keep is a
+    product r x c this is the r x c adaptive pooling grid."""
+    if not 1 <= n_keep <= rows * cols:
+        raise ValueError(f"a {rows} x {cols} grid pools to 1..{rows * cols} cells, not {n_keep}")
     scale = math.sqrt(n_keep / (rows * cols))
-    r = max(1, min(rows, math.floor(rows * scale + 1e-9)))
-    c = max(1, min(cols, n_keep // r))
-    return r, c
+    r = min(rows, n_keep, max(1, math.floor(rows * scale + 1e-9), -(-n_keep // cols)))
+    c, extra = divmod(n_keep, r)
+    return [c + ((i + 1) * extra // r - i * extra // r) for i in range(r)]
 
 
 @register
 class Pool(VisionMethod):
     """Spatial average pooling of each image's token grid down to the budget.
 
-    The grid (rows x cols) is adaptively average-pooled to the largest grid with at most
-    ``n_keep`` cells and the same aspect ratio; each pooled token takes the slot (and
-    position id) of the original token at its cell's centre. Images whose tokens do not form
-    one rectangular grid (LLaVA-NeXT anyres with newline tokens) are pooled 1-D along the
-    token sequence. Defaults: none beyond keep / budget.
+    The grid (rows x cols) is average-pooled to exactly ``n_keep`` cells: row bands in the grid's
+    aspect ratio, each split into equal column cells (:func:`pool_cells`; an r x c adaptive
+    pooling grid where n_keep = r * c); each pooled token takes the slot (and position id) of the
+    original token at its cell's centre. Images whose tokens do not form one rectangular grid
+    (LLaVA-NeXT anyres with newline tokens) are pooled 1-D along the token sequence. Defaults: none beyond keep / budget.
     """
 
     name = "pool"
@@ -56,21 +63,21 @@ class Pool(VisionMethod):
             return Reduction.keep_all(n, feats.device)
         if ctx.grid is None or ctx.grid[0] * ctx.grid[1] != n:
             pooled = F.adaptive_avg_pool1d(feats.t().unsqueeze(0).float(), ctx.n_keep)[0].t()
-            idx = _cell_centres_1d(n, ctx.n_keep, feats.device)
-            return Reduction(idx, pooled.to(feats.dtype))
+            idx = [(a + b - 1) // 2 for a, b in _windows(n, ctx.n_keep)]
+            return Reduction(torch.tensor(idx, device=feats.device), pooled.to(feats.dtype))
         rows, cols = ctx.grid
-        r, c = pooled_grid(rows, cols, ctx.n_keep)
+        bands = pool_cells(rows, cols, ctx.n_keep)
         grid = feats.t().reshape(1, d, rows, cols).float()
-        pooled = F.adaptive_avg_pool2d(grid, (r, c))[0].reshape(d, r * c).t()
-        ri = _cell_centres_1d(rows, r, feats.device)
-        ci = _cell_centres_1d(cols, c, feats.device)
-        idx = (ri[:, None] * cols + ci[None, :]).reshape(-1)
-        return Reduction(idx, pooled.to(feats.dtype))
+        if len(set(bands)) == 1:  # an r x c grid: torch's adaptive pooling
+            pooled = F.adaptive_avg_pool2d(grid, (len(bands), bands[0]))[0].reshape(d, -1).t()
+        else:  # each row band pooled to its own cell count
+            pooled = torch.cat([F.adaptive_avg_pool2d(grid[:, :, r0:r1], (1, cells))[0].reshape(d, -1).t()
+                                for (r0, r1), cells in zip(_windows(rows, len(bands)), bands)])
+        idx = [((r0 + r1 - 1) // 2) * cols + (c0 + c1 - 1) // 2
+               for (r0, r1), cells in zip(_windows(rows, len(bands)), bands) for c0, c1 in _windows(cols, cells)]
+        return Reduction(torch.tensor(idx, device=feats.device), pooled.to(feats.dtype))
 
 
-def _cell_centres_1d(n: int, cells: int, device: torch.device) -> torch.Tensor:
-    """Index of the middle element of each of adaptive pooling's ``cells`` windows over n."""
-    i = torch.arange(cells, device=device)
-    start = (i * n) // cells
-    end = ((i + 1) * n + cells - 1) // cells
-    return (start + end - 1) // 2
+def _windows(n: int, cells: int) -> list[tuple[int, int]]:
+    """Adaptive pooling's ``cells`` windows [start, end) over n elements."""
+    return [((i * n) // cells, ((i + 1) * n + cells - 1) // cells) for i in range(cells)]
