@@ -74,16 +74,10 @@ from vlm_prune.vllm.llava import (
 FULL_KEY = "vlm_prune_full"
 
 
-def vision_slots(method: Method, n: int, grid: tuple[int, int] | None) -> int:
-    """Tokens a vision method keeps of one image / frame of n tokens (``pool`` on a grid keeps the
-    largest pooled grid within the budget, as in wrap())."""
-    k = method.n_keep(n, 1)
-    if method.name == "pool" and grid is not None and grid[0] * grid[1] == n and k < n:
-        from vlm_prune.methods.simple import pooled_grid
-
-        r, c = pooled_grid(grid[0], grid[1], k)
-        return r * c
-    return k
+def vision_slots(method: Method, n: int) -> int:
+    """Tokens a vision method keeps of one image / frame of n tokens (every method, pool included,
+    keeps exactly its count)."""
+    return method.n_keep(n, 1)
 
 
 class PrunedOnevisionProcessingInfo(LlavaOnevisionProcessingInfo):
@@ -114,7 +108,7 @@ class PrunedOnevisionProcessingInfo(LlavaOnevisionProcessingInfo):
                 return n
             raise ValueError(ONEVISION_VISIONZIP_REFUSAL)
         newlines = self.image_newlines(image_width=image_width, image_height=image_height)
-        return vision_slots(m, n - newlines, None) + newlines
+        return vision_slots(m, n - newlines) + newlines
 
     def frame_grid(self) -> tuple[int, int]:
         side = math.isqrt(self._get_num_frame_tokens(image_width=0, image_height=0))
@@ -133,7 +127,7 @@ class PrunedOnevisionProcessingInfo(LlavaOnevisionProcessingInfo):
             return score_rows(self.frame_grid(), spec) * num_frames + 1
         if is_frames(m):
             return frames_slots(m, num_frames, per_frame, spec, self.tower_grid()) + 1
-        return vision_slots(m, per_frame, self.frame_grid()) * num_frames + 1
+        return vision_slots(m, per_frame) * num_frames + 1
 
 
 class PrunedOnevisionMultiModalProcessor(LlavaOnevisionMultiModalProcessor):
