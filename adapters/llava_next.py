@@ -36,7 +36,9 @@ from vlm_prune.adapters import FAMILY_STAGES
 from vlm_prune.adapters.base import PerThread
 from vlm_prune.adapters.clip_tower import CLIPTowerAdapter
 from vlm_prune.adapters.hf_vlm import Item, source_of
+from vlm_prune.adapters.vision_towers import FeatureLayerTap
 from vlm_prune.methods.base import Reduction, VisionContext
+from vlm_prune.methods.hired import TileAttention
 
 
 class LlavaNextAdapter(CLIPTowerAdapter):
@@ -62,14 +64,60 @@ class LlavaNextAdapter(CLIPTowerAdapter):
     def crop_ids(self, image_sizes: Any, n_per_tile: int, device: torch.device) -> list[torch.Tensor]:
         """[N] per image: the crop (tower row within the image) of each packed token, -1 for the
         image_newline tokens; packed by the model's own ``pack_image_features``."""
+        return [crop for crop, _ in self.tile_map(image_sizes, n_per_tile, device)]
+
+    def tile_map(self, image_sizes: Any, n_per_tile: int, device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(crop [N], local [N]) per image: the tower row within the image and the token within
+        that row of each packed token, -1 for the image_newline tokens; packed by the model's own
+        ``pack_image_features`` (so the unpadding and the tile order are the model's)."""
         tiles = self.tiles_per_image(image_sizes)
-        layout = torch.cat([torch.arange(1, t + 1, device=device, dtype=torch.float32) for t in tiles])
-        layout = layout[:, None, None].expand(-1, n_per_tile, 1)
+        crop = torch.cat([torch.arange(1, t + 1, device=device, dtype=torch.float32) for t in tiles])
+        local = torch.arange(1, n_per_tile + 1, device=device, dtype=torch.float32)
+        layout = torch.stack([crop[:, None].expand(-1, n_per_tile), local[None].expand(crop.numel(), -1)], -1)
         packed, _ = self.patches.original(self.inner, "pack_image_features")(
             layout.split(tiles), image_sizes, self.model.config.vision_feature_select_strategy,
-            image_newline=torch.zeros(1, device=device),
+            image_newline=torch.zeros(2, device=device),
         )
-        return [p[:, 0].round().long() - 1 for p in packed]
+        return [(p[:, 0].round().long() - 1, p[:, 1].round().long() - 1) for p in packed]
+
+    # ---- per-tile [CLS] attention (HiRED) ---------------------------------------------------------
+    #: tap on the early tower layer a method asks for (``early_layer``), beside the feature-layer tap
+    early_tap: FeatureLayerTap | None = None
+
+    def make_tap(self) -> FeatureLayerTap | None:
+        """Taps on the feature layer and the method's early layer, for vision methods that read the
+        tower's attention per anyres tile (HiRED); None for the others."""
+        method = self.state.methods.get("vision")
+        if not getattr(method, "needs_tower_attention", False) or not getattr(method, "per_crop", False):
+            return None
+        tower, cfg = self.inner.vision_tower, self.model.config
+        self.early_tap = FeatureLayerTap(tower, method.early_layer + 1, True)  # hidden_states[l + 1]: layer l's output
+        self.patches.track(self.early_tap.handle)
+        return FeatureLayerTap(tower, cfg.vision_feature_layer, True)
+
+    def detach(self) -> None:
+        if self.early_tap is not None:
+            self.early_tap.remove()
+            self.early_tap = None
+        super().detach()
+
+    def annotate_output(self, modality: str, out: Any) -> None:
+        super().annotate_output(modality, out)
+        if self.early_tap is not None:
+            out.vlm_prune_early_input = self.early_tap.input
+
+    def tile_attention(self, index: int) -> TileAttention:
+        """The tower's per-tile [CLS] attention of item ``index`` of the encoder output being reduced
+        (early and feature layer, recomputed on the side from the tapped layer inputs)."""
+        out = self.request.out
+        image_sizes = out.vlm_prune_call["image_sizes"]
+        j = source_of(out, index)
+        tiles = self.tiles_per_image(image_sizes)
+        rows = slice(sum(tiles[:j]), sum(tiles[: j + 1]))
+        late = torch.stack([self.tap.attention_of(r)[0] for r in out.vlm_prune_tower_input[rows]])
+        early = torch.stack([self.early_tap.attention_of(r)[0] for r in out.vlm_prune_early_input[rows]])
+        crop, local = self.tile_map(image_sizes, late.shape[1], late.device)[j]
+        return TileAttention(early=early, late=late, crop=crop, local=local)
 
     # ---- ViT-stage methods: one image budget over its tiles -------------------------------------
     def feature_tokens_per_tile(self) -> int:
@@ -128,9 +176,10 @@ class LlavaNextAdapter(CLIPTowerAdapter):
         Methods that select per crop (``per_crop``) get the crop of every token."""
         if getattr(method, "per_crop", False):
             crops = self._crops[source_of(self.request.out, index)].to(it.features.device)
+            tiles = (lambda: self.tile_attention(index)) if self.tap is not None and self.early_tap is not None else None
             ctx = VisionContext(
                 features=it.features, n_keep=method.n_keep(int((crops >= 0).sum()), 1),
-                text_embeds=self.text_embeds(sample).detach(), generator=gen, image_index=index,
+                text_embeds=self.text_embeds(sample).detach(), generator=gen, image_index=index, tower_tiles=tiles,
             )
             return method.reduce_crops(ctx, crops)
         return super().reduce_frames(method, it, sample, gen, index)

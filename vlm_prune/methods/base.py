@@ -156,6 +156,9 @@ class VisionContext:
     tower_attention: optional callable returning (cls_or_mean_attention [N], keys [N, d]) of
         the vision tower's feature layer, computed on the side (VisionZip).
     generator: seeded torch.Generator for methods that sample.
+    tower_tiles: optional callable returning the tower's per-partition [CLS] attention of an anyres
+        image (:class:`vlm_prune.methods.hired.TileAttention`; LLaVA-NeXT, for methods that select
+        per crop and need the tower's attention: HiRED).
     """
 
     features: torch.Tensor
@@ -165,6 +168,7 @@ class VisionContext:
     tower_attention: Callable[[], tuple[torch.Tensor, torch.Tensor]] | None = None
     generator: torch.Generator | None = None
     image_index: int = 0
+    tower_tiles: Callable[[], Any] | None = None
 
 
 @dataclass
