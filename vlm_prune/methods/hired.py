@@ -83,9 +83,10 @@ def weighted_shares(total: int, weights: list[float], caps: list[int]) -> list[i
         norm = sum(w.values())
         exact = {i: left * w[i] / norm for i in open_}
         add = {i: min(math.floor(exact[i]), caps[i] - shares[i]) for i in open_}
-        if sum(add.values()) == 0:  # every floor is 0: the largest remainders take one each
-            for i in sorted(open_, key=lambda i: (-exact[i], i))[:left]:
-                add[i] = 1
+        if all(math.floor(exact[i]) < caps[i] - shares[i] for i in open_):  # no cap hit: remainders now
+            spare = left - sum(add.values())
+            for i in sorted(open_, key=lambda i: (-(exact[i] - math.floor(exact[i])), i))[:spare]:
+                add[i] += 1
         for i, a in add.items():
             shares[i] += a
         left -= sum(add.values())
