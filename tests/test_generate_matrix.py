@@ -73,11 +73,12 @@ UNWRAPPED_FAILS = {
     "glm4v_video": ("beams3", "return2"),
 }
 METHODS = ["random", "pool", "divprune", "cdpruner", "visionzip", "tome", "asvit", "fastv", "pact", "adaptinfer",
-           "uniform", "quota", "vidcom2", "fastvid", "holitom", "dycoke", "fastervlm", "vispruner", "dart", "pdrop"]
+           "uniform", "quota", "vidcom2", "fastvid", "holitom", "dycoke", "fastervlm", "vispruner", "dart", "pdrop", "hired"]
 #: combinations a pruning call refuses with a documented message (no tower attention there)
 CALL_REFUSALS = {**{("onevision_image", name): f"{title} runs on LLaVA-1.5 images and LLaVA-OneVision videos"
                     for name, title in (("visionzip", "VisionZip"), ("fastervlm", "FasterVLM"), ("vispruner", "VisPruner"))},
                  ("nextvideo_video", "tome"): "LLaVA-NeXT-Video runs on image tiles only",
+                 ("nextvideo_video", "hired"): "hired .* runs on LLaVA-NeXT images",
                  ("nextvideo_video", "asvit"): "LLaVA-NeXT-Video runs on image tiles only"}
 _cache: dict = {}
 

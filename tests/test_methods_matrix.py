@@ -13,6 +13,7 @@ from vlm_prune.registry import method_class
 
 MODELS = {
     "llava": (T.tiny_llava, lambda m: T.llava_inputs()),
+    "llava_next": (T.tiny_llava_next, T.llava_next_inputs),
     "onevision": (T.tiny_onevision, lambda m: T.onevision_video_inputs(m, frames=4)),
     "qwen2_vl": (T.tiny_qwen2_vl, lambda m: T.qwen2_vl_inputs(m)),
     "mistral3": (L.tiny_mistral3, L.mistral3_inputs),
@@ -25,8 +26,10 @@ MODELS = {
     "qwen3_5": (Q.tiny_qwen3_5, lambda m: Q.qwen3_vl_inputs(m)),
 }
 TOKEN_METHODS = ["random", "pool", "divprune", "cdpruner", "visionzip", "fastv", "pact", "adaptinfer",
-                 "fastervlm", "vispruner", "dart", "pdrop"]
-EXACT = {"random", "pool", "divprune", "cdpruner", "visionzip", "fastv", "fastervlm", "vispruner", "dart"}
+                 "fastervlm", "vispruner", "dart", "pdrop", "hired"]
+EXACT = {"random", "pool", "divprune", "cdpruner", "visionzip", "fastv", "fastervlm", "vispruner", "dart", "hired"}
+#: (family, method) whose call (not wrap) is refused, with the message: the input lacks what the method needs
+CALL_REFUSALS = {("nextvideo", "hired"): "hired .* runs on LLaVA-NeXT images"}
 _built: dict = {}
 
 
@@ -53,6 +56,13 @@ def test_method_runs_and_honours_keep(family, method):
             vlm_prune.wrap(model, method, keep=0.5)
         return
     vlm_prune.wrap(model, method, keep=0.5)
+    if (family, method) in CALL_REFUSALS:
+        try:
+            with pytest.raises(ValueError, match=CALL_REFUSALS[family, method]):
+                model.generate(**inp, max_new_tokens=2)
+        finally:
+            vlm_prune.unwrap(model)
+        return
     try:
         with torch.no_grad():
             gen = model.generate(**inp, max_new_tokens=20, min_new_tokens=20, do_sample=False)

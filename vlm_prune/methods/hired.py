@@ -168,6 +168,8 @@ class HiRED(ShorterSequence, VisionMethod):
             raise ValueError(f"hired early_layer={self.early_layer} is beyond the tower's {layers} layers")
 
     def reduce_image(self, ctx: VisionContext) -> Reduction:
+        if (self.keep is not None or self.budget is not None) and ctx.n_keep >= ctx.features.shape[0]:
+            return Reduction.keep_all(ctx.features.shape[0], ctx.features.device)
         raise ValueError("hired shares an image's budget over its anyres partitions and runs on LLaVA-NeXT images; "
                          "this input (a video frame) has none - use fastervlm, divprune or pool for it")
 
