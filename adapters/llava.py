@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+import torch
+
 from vlm_prune.adapters import FAMILY_STAGES
 from vlm_prune.adapters.clip_tower import CLIPTowerAdapter
 from vlm_prune.adapters.hf_vlm import scatter_reduction, source_of
@@ -40,15 +42,32 @@ class LlavaAdapter(CLIPTowerAdapter):
         if self.tap is None or rows is None:
             return None
         drop_cls = self.model.config.vision_feature_select_strategy == "default"
+        last_qk = self.last_layer_qk()
 
         def view(item: int, frame: int) -> tuple:
             attention, keys = self.tap.attention_of(rows[source_of(out, item)])
             feats = self.tap.output_of(rows[source_of(out, item)])
             tower = TowerFeatures(feats[1:] if drop_cls else feats, feats[0] if drop_cls else None,
-                                  self.inner.multi_modal_projector)
+                                  self.inner.multi_modal_projector, last_qk)
             return attention, keys, tower
 
         return view
+
+    def last_layer_qk(self) -> Callable | None:
+        """The tower's last layer's q / k projections (heads as one) of a feature-layer output row
+        [T, C], when the feature layer's output is that layer's input (vision_feature_layer -2)."""
+        tower = self.inner.vision_tower
+        layers = getattr(tower, "vision_model", tower).encoder.layers
+        if self.model.config.vision_feature_layer != -2:
+            return None
+        last = layers[-1]
+
+        def qk(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            with torch.no_grad():
+                h = last.layer_norm1(x[None])
+                return last.self_attn.q_proj(h)[0], last.self_attn.k_proj(h)[0]
+
+        return qk
 
     def reduce_features(self, modality: str, out: Any) -> Any:
         if self.tower_stage is None:

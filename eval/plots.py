@@ -106,7 +106,7 @@ METHOD_COLOURS = {
     "visionzip": "#0072B2", "divprune": "#117733", "cdpruner": "#CC6677", "asvit": "#AA4499", "tome": "#DDCC77",
     "fastv": "#882255", "pact": "#E69F00", "adaptinfer": "#44AA99",
     "fastervlm": "#4477AA", "vispruner": "#EE6677", "dart": "#228833", "pdrop": "#AA3377",
-    "hired": "#CCBB44",
+    "hired": "#CCBB44", "prumerge": "#66CCEE",
     "uniform": "#88CCEE", "keyscore": "#332288", "quota": "#D55E00",
     "vidcom2": "#661100", "fastvid": "#6699CC", "holitom": "#EE8866", "dycoke": "#BBCC33",
 }

@@ -31,6 +31,7 @@ BUILTIN = {
     "DART": "vlm_prune.methods.dart",
     "PyramidDrop": "vlm_prune.methods.pdrop",
     "HiRED": "vlm_prune.methods.hired",
+    "PruMerge": "vlm_prune.methods.prumerge",
     "KeyScore": "vlm_prune.frames.keyscore",
     "QuoTA": "vlm_prune.frames.quota",
     "Uniform": "vlm_prune.frames.uniform",
@@ -56,5 +57,5 @@ __all__ = [
     "Random", "Pool", "FastV", "PACT", "AdaptInfer", "VisionZip", "DivPrune", "CDPruner",
     "ASViT", "ToMe", "QuoTA", "KeyScore", "Uniform",
     "VidCom2", "FastVID", "HoliTom", "DyCoke",
-    "FasterVLM", "VisPruner", "DART", "PyramidDrop", "HiRED",
+    "FasterVLM", "VisPruner", "DART", "PyramidDrop", "HiRED", "PruMerge",
 ]
