@@ -131,7 +131,7 @@ def test_every_method_meets_the_target(name, case, kind, value):
     result = _run(model, inp, name, kind, value)
     if result is None:
         assert method_class(name).stage not in ("vision", "llm") or CASES[case][2] == "timm_vit" or \
-            name in ("visionzip", "fastervlm", "vispruner", "hired"), f"{name} should run on {case}"
+            name in ("visionzip", "fastervlm", "vispruner", "hired", "prumerge"), f"{name} should run on {case}"
         pytest.skip(f"{name} does not apply to {case} (wrap() says why)")
     out, stats, notes = result
     n_in, n_out = _counts(case, stats)

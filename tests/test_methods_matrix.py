@@ -26,8 +26,8 @@ MODELS = {
     "qwen3_5": (Q.tiny_qwen3_5, lambda m: Q.qwen3_vl_inputs(m)),
 }
 TOKEN_METHODS = ["random", "pool", "divprune", "cdpruner", "visionzip", "fastv", "pact", "adaptinfer",
-                 "fastervlm", "vispruner", "dart", "pdrop", "hired"]
-EXACT = {"random", "pool", "divprune", "cdpruner", "visionzip", "fastv", "fastervlm", "vispruner", "dart", "hired"}
+                 "fastervlm", "vispruner", "dart", "pdrop", "hired", "prumerge"]
+EXACT = {"random", "pool", "divprune", "cdpruner", "visionzip", "fastv", "fastervlm", "vispruner", "dart", "hired", "prumerge"}
 #: (family, method) whose call (not wrap) is refused, with the message: the input lacks what the method needs
 CALL_REFUSALS = {("nextvideo", "hired"): "hired .* runs on LLaVA-NeXT images"}
 _built: dict = {}
