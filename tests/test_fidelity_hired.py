@@ -18,6 +18,7 @@ import tiny_models as T
 import vlm_prune
 from vlm_prune.methods.hired import HiRED, TileAttention, band_counts, official_masks, weighted_shares
 from test_budgets import _one_thread  # noqa: F401  (autouse fixture)
+from test_fidelity_image_methods import image_rows, official_sequence, tiny_llava_64, wrapped
 
 SIZES = [[20, 64], [32, 64]]  # sample 0: 2 of the 4 high-resolution rows are padding the model crops
 
@@ -215,9 +216,30 @@ def test_refusals_say_what_is_allowed(model, inp):
             HiRED(**kw)
     with pytest.raises(ValueError, match="early_layer=3 is beyond the tower's 3 layers"):
         vlm_prune.wrap(model, HiRED(early_layer=3))
-    with pytest.raises(ValueError, match="supports llava_next, llava_next_video models"):
-        vlm_prune.wrap(T.tiny_llava(), "hired", keep=0.5)
+    with pytest.raises(ValueError, match="supports llava, llava_next, llava_next_video models"):
+        vlm_prune.wrap(T.tiny_onevision(), "hired", keep=0.5)
     full = T.tiny_llava_next(tower_layers=3)
     full.config.vision_feature_select_strategy = "full"
     with pytest.raises(ValueError, match="vision_feature_select_strategy='default'"):
         vlm_prune.wrap(full, "hired")
+
+
+@pytest.mark.parametrize("kw, k", [({}, 12), ({"rate": 0.5}, 32), ({"budget": 7}, 7)])
+def test_llava_single_partition_equals_the_official_llava_path(kw, k):
+    """LLaVA-1.5 (the official modeling_llava.py): the min(n, int(n rate)) patches of highest
+    feature-layer [CLS] attention summed over heads, fed as the shorter sequence."""
+    llava = tiny_llava_64()
+    inp = T.llava_inputs(batch=1, n_img_tokens=64)
+    inp["pixel_values"] = torch.randn(1, 3, 64, 64, generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        out = llava.model.vision_tower(inp["pixel_values"], output_attentions=True, output_hidden_states=True)
+        attn = out.attentions[-2][0, :, 0, 1:].sum(0)
+        mask = torch.zeros(64, dtype=torch.bool)
+        mask[attn.topk(k).indices] = True
+        tokens = llava.model.multi_modal_projector(out.hidden_states[-2][0, 1:])[mask]
+        ref = llava(inputs_embeds=official_sequence(llava, inp["input_ids"][0], tokens)).logits[0]
+    budget = {"budget": kw.pop("budget")} if "budget" in kw else {}
+    logits, rows = wrapped(llava, inp, HiRED(**kw), **budget)
+    img = image_rows(inp)
+    assert [r for r in rows.tolist() if r in img.tolist()] == img[mask].tolist()
+    torch.testing.assert_close(logits, ref, atol=1e-5, rtol=0)

@@ -78,7 +78,7 @@ METHODS = ["random", "pool", "divprune", "cdpruner", "visionzip", "tome", "asvit
 CALL_REFUSALS = {**{("onevision_image", name): f"{title} runs on LLaVA-1.5 images and LLaVA-OneVision videos"
                     for name, title in (("visionzip", "VisionZip"), ("fastervlm", "FasterVLM"), ("vispruner", "VisPruner"))},
                  ("nextvideo_video", "tome"): "LLaVA-NeXT-Video runs on image tiles only",
-                 ("nextvideo_video", "hired"): "hired .* runs on LLaVA-NeXT images",
+                 ("nextvideo_video", "hired"): "hired .* runs on LLaVA-NeXT and LLaVA-1.5 images",
                  ("nextvideo_video", "asvit"): "LLaVA-NeXT-Video runs on image tiles only"}
 _cache: dict = {}
 

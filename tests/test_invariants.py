@@ -190,7 +190,7 @@ def test_llm_stage_equals_masked_reference(case, attn):
 @pytest.mark.parametrize("case, method", [
     *[(case, method) for method in ("random", "fastv", "dart", "pdrop") for case in CASES],
     *[(case, method) for case in ("llava", "onevision_video") for method in ("fastervlm", "vispruner", "divprune")],
-    *[(case, "hired") for case in ("llava_next", "nextvideo_image")], ("llava", "prumerge"),
+    *[(case, "hired") for case in ("llava", "llava_next", "nextvideo_image")], ("llava", "prumerge"),
 ])
 def test_batch_equals_samples_alone(case, method):
     """Invariant 4: each sample of a padded batch equals that sample run alone (prefill and

@@ -29,7 +29,7 @@ TOKEN_METHODS = ["random", "pool", "divprune", "cdpruner", "visionzip", "fastv",
                  "fastervlm", "vispruner", "dart", "pdrop", "hired", "prumerge"]
 EXACT = {"random", "pool", "divprune", "cdpruner", "visionzip", "fastv", "fastervlm", "vispruner", "dart", "hired", "prumerge"}
 #: (family, method) whose call (not wrap) is refused, with the message: the input lacks what the method needs
-CALL_REFUSALS = {("nextvideo", "hired"): "hired .* runs on LLaVA-NeXT images"}
+CALL_REFUSALS = {("nextvideo", "hired"): "hired .* runs on LLaVA-NeXT and LLaVA-1.5 images"}
 _built: dict = {}
 
 

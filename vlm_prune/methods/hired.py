@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from vlm_prune.methods.base import Reduction, ShorterSequence, VisionContext, VisionMethod, check_positions
+from vlm_prune.methods.visionzip import tower_view
 from vlm_prune.registry import register
 
 
@@ -124,12 +125,14 @@ class HiRED(ShorterSequence, VisionMethod):
     the base image's band split tolerates tile counts that do not divide n. ``positions``:
     "renumber" (default: the official code merges the kept tokens into a shorter sequence numbered
     0..n-1) or "keep" (original ids, gaps stay). Runs on LLaVA-NeXT images with the 'default'
-    feature strategy (the CLS token is no visual token); LLaVA-1.5's single partition is top-k by the
-    same attention, which is :class:`vlm_prune.methods.fastervlm.FasterVLM`.
+    feature strategy (the CLS token is no visual token), and on LLaVA-1.5 as the official single-partition
+    version (transformers/.../llava/modeling_llava.py ``HiRED_token_selection``): the image's
+    min(n, int(n rate)) patches of highest feature-layer attention (with keep / budget: that count),
+    i.e. :class:`vlm_prune.methods.fastervlm.FasterVLM` at the official budget.
     """
 
     name = "hired"
-    supported = ("llava_next", "llava_next_video")  # adapters that hand each anyres image's tower rows over
+    supported = ("llava", "llava_next", "llava_next_video")  # adapters that hand the tower's attention over
     family_notes = {"llava_next_video": "images only: its video frames have no anyres partitions"}
     needs_tower_attention = True
     #: adapters with crops (LLaVA-NeXT) call :meth:`reduce_crops` instead of reduce_image
@@ -168,10 +171,16 @@ class HiRED(ShorterSequence, VisionMethod):
             raise ValueError(f"hired early_layer={self.early_layer} is beyond the tower's {layers} layers")
 
     def reduce_image(self, ctx: VisionContext) -> Reduction:
-        if (self.keep is not None or self.budget is not None) and ctx.n_keep >= ctx.features.shape[0]:
-            return Reduction.keep_all(ctx.features.shape[0], ctx.features.device)
-        raise ValueError("hired shares an image's budget over its anyres partitions and runs on LLaVA-NeXT images; "
-                         "this input (a video frame) has none - use fastervlm, divprune or pool for it")
+        """One partition (LLaVA-1.5): the official single-partition selection."""
+        n = ctx.features.shape[0]
+        official = self.keep is None and self.budget is None
+        if not official and ctx.n_keep >= n:
+            return Reduction.keep_all(n, ctx.features.device)
+        if ctx.tower_attention is not None:
+            attention, _, _ = tower_view(ctx, "hired", "HiRED")
+            return Reduction.top_k(attention, min(n, int(n * self.rate)) if official else ctx.n_keep)
+        raise ValueError("hired ranks an image's tokens by the tower's [CLS] attention and runs on LLaVA-NeXT and "
+                         "LLaVA-1.5 images; this input (a video frame) has none - use divprune or pool for it")
 
     def reduce_crops(self, ctx: VisionContext, crops: torch.Tensor) -> Reduction:
         """The image's kept tokens (its newline tokens, crop -1, always among them)."""
