@@ -155,3 +155,7 @@ def test_refusals_say_what_is_allowed():
     other.config.vision_feature_layer = -1
     with pytest.raises(ValueError, match="needs vision_feature_layer=-2"):
         vlm_prune.wrap(other, "prumerge")
+    full = T.tiny_llava()
+    full.config.vision_feature_select_strategy = "full"
+    with pytest.raises(ValueError, match="vision_feature_select_strategy='default'"):
+        vlm_prune.wrap(full, "prumerge")

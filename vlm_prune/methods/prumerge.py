@@ -93,6 +93,10 @@ class PruMerge(ShorterSequence, VisionMethod):
 
     def check_model(self, adapter) -> None:
         super().check_model(adapter)
+        if getattr(adapter.model.config, "vision_feature_select_strategy", "default") != "default":
+            raise ValueError("prumerge ranks patches by the tower's [CLS] attention and needs "
+                             "vision_feature_select_strategy='default' (CLS no visual token); this model uses "
+                             f"{adapter.model.config.vision_feature_select_strategy!r}")
         if adapter.model.config.vision_feature_layer != -2:
             raise ValueError("prumerge reads the tower's last layer from the feature layer's output, so it needs "
                              f"vision_feature_layer=-2 (LLaVA-1.5's); this model uses {adapter.model.config.vision_feature_layer!r}")
