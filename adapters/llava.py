@@ -12,6 +12,14 @@ from vlm_prune.adapters.vision_towers import FeatureLayerTap
 from vlm_prune.methods.visionzip import TowerFeatures
 
 
+def layer_qk(layer: torch.nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A CLIP encoder layer's query and key projections (all heads as one, [T, C] each) of its input
+    row x [T, C] (PruMerge's attention)."""
+    with torch.no_grad():
+        h = layer.layer_norm1(x[None])
+        return layer.self_attn.q_proj(h)[0], layer.self_attn.k_proj(h)[0]
+
+
 class LlavaAdapter(CLIPTowerAdapter):
     """576 visual tokens per 336px image on a 24 x 24 grid (CLS dropped by the 'default' strategy).
 
@@ -42,32 +50,21 @@ class LlavaAdapter(CLIPTowerAdapter):
         if self.tap is None or rows is None:
             return None
         drop_cls = self.model.config.vision_feature_select_strategy == "default"
-        last_qk = self.last_layer_qk()
+        tower = self.inner.vision_tower
+        last = getattr(tower, "vision_model", tower).encoder.layers[-1]
 
         def view(item: int, frame: int) -> tuple:
-            attention, keys = self.tap.attention_of(rows[source_of(out, item)])
-            feats = self.tap.output_of(rows[source_of(out, item)])
+            row = rows[source_of(out, item)]
+            attention, keys = self.tap.attention_of(row)
+            feats = self.tap.output_of(row)
+            # the last layer's input: the tapped row when the feature layer is the last, its output when the one before
+            last_in = row if self.tap.layer is last else feats if self.tap.next_layer is last else None
             tower = TowerFeatures(feats[1:] if drop_cls else feats, feats[0] if drop_cls else None,
-                                  self.inner.multi_modal_projector, last_qk)
+                                  self.inner.multi_modal_projector,
+                                  None if last_in is None else (lambda x=last_in: layer_qk(last, x)))
             return attention, keys, tower
 
         return view
-
-    def last_layer_qk(self) -> Callable | None:
-        """The tower's last layer's q / k projections (heads as one) of a feature-layer output row
-        [T, C], when the feature layer's output is that layer's input (vision_feature_layer -2)."""
-        tower = self.inner.vision_tower
-        layers = getattr(tower, "vision_model", tower).encoder.layers
-        if self.model.config.vision_feature_layer != -2:
-            return None
-        last = layers[-1]
-
-        def qk(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            with torch.no_grad():
-                h = last.layer_norm1(x[None])
-                return last.self_attn.q_proj(h)[0], last.self_attn.k_proj(h)[0]
-
-        return qk
 
     def reduce_features(self, modality: str, out: Any) -> Any:
         if self.tower_stage is None:

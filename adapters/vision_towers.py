@@ -33,6 +33,8 @@ class FeatureLayerTap:
         if idx < 0:
             raise ValueError(f"vision_feature_layer {feature_layer} reads the embeddings; no attention to tap")
         self.layer = encoder.layers[idx]
+        #: the encoder layer after the tapped one (its input is :meth:`output_of`), None after the last
+        self.next_layer = encoder.layers[idx + 1] if idx + 1 < n_layers else None
         self.has_cls = has_cls
         self.handle = self.layer.register_forward_pre_hook(self._keep)
 

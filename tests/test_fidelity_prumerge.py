@@ -30,9 +30,11 @@ def image_inputs(seed: int, scale: float = 1.0) -> dict:
 
 
 @torch.no_grad()
-def official_prumerge(model, pixels: torch.Tensor, count: int | None = None, neighbours: int = 32) -> torch.Tensor:
+def official_prumerge(model, pixels: torch.Tensor, count: int | None = None, neighbours: int = 32,
+                      feature_layer: int = -2) -> torch.Tensor:
     """The official ``token_prune_merge_advanced`` for one image (B = 1), then the projector:
-    [k + 1, D] tokens. ``count``: the kept patches (None: the adaptive IQR ratio)."""
+    [k + 1, D] tokens. ``count``: the kept patches (None: the adaptive IQR ratio); ``feature_layer``:
+    the hidden state merged (the official select_layer -2)."""
     tower = model.model.vision_tower
     last = getattr(tower, "vision_model", tower).encoder.layers[-1]
     seen = {}
@@ -41,7 +43,7 @@ def official_prumerge(model, pixels: torch.Tensor, count: int | None = None, nei
     out = tower(pixels, output_hidden_states=True)
     for h in hooks:
         h.remove()
-    feats = out.hidden_states[-2][:, 1:]
+    feats = out.hidden_states[feature_layer][:, 1:]
     b, n, c = feats.shape
     attn = F.softmax((seen["q"] @ seen["k"].transpose(-2, -1)) * c**-0.5, dim=-1)
     cls_attn = attn[:, 0, 1:]
@@ -152,10 +154,24 @@ def test_refusals_say_what_is_allowed():
     with pytest.raises(ValueError, match="supports llava models"):
         vlm_prune.wrap(T.tiny_llava_next(), "prumerge", keep=0.5)
     other = T.tiny_llava(tower_layers=3)
-    other.config.vision_feature_layer = -1
-    with pytest.raises(ValueError, match="needs vision_feature_layer=-2"):
+    other.config.vision_feature_layer = -3
+    with pytest.raises(ValueError, match="needs vision_feature_layer -2 .* or -1; this model uses -3"):
         vlm_prune.wrap(other, "prumerge")
     full = T.tiny_llava()
     full.config.vision_feature_select_strategy = "full"
     with pytest.raises(ValueError, match="vision_feature_select_strategy='default'"):
         vlm_prune.wrap(full, "prumerge")
+
+
+def test_feature_layer_minus_one_reads_the_last_layer_from_its_input():
+    """The project's synthetic LLaVA projects the last layer's output (-1): the attention is still the
+    last layer's (from its input, the tapped row), the merge runs on what the projector reads."""
+    model = tiny_llava_64()
+    model.config.vision_feature_layer = -1
+    inp = image_inputs(6, 3.0)
+    for kw, count in (({}, None), ({"budget": 9}, 8)):
+        tokens = official_prumerge(model, inp["pixel_values"], count=count, feature_layer=-1)
+        with torch.no_grad():
+            ref = model(inputs_embeds=official_sequence(model, inp["input_ids"][0], tokens)).logits[0]
+        logits, _ = wrapped(model, inp, PruMerge(), **kw)
+        torch.testing.assert_close(logits, ref, atol=1e-5, rtol=0)

@@ -58,7 +58,8 @@ class PruMerge(ShorterSequence, VisionMethod):
     what no method here does: an adaptive count and merging of the pruned tokens into the kept ones.
 
     Per LLaVA-1.5 image, from the tower's LAST layer (the official hard-coded layer 23 of 24, whose
-    input is the feature layer's output), recomputed on the side: its q / k projections over all
+    input is the feature layer's output; with ``vision_feature_layer=-1``, as the project's synthetic
+    LLaVA, the feature layer's input), recomputed on the side: its q / k projections over all
     heads as one (the official single-head softmax(q k^T / sqrt(C)), C the hidden size), the [CLS]
     row over the patches. Kept: the patches of highest attention - by default their adaptive count
     int(N * outliers / N), outliers above Q3 + 1.5 IQR of that row (:func:`iqr_outliers`); each adds
@@ -74,7 +75,7 @@ class PruMerge(ShorterSequence, VisionMethod):
     """
 
     name = "prumerge"
-    supported = ("llava",)  # the adapter hands over the tower's last layer (TowerFeatures.last_qk)
+    supported = ("llava",)  # the adapter hands the tower's last layer over (TowerFeatures.last_qk)
     needs_tower_attention = True
     own_schedule = True
     paper = "LLaVA-PruMerge, Shang et al., ICCV 2025 (42Shawn/LLaVA-PruMerge)"
@@ -97,9 +98,12 @@ class PruMerge(ShorterSequence, VisionMethod):
             raise ValueError("prumerge ranks patches by the tower's [CLS] attention and needs "
                              "vision_feature_select_strategy='default' (CLS no visual token); this model uses "
                              f"{adapter.model.config.vision_feature_select_strategy!r}")
-        if adapter.model.config.vision_feature_layer != -2:
-            raise ValueError("prumerge reads the tower's last layer from the feature layer's output, so it needs "
-                             f"vision_feature_layer=-2 (LLaVA-1.5's); this model uses {adapter.model.config.vision_feature_layer!r}")
+        tower = adapter.inner.vision_tower
+        n = len(getattr(tower, "vision_model", tower).encoder.layers)
+        layer = adapter.model.config.vision_feature_layer
+        if not isinstance(layer, int) or layer % (n + 1) < n - 1:
+            raise ValueError("prumerge reads the tower's last layer on the side from the feature layer, so it needs "
+                             f"vision_feature_layer -2 (LLaVA-1.5's) or -1; this model uses {layer!r}")
 
     def reduce_image(self, ctx: VisionContext) -> Reduction:
         n = ctx.features.shape[0]
@@ -109,7 +113,7 @@ class PruMerge(ShorterSequence, VisionMethod):
         if tower is None or tower.cls is None or tower.last_qk is None:
             raise ValueError("prumerge needs the tower's [CLS] token and last layer before the projector "
                              "(TowerFeatures.last_qk), which this model's adapter does not provide")
-        q, k = tower.last_qk(torch.cat([tower.cls[None], tower.features]))
+        q, k = tower.last_qk()
         scale = q.shape[-1] ** -0.5
         attention = torch.softmax((q[:1].float() @ k.float().T) * scale, dim=-1)[0, 1:]
         if self.keep is None and self.budget is None:

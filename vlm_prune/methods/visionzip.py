@@ -23,15 +23,15 @@ class TowerFeatures:
     cls: [C] the feature layer's CLS output when the model's features leave CLS out (LLaVA's
         'default' strategy); None otherwise.
     project: the model's projector, [M, C] -> [M, D].
-    last_qk: optional, the tower's last encoder layer's query and key projections (all heads as one,
-        [T, C] each) of a row [T, C] of the feature layer's outputs (CLS first), when that output is
-        the last layer's input (LLaVA's -2); PruMerge's attention. None otherwise.
+    last_qk: optional callable () -> (q [T, C], k [T, C]): the tower's last encoder layer's query and
+        key projections (all heads as one) of the image's T tower tokens (CLS first), when the
+        feature layer is that layer or the one before (PruMerge's attention); None otherwise.
     """
 
     features: torch.Tensor
     cls: torch.Tensor | None
     project: Callable[[torch.Tensor], torch.Tensor]
-    last_qk: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None
+    last_qk: Callable[[], tuple[torch.Tensor, torch.Tensor]] | None = None
 
 
 def split_budget(n_keep: int, dominant_ratio: float) -> tuple[int, int]:
