@@ -133,7 +133,8 @@ class HiRED(ShorterSequence, VisionMethod):
 
     name = "hired"
     supported = ("llava", "llava_next", "llava_next_video")  # adapters that hand the tower's attention over
-    family_notes = {"llava_next_video": "images only: its video frames have no anyres partitions"}
+    family_notes = {"llava": "one partition (the official LLaVA-1.5 version: top int(n rate))",
+                    "llava_next_video": "images only: its video frames have no anyres partitions"}
     needs_tower_attention = True
     #: adapters with crops (LLaVA-NeXT) call :meth:`reduce_crops` instead of reduce_image
     per_crop = True
