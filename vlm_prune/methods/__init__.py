@@ -30,6 +30,7 @@ BUILTIN = {
     "VisPruner": "vlm_prune.methods.vispruner",
     "DART": "vlm_prune.methods.dart",
     "PyramidDrop": "vlm_prune.methods.pdrop",
+    "FrameFusion": "vlm_prune.methods.framefusion",
     "KeyScore": "vlm_prune.frames.keyscore",
     "QuoTA": "vlm_prune.frames.quota",
     "Uniform": "vlm_prune.frames.uniform",
@@ -55,5 +56,5 @@ __all__ = [
     "Random", "Pool", "FastV", "PACT", "AdaptInfer", "VisionZip", "DivPrune", "CDPruner",
     "ASViT", "ToMe", "QuoTA", "KeyScore", "Uniform",
     "VidCom2", "FastVID", "HoliTom", "DyCoke",
-    "FasterVLM", "VisPruner", "DART", "PyramidDrop",
+    "FasterVLM", "VisPruner", "DART", "PyramidDrop", "FrameFusion",
 ]
