@@ -34,6 +34,7 @@ from vlm_prune.frames.fastvid import FastVID
 from vlm_prune.frames.holitom import HoliTom
 from vlm_prune.frames.quota import QuoTA
 from vlm_prune.methods import PACT
+from vlm_prune.methods.framefusion import FrameFusion
 from vlm_prune.registry import method_class
 
 STEPS = 4
@@ -73,7 +74,8 @@ UNWRAPPED_FAILS = {
     "glm4v_video": ("beams3", "return2"),
 }
 METHODS = ["random", "pool", "divprune", "cdpruner", "visionzip", "tome", "asvit", "fastv", "pact", "adaptinfer",
-           "uniform", "quota", "vidcom2", "fastvid", "holitom", "dycoke", "fastervlm", "vispruner", "dart", "pdrop"]
+           "uniform", "quota", "vidcom2", "fastvid", "holitom", "dycoke", "fastervlm", "vispruner", "dart", "pdrop",
+           "framefusion"]
 #: combinations a pruning call refuses with a documented message (no tower attention there)
 CALL_REFUSALS = {**{("onevision_image", name): f"{title} runs on LLaVA-1.5 images and LLaVA-OneVision videos"
                     for name, title in (("visionzip", "VisionZip"), ("fastervlm", "FasterVLM"), ("vispruner", "VisPruner"))},
@@ -95,6 +97,8 @@ def _method(name: str, keep: float):
         return HoliTom(tau=-1.0, max_window=2)
     if name == "pact" and keep == 1.0:
         return PACT(cutoff=0.0)
+    if name == "framefusion":  # every slot similar enough: the first merge reaches the target (one merging layer)
+        return FrameFusion(similarity=-1.0)
     return name
 
 

@@ -190,6 +190,8 @@ def test_llm_stage_equals_masked_reference(case, attn):
 @pytest.mark.parametrize("case, method", [
     *[(case, method) for method in ("random", "fastv", "dart", "pdrop") for case in CASES],
     *[(case, method) for case in ("llava", "onevision_video") for method in ("fastervlm", "vispruner", "divprune")],
+    *[(case, "framefusion") for case in ("onevision_video", "qwen2_vl_video", "nextvideo_video", "ov15_video",
+                                         "qwen3_vl_video")],
 ])
 def test_batch_equals_samples_alone(case, method):
     """Invariant 4: each sample of a padded batch equals that sample run alone (prefill and
