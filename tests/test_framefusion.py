@@ -15,8 +15,10 @@ import math
 import pytest
 import torch
 
+import test_invariants as inv
 import tiny_models as T
 import vlm_prune
+from reference import capture_lm_inputs, float_mask, positions_of, run_layers
 from vlm_prune.methods.base import LayerContext
 from vlm_prune.methods.framefusion import FrameFusion, cost_sparsity
 
@@ -350,6 +352,66 @@ def test_in_the_model_merges_follow_the_official_on_the_layer_inputs(sim):
         torch.testing.assert_close(reds[0].features.float(), out, atol=1e-6, rtol=1e-6)
         assert "merged_into" in stats["stages"][0]
     assert stats["visual_tokens_out"] == [4]
+
+
+@pytest.mark.parametrize("case, merging_layers", [("onevision_video", 2), ("nextvideo_video", 3), ("ov15_video", 4),
+                                                   ("qwen2_vl_video", 1)])
+def test_merges_over_several_layers_equal_the_masked_reference(case, merging_layers):
+    """Invariant 3 with FrameFusion's merges at several layers and its pruning: the wrapped model's
+    logits equal the unwrapped decoder layers run on the whole sequence, each merged token's hidden
+    state replaced by the recorded mean entering the layer it merged at and the folded / dropped rows
+    hidden as keys from there on (no log-size bias: the official has no proportional attention);
+    batch 2, the samples merging and pruning at different layers."""
+    model, make = inv.build(case)
+    inp = make()
+    steps = []
+
+    class Recording(FrameFusion):
+        def select(self, ctx):
+            reds = super().select(ctx)
+            if reds is not None:
+                steps.append((ctx.layer, ctx.extras["origin"].clone(), reds))
+            return reds
+
+    logits, rows = inv.pruned_prefill(model, Recording(similarity=0.2), inp, keep=0.3)
+    layers = [layer for layer, _, reds in steps if any(r.features is not None for r in reds)]
+    assert len(layers) >= merging_layers, f"the case must merge at {merging_layers} layers, merged at {layers}"
+    b, s = inp["input_ids"].shape
+    with torch.no_grad(), capture_lm_inputs(model) as seen:
+        model(**inp)
+    embeds, pos = seen[0]["inputs_embeds"], positions_of(seen[0], b, s)
+    valid = inp["attention_mask"].bool()
+    causal = torch.ones(s, s, dtype=torch.bool).tril()[None] & valid[:, None, :]
+    kept_from: list[tuple[int, torch.Tensor]] = []
+    replace = []
+    kept = valid.clone()
+    for layer, origin, reds in steps:
+        kept = kept.clone()
+        centre = torch.zeros(b, s, dtype=torch.bool)
+        feats = torch.zeros(b, s, embeds.shape[-1])
+        for i, red in enumerate(reds):
+            rows_now = origin[i][origin[i] >= 0]
+            gone = torch.ones(rows_now.numel(), dtype=torch.bool)
+            gone[red.indices - int((origin[i] < 0).sum())] = False
+            kept[i, rows_now[gone]] = False
+            if red.features is not None:
+                o = origin[i][red.indices]
+                centre[i, o] = True
+                feats[i, o] = red.features.float()
+        kept_from.append((layer, kept))
+        if centre.any():
+            replace.append((layer, lambda h, c=centre, f=feats: torch.where(c[..., None], f.to(h.dtype), h)))
+
+    def mask(idx):
+        allowed = causal
+        for layer, k in kept_from:
+            if layer <= idx:
+                allowed = causal & k[:, None, :]
+        return float_mask(allowed, embeds.dtype)
+
+    with torch.no_grad():
+        ref = run_layers(model, embeds, pos, mask, replace)
+    inv.assert_kept_rows_equal(logits, rows, ref)
 
 
 def test_keep_one_changes_nothing_and_writes_no_record():

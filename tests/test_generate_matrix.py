@@ -296,7 +296,8 @@ def record_prefill(model, inp) -> dict:
 
         def recording(ctx):
             reds = select(ctx)
-            selects.append((ctx.extras["prune_before"], ctx.extras["origin"].clone(), reds))
+            if reds is not None:  # None: the method changed nothing before this layer
+                selects.append((ctx.extras["prune_before"], ctx.extras["origin"].clone(), reds))
             return reds
 
         llm.select = recording
