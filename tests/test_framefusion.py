@@ -296,18 +296,15 @@ def _run(model, inp, method, **kw):
         vlm_prune.unwrap(model)
 
 
-@pytest.mark.parametrize("family", ["onevision", "qwen2_vl"])
-def test_in_the_model_slots_pair_each_token_with_the_previous_frame(family):
+@pytest.mark.parametrize("case, frames, per_frame", [("onevision_video", 4, 4), ("qwen2_vl_video", 2, 16),
+                                                    ("nextvideo_video", 4, 4), ("ov15_video", 4, 4),
+                                                    ("qwen3_vl_video", 2, 16)])
+def test_in_the_model_slots_pair_each_token_with_the_previous_frame(case, frames, per_frame):
     """The slots the adapter hands on pair every video token with the same spatial slot of its video's
-    previous frame (a temporal slice on Qwen2-VL); the newline and text rows have none."""
-    if family == "onevision":
-        model = T.tiny_onevision()
-        inp = T.onevision_video_inputs(model, frames=3)
-        frames, per_frame = 3, 4
-    else:
-        model = T.tiny_qwen2_vl()
-        inp = T.qwen2_vl_inputs(model, video=True)
-        frames, per_frame = 2, 16
+    previous frame (a temporal slice on Qwen2-VL / Qwen3-VL, whose slices sit behind their own
+    timestamps there); the newline and text rows have none."""
+    model, make = inv.build(case)
+    inp = make()
     seen = []
 
     class Recording(FrameFusion):
