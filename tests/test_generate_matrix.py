@@ -381,7 +381,8 @@ def vision_reference(model, inp: dict, rec: dict):
 def llm_reference(model, inp: dict, rec: dict):
     """In-LLM stage: the unwrapped model on the whole input, the dropped rows hidden as keys from
     each pruning layer on, merged clusters' centres replaced by their mean and log(size) added
-    to their keys, positions renumbered per layer where the method says so."""
+    to their keys, positions renumbered per layer where the method says so; a centre merged before
+    a DeepStack layer (Qwen3-VL) gets there its members' additions, averaged by their sizes."""
     b, s = inp["input_ids"].shape
     valid = inp["attention_mask"].bool()
     n = len(model.model.language_model.layers)
@@ -392,11 +393,21 @@ def llm_reference(model, inp: dict, rec: dict):
     kept = valid.clone()
     sizes = torch.ones(b, s)
     plan = {}
+    inject = None if rec["inject"] is None else (rec["inject"][0], rec["inject"][1].clone())
     for layer, origin, reds in sorted(rec["selects"], key=lambda t: t[0]):
         kept = torch.zeros(b, s, dtype=torch.bool)
         centre = torch.zeros(b, s, dtype=torch.bool)
         feats = torch.zeros(b, s, rec["embeds"].shape[-1])
         for i, red in enumerate(reds):
+            if inject is not None and red.merged_into is not None and layer < inject[1].shape[0]:
+                members = torch.nonzero(red.merged_into >= 0).squeeze(1)
+                src, dst = origin[i][members], origin[i][red.merged_into[members]]
+                w = sizes[i, src]
+                for j in range(layer, inject[1].shape[0]):  # the additions after layers j >= the merge
+                    total = torch.zeros(s, inject[1].shape[-1]).index_add_(0, dst, inject[1][j, i, src].float() * w[:, None])
+                    norm = torch.zeros(s).index_add_(0, dst, w)
+                    changed = torch.bincount(dst, minlength=s) > 1
+                    inject[1][j, i, changed] = (total[changed] / norm[changed, None]).to(inject[1].dtype)
             o = origin[i][red.indices]
             kept[i, o] = True
             if red.features is not None:
@@ -415,7 +426,7 @@ def llm_reference(model, inp: dict, rec: dict):
             if getattr(method, "renumber_positions", False):
                 layer_pos[i] = renumber(pos, current[0] & valid)
     return dict(inp), HookedReference(model, s, positions=pos, hidden=hidden, bias=bias, layer_positions=layer_pos,
-                                      replace=replace)
+                                      replace=replace, inject=inject if rec["inject"] is not None and replace else None)
 
 
 def reference_turn(model, ref_inp: dict, hooks, answer: torch.Tensor) -> torch.Tensor:

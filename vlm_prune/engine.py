@@ -527,9 +527,10 @@ class PrunedDecoder:
         memo: dict[str, Any] = {}  # what the method keeps across the layers of this prefill (FrameFusion's phases)
         for idx in range(n_layers):
             reds = None
+            entering_before = previous.pop(idx, None)  # (never held past the layer it was kept for)
             if idx in points and (rows.visual & rows.valid).any():
                 reds, secs, cpu_secs = planned.pop(idx) if idx in planned else \
-                    self._select(idx, rows, idx, previous.pop(idx, None), memo)
+                    self._select(idx, rows, idx, entering_before, memo)
             if reds is not None:  # None: the method changes nothing before this layer (no record, same mask)
                 before = (rows.visual & rows.valid).sum(1).tolist()
                 merges = merged_into(rows, reds, visual_in) if any(r.merged_into is not None for r in reds) else None
