@@ -104,8 +104,8 @@ class FrameFusion(LLMMethod):
     remaining frame; every token at or above ``similarity`` (S_th, default 0.6) is folded into that
     earlier token (runs of such tokens fold into the first token before the run; plain mean of hidden
     states, no proportional attention, the kept token keeps its position id). Let r be the share of
-    the visual tokens so merged and u the share the budget allows now: r >= u merges only the u most
-    similar and ends (no pruning); else r is recorded, and r < ``ratio_lower_bound`` (0.1) ends the
+    the visual tokens so merged and u the share the budget allows now: r >= u merges only the int(u n)
+    most similar (exactly n - target with a target) and ends (no pruning); else r is recorded, and r < ``ratio_lower_bound`` (0.1) ends the
     merging, after which importance pruning runs once, before the next layer: the visual tokens are
     ranked by the attention the last token pays them in the layer after the last merge (mean over
     heads; computed on the side, as FastV, so SDPA / FlashAttention stay), and the top ones stay.
