@@ -407,7 +407,29 @@ class HFVLMAdapter(Adapter):
             samples = self.sample_of_items(modality, self.item_lengths(modality, out))
             request.counts[modality] = [samples.count(b) for b in range(request.input_ids.shape[0])]
             request.pending.images_per_sample = [sum(c) for c in zip(*request.counts.values())]
+            if modality == "video" and getattr(self.state.methods.get("llm"), "wants_frame_slots", False):
+                self.record_frame_slots(modality, out)
         return self.reduce_features(modality, out)
+
+    def record_frame_slots(self, modality: str, out: Any) -> None:
+        """``Pending.frame_slots`` of the videos in an encoder output: each frame token's index in its
+        frame, offset by the video's first placeholder (so that ids of different videos differ); a
+        video's ``tail`` rows (LLaVA-OneVision's newline) get none."""
+        request = self.request
+        flat = torch.nonzero(request.masks[modality])  # [n, 2] (sample, row) of each placeholder, in order
+        slots = request.pending.frame_slots
+        if slots is None:
+            slots = torch.full(request.input_ids.shape, -1, dtype=torch.long, device=flat.device)
+        offset = 0
+        for it in self.items(modality, out):
+            length = it.features.shape[0]
+            per_frame = (length - it.tail) // max(1, it.frames)
+            body = per_frame * it.frames
+            at = flat[offset : offset + body]
+            ids = torch.arange(body, device=flat.device) % max(1, per_frame) + offset
+            slots[at[:, 0], at[:, 1]] = ids
+            offset += length
+        request.pending.frame_slots = slots
 
     def item_lengths(self, modality: str, out: Any) -> list[int]:
         """Placeholder rows of each image / video of an encoder output, in order (one per

@@ -109,6 +109,7 @@ METHOD_COLOURS = {
     "hired": "#CCBB44", "prumerge": "#66CCEE",
     "uniform": "#88CCEE", "keyscore": "#332288", "quota": "#D55E00",
     "vidcom2": "#661100", "fastvid": "#6699CC", "holitom": "#EE8866", "dycoke": "#BBCC33",
+    "framefusion": "#994455",
 }
 SPARE_COLOURS = ("#999933", "#56B4E9", "#009E73", "#F0E442", "#CC79A7")
 FAMILY_MARKERS = {"baseline": "X", "vision": "o", "vit": "^", "llm": "s", "frames": "D"}

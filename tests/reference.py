@@ -66,7 +66,10 @@ def split_positions(model, pos: torch.Tensor):
 
 def run_layers(model, embeds, pos, masks_for_layer, replace_at=None, inject=None):
     """Run the decoder layers with an explicit 4-D float mask per layer; returns logits.
-    inject: (mask [B, S], features [n, B, S, D]) added after layers 0..n-1 (DeepStack)."""
+    replace_at: (layer, fn(hidden) -> hidden) applied to the hidden states entering that layer, or a
+    list of them (merges at several layers). inject: (mask [B, S], features [n, B, S, D]) added after
+    layers 0..n-1 (DeepStack)."""
+    replacements = [] if replace_at is None else [replace_at] if isinstance(replace_at[0], int) else list(replace_at)
     lm = model.model.language_model
     rope_pos, layer_pos = split_positions(model, pos)
     types = getattr(lm.config, "layer_types", None)
@@ -78,8 +81,9 @@ def run_layers(model, embeds, pos, masks_for_layer, replace_at=None, inject=None
         pe_of = lambda idx: pe
     h = embeds
     for idx, layer in enumerate(lm.layers):
-        if replace_at is not None and idx == replace_at[0]:
-            h = replace_at[1](h)
+        for at, fn in replacements:
+            if idx == at:
+                h = fn(h)
         out = layer(h, attention_mask=masks_for_layer(idx), position_embeddings=pe_of(idx), position_ids=layer_pos)
         h = out[0] if isinstance(out, tuple) else out
         if inject is not None and idx < inject[1].shape[0]:

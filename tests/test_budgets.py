@@ -130,8 +130,10 @@ def test_every_method_meets_the_target(name, case, kind, value):
         pytest.skip("frames methods choose among a video's frames; this input has none")
     result = _run(model, inp, name, kind, value)
     if result is None:
-        assert method_class(name).stage not in ("vision", "llm") or CASES[case][2] == "timm_vit" or \
-            name in ("visionzip", "fastervlm", "vispruner", "hired", "prumerge"), f"{name} should run on {case}"
+        cls = method_class(name)
+        assert cls.stage not in ("vision", "llm") or CASES[case][2] == "timm_vit" or \
+            name in ("visionzip", "fastervlm", "vispruner", "hired", "prumerge") or \
+            (cls.supported is not None and CASES[case][2] not in cls.supported), f"{name} should run on {case}"
         pytest.skip(f"{name} does not apply to {case} (wrap() says why)")
     out, stats, notes = result
     n_in, n_out = _counts(case, stats)

@@ -158,6 +158,7 @@ def test_identity_under_flash(case: str) -> None:
     ("llava", "visionzip"), ("onevision_video", "visionzip"), ("onevision_video", "uniform"),
     ("onevision_video", "vidcom2"), ("onevision_video", "fastvid"),
     ("onevision_video", "holitom"), ("onevision_video", "dycoke"),
+    ("onevision_video", "framefusion"), ("qwen2_vl_video", "framefusion"),
     *[("llava", method) for method in ("fastervlm", "vispruner", "dart", "pdrop")],
     ("llava_next", "hired"), ("llava", "hired"), ("llava", "prumerge"),
 ])

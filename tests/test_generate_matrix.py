@@ -34,6 +34,7 @@ from vlm_prune.frames.fastvid import FastVID
 from vlm_prune.frames.holitom import HoliTom
 from vlm_prune.frames.quota import QuoTA
 from vlm_prune.methods import PACT
+from vlm_prune.methods.framefusion import FrameFusion
 from vlm_prune.registry import method_class
 
 STEPS = 4
@@ -73,7 +74,8 @@ UNWRAPPED_FAILS = {
     "glm4v_video": ("beams3", "return2"),
 }
 METHODS = ["random", "pool", "divprune", "cdpruner", "visionzip", "tome", "asvit", "fastv", "pact", "adaptinfer",
-           "uniform", "quota", "vidcom2", "fastvid", "holitom", "dycoke", "fastervlm", "vispruner", "dart", "pdrop", "hired", "prumerge"]
+           "uniform", "quota", "vidcom2", "fastvid", "holitom", "dycoke", "fastervlm", "vispruner", "dart", "pdrop",
+           "hired", "prumerge", "framefusion"]
 #: combinations a pruning call refuses with a documented message (no tower attention there)
 CALL_REFUSALS = {**{("onevision_image", name): f"{title} runs on LLaVA-1.5 images and LLaVA-OneVision videos"
                     for name, title in (("visionzip", "VisionZip"), ("fastervlm", "FasterVLM"), ("vispruner", "VisPruner"))},
@@ -96,6 +98,8 @@ def _method(name: str, keep: float):
         return HoliTom(tau=-1.0, max_window=2)
     if name == "pact" and keep == 1.0:
         return PACT(cutoff=0.0)
+    if name == "framefusion":  # every slot similar enough: the first merge reaches the target (one merging layer)
+        return FrameFusion(similarity=-1.0)
     return name
 
 
@@ -293,7 +297,8 @@ def record_prefill(model, inp) -> dict:
 
         def recording(ctx):
             reds = select(ctx)
-            selects.append((ctx.extras["prune_before"], ctx.extras["origin"].clone(), reds))
+            if reds is not None:  # None: the method changed nothing before this layer
+                selects.append((ctx.extras["prune_before"], ctx.extras["origin"].clone(), reds))
             return reds
 
         llm.select = recording
@@ -377,7 +382,8 @@ def vision_reference(model, inp: dict, rec: dict):
 def llm_reference(model, inp: dict, rec: dict):
     """In-LLM stage: the unwrapped model on the whole input, the dropped rows hidden as keys from
     each pruning layer on, merged clusters' centres replaced by their mean and log(size) added
-    to their keys, positions renumbered per layer where the method says so."""
+    to their keys, positions renumbered per layer where the method says so; a centre merged before
+    a DeepStack layer (Qwen3-VL) gets there its members' additions, averaged by their sizes."""
     b, s = inp["input_ids"].shape
     valid = inp["attention_mask"].bool()
     n = len(model.model.language_model.layers)
@@ -388,11 +394,21 @@ def llm_reference(model, inp: dict, rec: dict):
     kept = valid.clone()
     sizes = torch.ones(b, s)
     plan = {}
+    inject = None if rec["inject"] is None else (rec["inject"][0], rec["inject"][1].clone())
     for layer, origin, reds in sorted(rec["selects"], key=lambda t: t[0]):
         kept = torch.zeros(b, s, dtype=torch.bool)
         centre = torch.zeros(b, s, dtype=torch.bool)
         feats = torch.zeros(b, s, rec["embeds"].shape[-1])
         for i, red in enumerate(reds):
+            if inject is not None and red.merged_into is not None and layer < inject[1].shape[0]:
+                members = torch.nonzero(red.merged_into >= 0).squeeze(1)
+                src, dst = origin[i][members], origin[i][red.merged_into[members]]
+                w = sizes[i, src]
+                for j in range(layer, inject[1].shape[0]):  # the additions after layers j >= the merge
+                    total = torch.zeros(s, inject[1].shape[-1]).index_add_(0, dst, inject[1][j, i, src].float() * w[:, None])
+                    norm = torch.zeros(s).index_add_(0, dst, w)
+                    changed = torch.bincount(dst, minlength=s) > 1
+                    inject[1][j, i, changed] = (total[changed] / norm[changed, None]).to(inject[1].dtype)
             o = origin[i][red.indices]
             kept[i, o] = True
             if red.features is not None:
@@ -411,7 +427,7 @@ def llm_reference(model, inp: dict, rec: dict):
             if getattr(method, "renumber_positions", False):
                 layer_pos[i] = renumber(pos, current[0] & valid)
     return dict(inp), HookedReference(model, s, positions=pos, hidden=hidden, bias=bias, layer_positions=layer_pos,
-                                      replace=replace)
+                                      replace=replace, inject=inject if rec["inject"] is not None and replace else None)
 
 
 def reference_turn(model, ref_inp: dict, hooks, answer: torch.Tensor) -> torch.Tensor:

@@ -26,8 +26,10 @@ MODELS = {
     "qwen3_5": (Q.tiny_qwen3_5, lambda m: Q.qwen3_vl_inputs(m)),
 }
 TOKEN_METHODS = ["random", "pool", "divprune", "cdpruner", "visionzip", "fastv", "pact", "adaptinfer",
-                 "fastervlm", "vispruner", "dart", "pdrop", "hired", "prumerge"]
+                 "fastervlm", "vispruner", "dart", "pdrop", "hired", "prumerge", "framefusion"]
 EXACT = {"random", "pool", "divprune", "cdpruner", "visionzip", "fastv", "fastervlm", "vispruner", "dart", "hired", "prumerge"}
+#: in-LLM methods that land exactly on the target per video / image (floor(keep n) visual tokens reach the last layer)
+EXACT_LLM = {"framefusion"}
 #: (family, method) whose call (not wrap) is refused, with the message: the input lacks what the method needs
 CALL_REFUSALS = {("nextvideo", "hired"): "hired .* runs on LLaVA-NeXT and LLaVA-1.5 images"}
 _built: dict = {}
@@ -47,12 +49,12 @@ def test_method_runs_and_honours_keep(family, method):
     model, inp = model_and_inputs(family)
     cls = method_class(method)
     adapter_family = {"onevision": "llava_onevision", "nextvideo": "llava_next_video", "ov15": "llava_onevision15"}.get(family, family)
-    if cls.supported is not None and adapter_family not in cls.supported:
-        with pytest.raises(ValueError, match="supports"):
+    if family == "qwen3_5" and cls.stage == "llm":  # linear-attention layers: refused with the reason (stage first)
+        with pytest.raises(ValueError, match="Gated DeltaNet.*no exact counterpart"):
             vlm_prune.wrap(model, method, keep=0.5)
         return
-    if family == "qwen3_5" and cls.stage == "llm":  # linear-attention layers: refused with the reason
-        with pytest.raises(ValueError, match="Gated DeltaNet.*no exact counterpart"):
+    if cls.supported is not None and adapter_family not in cls.supported:
+        with pytest.raises(ValueError, match="supports"):
             vlm_prune.wrap(model, method, keep=0.5)
         return
     vlm_prune.wrap(model, method, keep=0.5)
@@ -76,6 +78,8 @@ def test_method_runs_and_honours_keep(family, method):
     per_item = stage["tokens_in"]
     if method in EXACT:  # (OneVision video: per frame, 4 frames x floor(0.5 * 4))
         assert stage["tokens_out"] == [max(1, int(0.5 * n)) for n in per_item]
+    elif method in EXACT_LLM:
+        assert n_out == [max(1, int(0.5 * n)) for n in n_in], (n_in, n_out)
     else:
         assert all(0 < o <= i // 2 + 1 for i, o in zip(n_in, n_out)), (n_in, n_out)
 

@@ -86,6 +86,10 @@ class Pending:
     #: [B, S] long: rows with the same id >= 0 attend to each other both ways (Gemma 3's image
     #: tokens, from ``token_type_ids``); -1: causal only. Follows the kept rows
     blocks: torch.Tensor | None = None
+    #: [B, S] long: for each video token, the id of its spatial slot (the same id for the same slot in
+    #: every frame of one video, ids of different videos apart), -1 elsewhere; set for llm methods with
+    #: ``wants_frame_slots`` (FrameFusion), handed to them as ``extras["frame_slots"]`` of their rows
+    frame_slots: torch.Tensor | None = None
 
 
 @dataclass
@@ -285,9 +289,15 @@ class PrunedDecoder:
                 out.append(m.n_keep(n, images, orig))
         return torch.tensor(out, dtype=torch.long, device=rows.valid.device)
 
-    def _context(self, layer: int, rows: Rows, prune_before: int, previous: torch.Tensor | None = None) -> LayerContext:
+    def _context(self, layer: int, rows: Rows, prune_before: int, previous: torch.Tensor | None = None,
+                 memo: dict[str, Any] | None = None) -> LayerContext:
         extras = {"family": self.spec.family, "prune_before": prune_before, "origin": rows.origin,
-                  "images": self.pending.images_per_sample if self.pending else None, "final_norm": self.spec.lm.norm}
+                  "images": self.pending.images_per_sample if self.pending else None, "final_norm": self.spec.lm.norm,
+                  "prefill_memo": {} if memo is None else memo}
+        slots = self.pending.frame_slots if self.pending is not None else None
+        if slots is not None:  # each row's slot, followed through removals by its input index
+            slots = slots.to(rows.origin.device)
+            extras["frame_slots"] = torch.gather(slots, 1, rows.origin.clamp(min=0)).masked_fill(rows.origin < 0, -1)
         if previous is not None:  # the same rows entering the layer before (methods with needs_previous_hidden)
             extras["previous_hidden"] = previous[:, : rows.hidden.shape[1]]
             extras["previous_project_qk"] = self.project_qk(layer - 1)
@@ -305,10 +315,11 @@ class PrunedDecoder:
             extras=extras,
         )
 
-    def _select(self, layer: int, rows: Rows, prune_before: int,
-                previous: torch.Tensor | None = None) -> tuple[list[Reduction], float, float]:
-        """The method's reductions, with the wall-clock and process CPU seconds they took.
-        ``previous``: the hidden states of the same rows entering layer ``layer - 1``, when kept."""
+    def _select(self, layer: int, rows: Rows, prune_before: int, previous: torch.Tensor | None = None,
+                memo: dict[str, Any] | None = None) -> tuple[list[Reduction] | None, float, float]:
+        """The method's reductions (None: it changes nothing at this layer), with the wall-clock and
+        process CPU seconds they took. ``previous``: the hidden states of the same rows entering layer
+        ``layer - 1``, when kept; ``memo``: what the method keeps across the layers of this prefill."""
         t0, c0 = time.perf_counter(), time.process_time()
         pending = self.pending
         # tokens generated after the prompt (use_cache=False re-runs them) sit in the last rows of
@@ -321,10 +332,11 @@ class PrunedDecoder:
                 cut = rows.valid.shape[1] - extra
                 head = Rows(rows.hidden[:, :cut], rows.pos[..., :cut], rows.valid[:, :cut], rows.visual[:, :cut],
                             rows.sizes[:, :cut], rows.origin[:, :cut])
-                reds = [_append_rows(r, rows, i, cut) for i, r in
-                        enumerate(self.llm_method.select(self._context(layer, head, prune_before, previous)))]
+                reds = self.llm_method.select(self._context(layer, head, prune_before, previous, memo))
+                if reds is not None:
+                    reds = [_append_rows(r, rows, i, cut) for i, r in enumerate(reds)]
             else:
-                reds = self.llm_method.select(self._context(layer, rows, prune_before, previous))
+                reds = self.llm_method.select(self._context(layer, rows, prune_before, previous, memo))
         return reds, time.perf_counter() - t0, time.process_time() - c0
 
     def _rotary(self, x: torch.Tensor, pos: torch.Tensor, key: Any) -> Any:
@@ -507,15 +519,19 @@ class PrunedDecoder:
         layer_segment: list[int] = []
         key_valid: list[torch.Tensor] = []
         key_bias: list[torch.Tensor] = []
-        planned: dict[int, tuple[list[Reduction], float, float]] = {}
+        planned: dict[int, tuple[list[Reduction] | None, float, float]] = {}
         renumber = (bool(getattr(method, "renumber_positions", False)) and bool(points)) or vision_renumbered
         segment_next: list[torch.Tensor] = []
         layer_visual: list[torch.Tensor] = []  # visual rows each layer saw, per sample
         mask = pe = None
+        memo: dict[str, Any] = {}  # what the method keeps across the layers of this prefill (FrameFusion's phases)
         for idx in range(n_layers):
+            reds = None
+            entering_before = previous.pop(idx, None)  # (never held past the layer it was kept for)
             if idx in points and (rows.visual & rows.valid).any():
                 reds, secs, cpu_secs = planned.pop(idx) if idx in planned else \
-                    self._select(idx, rows, idx, previous.pop(idx, None))
+                    self._select(idx, rows, idx, entering_before, memo)
+            if reds is not None:  # None: the method changes nothing before this layer (no record, same mask)
                 before = (rows.visual & rows.valid).sum(1).tolist()
                 merges = merged_into(rows, reds, visual_in) if any(r.merged_into is not None for r in reds) else None
                 rows = apply(rows, reds)
@@ -540,7 +556,7 @@ class PrunedDecoder:
             layer_segment.append(len(key_valid) - 1)
             layer_visual.append((rows.visual & rows.valid).sum(1))
             if early and (idx + 1) in points and (rows.visual & rows.valid).any():
-                planned[idx + 1] = self._select(idx, rows, idx + 1)
+                planned[idx + 1] = self._select(idx, rows, idx + 1, memo=memo)
             if keep_previous and (idx + 1) in points:
                 previous[idx + 1] = rows.hidden
             rows = replace(rows, hidden=injected(rows, idx, self._run_layer(idx, rows.hidden, mask, pe, rows.pos, cache, use_cache, kwargs, rows.valid)))

@@ -32,6 +32,7 @@ BUILTIN = {
     "PyramidDrop": "vlm_prune.methods.pdrop",
     "HiRED": "vlm_prune.methods.hired",
     "PruMerge": "vlm_prune.methods.prumerge",
+    "FrameFusion": "vlm_prune.methods.framefusion",
     "KeyScore": "vlm_prune.frames.keyscore",
     "QuoTA": "vlm_prune.frames.quota",
     "Uniform": "vlm_prune.frames.uniform",
@@ -57,5 +58,5 @@ __all__ = [
     "Random", "Pool", "FastV", "PACT", "AdaptInfer", "VisionZip", "DivPrune", "CDPruner",
     "ASViT", "ToMe", "QuoTA", "KeyScore", "Uniform",
     "VidCom2", "FastVID", "HoliTom", "DyCoke",
-    "FasterVLM", "VisPruner", "DART", "PyramidDrop", "HiRED", "PruMerge",
+    "FasterVLM", "VisPruner", "DART", "PyramidDrop", "HiRED", "PruMerge", "FrameFusion",
 ]

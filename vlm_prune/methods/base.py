@@ -191,7 +191,10 @@ class LayerContext:
     extras: "family", "prune_before", "origin" (each row's input index), "images" (per sample),
         "final_norm" (the language model's last norm); for a method with ``needs_previous_hidden``
         also "previous_hidden" (the same rows entering layer ``layer - 1``) and
-        "previous_project_qk" (that layer's ``project_qk``).
+        "previous_project_qk" (that layer's ``project_qk``); "prefill_memo", a dict the method may
+        keep state in across the layers of one prefill (new for every prefill); "frame_slots" [B, S]
+        long for a method with ``wants_frame_slots`` on video input: each video token's spatial slot
+        id (the same in every frame of its video), -1 for other rows.
     """
 
     layer: int
@@ -474,8 +477,9 @@ class LLMMethod(Method):
         """0-indexed decoder layers before which ``select`` is called."""
         raise NotImplementedError
 
-    def select(self, ctx: LayerContext) -> list[Reduction]:  # pragma: no cover - abstract
-        """One Reduction per sample over its rows (indices into dim 1 of ctx.hidden).
+    def select(self, ctx: LayerContext) -> list[Reduction] | None:  # pragma: no cover - abstract
+        """One Reduction per sample over its rows (indices into dim 1 of ctx.hidden), or None when
+        the method changes nothing before this layer (no stage record is written then).
 
         Text and padding rows must be kept; only visual rows may be dropped or merged.
         """
