@@ -290,7 +290,7 @@ class PrunedDecoder:
         return torch.tensor(out, dtype=torch.long, device=rows.valid.device)
 
     def _context(self, layer: int, rows: Rows, prune_before: int, previous: torch.Tensor | None = None,
-                 memo: dict[str, Any] | None = None) -> LayerContext:
+                 memo: dict[str, Any] | None = None, first: Rows | None = None) -> LayerContext:
         extras = {"family": self.spec.family, "prune_before": prune_before, "origin": rows.origin,
                   "images": self.pending.images_per_sample if self.pending else None, "final_norm": self.spec.lm.norm,
                   "prefill_memo": {} if memo is None else memo}
@@ -298,6 +298,9 @@ class PrunedDecoder:
         if slots is not None:  # each row's slot, followed through removals by its input index
             slots = slots.to(rows.origin.device)
             extras["frame_slots"] = torch.gather(slots, 1, rows.origin.clamp(min=0)).masked_fill(rows.origin < 0, -1)
+        if first is not None:  # the rows entering layer 0 (methods with needs_input_rows)
+            extras.update(input_hidden=first.hidden, input_visual=first.visual & first.valid, input_text=first.text,
+                          input_origin=first.origin)
         if previous is not None:  # the same rows entering the layer before (methods with needs_previous_hidden)
             extras["previous_hidden"] = previous[:, : rows.hidden.shape[1]]
             extras["previous_project_qk"] = self.project_qk(layer - 1)
@@ -316,10 +319,12 @@ class PrunedDecoder:
         )
 
     def _select(self, layer: int, rows: Rows, prune_before: int, previous: torch.Tensor | None = None,
-                memo: dict[str, Any] | None = None) -> tuple[list[Reduction] | None, float, float]:
+                memo: dict[str, Any] | None = None, first: Rows | None = None
+                ) -> tuple[list[Reduction] | None, float, float]:
         """The method's reductions (None: it changes nothing at this layer), with the wall-clock and
         process CPU seconds they took. ``previous``: the hidden states of the same rows entering layer
-        ``layer - 1``, when kept; ``memo``: what the method keeps across the layers of this prefill."""
+        ``layer - 1``, when kept; ``memo``: what the method keeps across the layers of this prefill;
+        ``first``: the rows entering layer 0, when the method asks for them."""
         t0, c0 = time.perf_counter(), time.process_time()
         pending = self.pending
         # tokens generated after the prompt (use_cache=False re-runs them) sit in the last rows of
@@ -332,11 +337,15 @@ class PrunedDecoder:
                 cut = rows.valid.shape[1] - extra
                 head = Rows(rows.hidden[:, :cut], rows.pos[..., :cut], rows.valid[:, :cut], rows.visual[:, :cut],
                             rows.sizes[:, :cut], rows.origin[:, :cut])
-                reds = self.llm_method.select(self._context(layer, head, prune_before, previous, memo))
+                if first is not None:
+                    w = first.valid.shape[1] - extra
+                    first = Rows(first.hidden[:, :w], first.pos[..., :w], first.valid[:, :w], first.visual[:, :w],
+                                 first.sizes[:, :w], first.origin[:, :w])
+                reds = self.llm_method.select(self._context(layer, head, prune_before, previous, memo, first))
                 if reds is not None:
                     reds = [_append_rows(r, rows, i, cut) for i, r in enumerate(reds)]
             else:
-                reds = self.llm_method.select(self._context(layer, rows, prune_before, previous, memo))
+                reds = self.llm_method.select(self._context(layer, rows, prune_before, previous, memo, first))
         return reds, time.perf_counter() - t0, time.process_time() - c0
 
     def _rotary(self, x: torch.Tensor, pos: torch.Tensor, key: Any) -> Any:
@@ -515,6 +524,8 @@ class PrunedDecoder:
         # DART reads layer L-1's keys and layer L's input: keep the rows entering L-1 for the context
         keep_previous = bool(getattr(method, "needs_previous_hidden", False))
         previous: dict[int, torch.Tensor] = {}
+        # SparseVLM picks its text raters from the rows entering layer 0
+        first = rows if getattr(method, "needs_input_rows", False) else None
         n_layers = len(spec.layers)
         layer_segment: list[int] = []
         key_valid: list[torch.Tensor] = []
@@ -530,7 +541,7 @@ class PrunedDecoder:
             entering_before = previous.pop(idx, None)  # (never held past the layer it was kept for)
             if idx in points and (rows.visual & rows.valid).any():
                 reds, secs, cpu_secs = planned.pop(idx) if idx in planned else \
-                    self._select(idx, rows, idx, entering_before, memo)
+                    self._select(idx, rows, idx, entering_before, memo, first)
             if reds is not None:  # None: the method changes nothing before this layer (no record, same mask)
                 before = (rows.visual & rows.valid).sum(1).tolist()
                 merges = merged_into(rows, reds, visual_in) if any(r.merged_into is not None for r in reds) else None
@@ -556,7 +567,7 @@ class PrunedDecoder:
             layer_segment.append(len(key_valid) - 1)
             layer_visual.append((rows.visual & rows.valid).sum(1))
             if early and (idx + 1) in points and (rows.visual & rows.valid).any():
-                planned[idx + 1] = self._select(idx, rows, idx + 1, memo=memo)
+                planned[idx + 1] = self._select(idx, rows, idx + 1, memo=memo, first=first)
             if keep_previous and (idx + 1) in points:
                 previous[idx + 1] = rows.hidden
             rows = replace(rows, hidden=injected(rows, idx, self._run_layer(idx, rows.hidden, mask, pe, rows.pos, cache, use_cache, kwargs, rows.valid)))
@@ -788,7 +799,8 @@ def _carry_injections(rows: Rows, reds: list[Reduction], src: torch.Tensor, new_
         total.index_add_(1, slot, inj[:, i, members].float() * w[None, :, None])
         norm = torch.zeros(r.indices.numel(), dtype=torch.float32, device=inj.device).index_add_(0, slot, w)
         merged = (total / norm[None, :, None]).to(inj.dtype)
-        changed = torch.bincount(slot, minlength=r.indices.numel()) > 1  # rows that absorbed others
+        changed = torch.zeros(r.indices.numel(), dtype=torch.bool, device=inj.device)  # rows that absorbed others
+        changed[slot[into[members] != members]] = True  # (a recycled row may hold none of its own)
         cols = k - r.indices.numel() + torch.nonzero(changed).squeeze(1)
         out[:, i, cols] = merged[:, changed]
     return out.masked_fill(~new_valid[None, :, :, None], 0.0)

@@ -194,7 +194,10 @@ class LayerContext:
         "previous_project_qk" (that layer's ``project_qk``); "prefill_memo", a dict the method may
         keep state in across the layers of one prefill (new for every prefill); "frame_slots" [B, S]
         long for a method with ``wants_frame_slots`` on video input: each video token's spatial slot
-        id (the same in every frame of its video), -1 for other rows.
+        id (the same in every frame of its video), -1 for other rows;
+        for a method with ``needs_input_rows`` the rows entering layer 0: "input_hidden" [B, S0, D],
+        "input_visual" / "input_text" [B, S0] bool and "input_origin" [B, S0] (each row's input index,
+        as "origin" numbers the rows now).
     """
 
     layer: int
