@@ -739,7 +739,8 @@ def apply(rows: Rows, reds: list[Reduction]) -> Rows:
     """Keep / merge rows per sample and left-pad the ragged result. No-op when nothing changes."""
     b = rows.valid.shape[0]
     unchanged = all(
-        r.features is None and r.sizes is None and torch.equal(r.indices, torch.nonzero(rows.valid[i]).squeeze(1))
+        r.features is None and r.sizes is None and r.order is None
+        and torch.equal(r.indices, torch.nonzero(rows.valid[i]).squeeze(1))
         for i, r in enumerate(reds)
     )
     if unchanged:
@@ -754,7 +755,7 @@ def apply(rows: Rows, reds: list[Reduction]) -> Rows:
     for i, r in enumerate(reds):
         k = r.indices.numel()
         if k:
-            src[i, n_max - k:] = r.indices.to(device)
+            src[i, n_max - k:] = r.indices.to(device)[_order(r)]
             new_valid[i, n_max - k:] = True
     gather = lambda t: torch.gather(t, 1, src.view(b, n_max, *([1] * (t.dim() - 2))).expand(b, n_max, *t.shape[2:]))
     hidden = gather(rows.hidden).clone()
@@ -766,12 +767,17 @@ def apply(rows: Rows, reds: list[Reduction]) -> Rows:
     for i, r in enumerate(reds):
         k = r.indices.numel()
         if r.features is not None and k:
-            hidden[i, n_max - k:] = r.features.to(hidden.dtype)
+            hidden[i, n_max - k:] = r.features.to(hidden.dtype)[_order(r).to(r.features.device)]
         if r.sizes is not None and k:
-            sizes[i, n_max - k:] = r.sizes.to(sizes.dtype)
+            sizes[i, n_max - k:] = r.sizes.to(sizes.dtype)[_order(r).to(r.sizes.device)]
     hidden = hidden.masked_fill(~new_valid[..., None], 0.0)
     sizes = sizes.masked_fill(~new_valid, 1.0)
     return Rows(hidden, pos, new_valid, visual, sizes, origin, inject)
+
+
+def _order(r: Reduction) -> torch.Tensor:
+    """Positions into ``r.indices`` in the order the kept rows take in the new sequence."""
+    return torch.arange(r.indices.numel(), device=r.indices.device) if r.order is None else r.order.to(r.indices.device)
 
 
 def _carry_injections(rows: Rows, reds: list[Reduction], src: torch.Tensor, new_valid: torch.Tensor) -> torch.Tensor:
@@ -801,7 +807,8 @@ def _carry_injections(rows: Rows, reds: list[Reduction], src: torch.Tensor, new_
         merged = (total / norm[None, :, None]).to(inj.dtype)
         changed = torch.zeros(r.indices.numel(), dtype=torch.bool, device=inj.device)  # rows that absorbed others
         changed[slot[into[members] != members]] = True  # (a recycled row may hold none of its own)
-        cols = k - r.indices.numel() + torch.nonzero(changed).squeeze(1)
+        column = torch.argsort(_order(r).to(inj.device))  # each kept row's place among the sample's new rows
+        cols = k - r.indices.numel() + column[changed]
         out[:, i, cols] = merged[:, changed]
     return out.masked_fill(~new_valid[None, :, :, None], 0.0)
 
@@ -821,7 +828,8 @@ def _append_rows(red: Reduction, rows: Rows, b: int, cut: int) -> Reduction:
     feats = None if red.features is None else torch.cat([red.features, rows.hidden[b, cut:].to(red.features.device)])
     sizes = None if red.sizes is None else torch.cat([red.sizes, rows.sizes[b, cut:].to(red.sizes.device)])
     into = None if red.merged_into is None else torch.cat([red.merged_into, tail.to(red.merged_into.device)])
-    return Reduction(torch.cat([red.indices, tail]), feats, sizes, into)
+    order = None if red.order is None else torch.cat([red.order.to(tail.device), red.indices.numel() + tail - cut])
+    return Reduction(torch.cat([red.indices, tail]), feats, sizes, into, order)
 
 
 def merged_into(rows: Rows, reds: list[Reduction], visual_in: torch.Tensor) -> list[list[int]]:

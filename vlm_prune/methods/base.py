@@ -50,16 +50,24 @@ class Reduction:
     merged_into: optional [N] long, set by merging methods: for each of the N input rows, the
         row (one of ``indices``) whose output it was folded into - itself when kept as it was,
         -1 when dropped. Reported as ``merged_into`` in the stage's ``last_stats`` record.
+    order: optional [k] long (llm stage only), the order of the kept rows in the new sequence as
+        positions into ``indices`` (None: index order). A row keeps its slot's position id and
+        origin wherever it goes; SparseVLM's official code appends its merged rows after the kept
+        visual ones, which this reproduces.
     """
 
     indices: torch.Tensor
     features: torch.Tensor | None = None
     sizes: torch.Tensor | None = None
     merged_into: torch.Tensor | None = None
+    order: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if self.indices.dim() != 1:
             raise ValueError(f"Reduction.indices must be 1-D, got shape {tuple(self.indices.shape)}")
+        if self.order is not None and (self.order.shape != self.indices.shape or not torch.equal(
+                torch.sort(self.order.to(self.indices.device)).values, torch.arange(self.indices.numel(), device=self.indices.device))):
+            raise ValueError("Reduction.order must be a permutation of the positions 0..k-1 of indices")
         if self.indices.numel() > 1 and not bool((self.indices[1:] > self.indices[:-1]).all()):
             order = torch.argsort(self.indices)
             self.indices = self.indices[order]
@@ -67,6 +75,8 @@ class Reduction:
                 self.features = self.features[order]
             if self.sizes is not None:
                 self.sizes = self.sizes[order]
+            if self.order is not None:  # the same rows, named by their new positions
+                self.order = torch.argsort(order.to(self.order.device))[self.order]
 
     @staticmethod
     def keep_all(n: int, device: torch.device | str = "cpu") -> "Reduction":

@@ -113,12 +113,13 @@ class SparseVLM(LLMMethod):
     and the last is the target exactly (:func:`kept_for_total`); with ``rank=True`` the stages before
     the last keep their rank-adaptive count unless it falls below the target.
 
+    As in the official code the recycled tokens follow the kept visual tokens (before the text); each
+    holds the slot of one of the last deleted visual rows (its origin and, with positions="keep", its
+    position id; :attr:`Reduction.order` moves it after the kept ones, :func:`appended_order`).
     Differences from the official code, by design: the attention rows are computed on the side
-    (only the raters' rows), so the model keeps SDPA / FlashAttention; the recycled tokens take the
-    slots of the last deleted visual rows (official: appended after the kept visual tokens - the
-    same row order whenever the image's last row was deleted; otherwise a recycled token precedes
-    the kept ones after its slot); the density ties the official code breaks with 1e-6 random
-    noise break by index here, and clusters average exactly (official: sum / (count + 1e-6)).
+    (only the raters' rows), so the model keeps SDPA / FlashAttention; the density ties the
+    official code breaks with 1e-6 random noise break by index here, and clusters average exactly
+    (official: sum / (count + 1e-6)).
     ``positions``: "renumber" (official LLaVA code: rows renumbered 0..n-1 after each stage, each
     decode step at its layer's own row count) or "keep"; default "renumber" on LLaVA-1.5 / NeXT.
     """
@@ -302,4 +303,16 @@ class SparseVLM(LLMMethod):
             features[slots] = merged.to(hidden.dtype)
             into[vis[members]] = slots[cluster]
         indices = torch.sort(torch.cat([others, vis[kept], slots])).values
-        return Reduction(indices, features[indices], merged_into=into)
+        return Reduction(indices, features[indices], merged_into=into, order=appended_order(indices, slots, vis[kept], vis))
+
+
+def appended_order(indices: torch.Tensor, slots: torch.Tensor, kept: torch.Tensor, visual: torch.Tensor) -> torch.Tensor:
+    """The official row order (:attr:`Reduction.order`): the recycled rows ``slots`` (ascending =
+    cluster order) right after the last kept visual row (where the image began when none is kept),
+    every other row in index order."""
+    key = indices.double()
+    if slots.numel():
+        anchor = float(kept.max()) if kept.numel() else float(visual.min()) - 1
+        rank = torch.searchsorted(indices, slots)
+        key[rank] = anchor + torch.arange(1, slots.numel() + 1, dtype=torch.float64, device=key.device) / (slots.numel() + 1)
+    return torch.argsort(key)
