@@ -121,7 +121,7 @@ def _prefill(model, method, inputs, keep: float):
 
 
 @pytest.mark.parametrize("case", list(MODELS))
-@pytest.mark.parametrize("method", ["fastv", "pact", "adaptinfer", "divprune", "cdpruner", "pdrop"])
+@pytest.mark.parametrize("method", ["fastv", "pact", "adaptinfer", "divprune", "cdpruner", "pdrop", "sparsevlm"])
 def test_methods_with_triton_equal_methods_with_references(case, method, monkeypatch):
     """Same GPU, same weights: a method using the Triton kernels keeps the same tokens and gives
     the same logits and generation as with the PyTorch references."""

@@ -516,7 +516,7 @@ def test_cdpruner_rank_deficient_kernel_still_honours_n_keep():
 
 
 @pytest.mark.parametrize("name", ["pact", "adaptinfer", "visionzip", "divprune", "cdpruner",
-                                  "fastervlm", "vispruner", "dart", "pdrop", "hired", "prumerge"])
+                                  "fastervlm", "vispruner", "dart", "pdrop", "hired", "prumerge", "sparsevlm"])
 def test_registered_with_paper_and_defaults_in_docstring(name):
     assert name in available_methods()
     cls = method_class(name)
