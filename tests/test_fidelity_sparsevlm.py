@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import tiny_models as T
+import vlm_prune
 from test_fidelity_llm import attention_probs, hidden_entering, image_rows, last_logits, lm_of, run_layers, wrapped
 from vlm_prune.methods import SparseVLM
 from vlm_prune.methods.sparsevlm import density_peak_merge, kept_for_total, recycled_counts
@@ -43,10 +44,10 @@ def official_cluster_and_merge(x: torch.Tensor, cluster_num: int) -> tuple[torch
     return cluster, merged
 
 
-def official_sparsevlm(model, inp, after: list[int], keep_count):
+def official_sparsevlm(model, inp, after: list[int], keep_count, seen: list | None = None):
     """(last-row logits, input index of every row reaching the last layer, a recycled token named by
     its slot). ``keep_count(stage, rel, v_num)`` gives the top-k of a stage (None: no deletion),
-    ``rel`` the [raters, image] attention."""
+    ``rel`` the [raters, image] attention; ``seen`` collects (rows, positions) entering every layer."""
     lm = lm_of(model)
     n_layers = len(lm.layers)
     img = image_rows(inp)
@@ -60,9 +61,9 @@ def official_sparsevlm(model, inp, after: list[int], keep_count):
     start = 0
     with torch.no_grad():
         for stage, layer in enumerate(after):
-            h = run_layers(model, h, pos, start, layer)
+            h = run_layers(model, h, pos, start, layer, seen=seen)
             probs = attention_probs(lm.layers[layer], lm.rotary_emb, h, pos).mean(0)  # [S, S], heads averaged
-            h = run_layers(model, h, pos, layer, layer + 1)
+            h = run_layers(model, h, pos, layer, layer + 1, seen=seen)
             start = layer + 1
             rel = probs[t_start + raters][:, v_start:t_start]
             score = rel.mean(0)
@@ -82,7 +83,7 @@ def official_sparsevlm(model, inp, after: list[int], keep_count):
             pos = pos[: h.shape[0]]  # official: position_ids[:, :kept]
             v_num = k + c
             t_start = v_start + v_num
-        h = run_layers(model, h, pos, start, n_layers)
+        h = run_layers(model, h, pos, start, n_layers, seen=seen)
     return last_logits(model, h), rows.tolist()
 
 
@@ -109,6 +110,7 @@ def test_recycled_counts_and_exact_totals():
             assert k + c == total and 0 <= k < n
             if k > 0:
                 assert c == recycled_counts(n - k)[1]  # the official cluster count whenever anything is kept
+            assert kept_for_total(n, total, ratio=0.0) == (total, 0)  # recycling off: a plain top-k
 
 
 @pytest.mark.parametrize("seed", [1, 2, 3])
@@ -158,3 +160,99 @@ def test_sparsevlm_budget_is_the_final_count_recycled_tokens_included(model):
         img = set(image_rows(inp).tolist())
         final.append(sum(int(r) in img for r in rows))
         assert final == [target]
+
+
+def test_sparsevlm_refusals_name_the_fix():
+    with pytest.raises(ValueError, match=r"retained must be one of the official settings \[64, 128, 192\]"):
+        SparseVLM(retained=100)
+    with pytest.raises(ValueError, match="scale / bias set the rank rule's counts; pass rank=True"):
+        SparseVLM(scale=2.0)
+    with pytest.raises(ValueError, match="positions must be 'renumber' or 'keep'"):
+        SparseVLM(positions="shift")
+    with pytest.raises(ValueError, match=r"recycle .* must lie in \[0, 1\]"):
+        SparseVLM(recycle=1.5)
+    model = T.tiny_llava()
+    with pytest.raises(ValueError, match=r"prunes after layers \[1, 5\].*only 6 decoder layers"):
+        vlm_prune.wrap(model, SparseVLM(layers=[1, 5]), keep=0.5)
+    with pytest.raises(ValueError, match=r"v1.5 schedule has 3 stages, but it prunes after layers \[0, 2\]"):
+        vlm_prune.wrap(model, SparseVLM(layers=[0, 2]))
+    vlm_prune.unwrap(vlm_prune.wrap(model, SparseVLM(layers=[0, 2]), keep=0.5))  # a target sets every stage
+    qwen = T.tiny_qwen2_vl()
+    with pytest.raises(ValueError, match="positions='renumber' is for 1-D positions"):
+        vlm_prune.wrap(qwen, SparseVLM(positions="renumber"), keep=0.5)
+
+
+def test_sparsevlm_reports_recycled_groups_and_keeps_m_rope_positions():
+    """Qwen2-VL (M-RoPE): positions kept by default; a stage record maps each input token to the
+    row it reaches (a recycled row is named by the deleted token whose slot it holds, -1: deleted):
+    as many distinct rows as the stage leaves, at least one holding several tokens."""
+    model = T.tiny_qwen2_vl()
+    inp = T.qwen2_vl_inputs(model, batch=1)
+    vlm_prune.wrap(model, SparseVLM(), keep=0.25)
+    try:
+        assert model.vlm_prune.methods["llm"].positions == "keep"
+        with torch.no_grad():
+            model(**inp)
+        stages = [s for s in model.vlm_prune.last_stats["stages"] if s["stage"] == "llm"]
+    finally:
+        vlm_prune.unwrap(model)
+    into = stages[0]["merged_into"][0]
+    rows = [t for t in into if t >= 0]
+    assert len(set(rows)) == stages[0]["tokens_out"][0] and len(rows) > len(set(rows))
+    assert stages[-1]["tokens_out"] == [int(0.25 * stages[0]["tokens_in"][0])]
+
+
+def test_sparsevlm_renumbered_decode_continues_each_layer_from_its_own_rows(model):
+    """A decode step after the recycled rows moved: at each layer the new token sits after that
+    layer's own rows (the official per-layer cache length) and attends to them; the cached second
+    token equals this re-statement, and generate() without a cache gives the same tokens."""
+    inp = T.llava_inputs(batch=1, seed=3)
+    vlm_prune.wrap(model, SparseVLM())
+    try:
+        with torch.no_grad():
+            gen = model.generate(**inp, max_new_tokens=4, do_sample=False, output_scores=True,
+                                 return_dict_in_generate=True)
+            rows = model.vlm_prune.last_rows
+            no_cache = model.generate(**inp, max_new_tokens=4, do_sample=False, use_cache=False)
+            assert torch.equal(model.vlm_prune.last_rows[:, : rows.shape[1]], rows)  # then the 3 generated tokens
+            model.generate(**inp, max_new_tokens=4, num_beams=3, do_sample=False)
+            assert torch.equal(model.vlm_prune.last_rows, rows.repeat_interleave(3, 0))  # beams: the sample's rows
+    finally:
+        vlm_prune.unwrap(model)
+    assert torch.equal(gen.sequences, no_cache)
+    per_layer: list = []
+    first, _ = official_sparsevlm(model, inp, [0, 1, 3], schedule_counts([8, 6, 3]), seen=per_layer)
+    token = int(first.argmax())
+    assert int(gen.sequences[0, inp["input_ids"].shape[1]]) == token
+    x = lm_of(model).embed_tokens(torch.tensor([token]))
+    with torch.no_grad():
+        for idx, (rows, pos) in enumerate(per_layer):
+            x = run_layers(model, torch.cat([rows, x]), torch.cat([pos, pos[-1:] + 1]), idx, idx + 1)[-1:]
+    torch.testing.assert_close(gen.scores[1][0], last_logits(model, x), atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_sparsevlm_batch_equals_samples_alone_with_recycling(attn):
+    """Batch 2 with left padding: each sample's kept rows, logits and greedy tokens equal that
+    sample alone (the shared invariant, here with the recycled rows moved)."""
+    model = T.tiny_llava(attn=attn)
+    inp = T.llava_inputs(batch=2)
+    vlm_prune.wrap(model, SparseVLM())
+    try:
+        with torch.no_grad():
+            batch = model(**inp).logits[:, -1]
+            rows = model.vlm_prune.last_rows
+            gen = model.generate(**inp, max_new_tokens=5, do_sample=False)
+            for i in range(2):
+                one = {k: v[i:i + 1] for k, v in inp.items()}
+                valid = one["attention_mask"][0].bool()
+                one = {k: (v[:, valid] if k in ("input_ids", "attention_mask") else v) for k, v in one.items()}
+                alone = model(**one).logits[0, -1]
+                alone_rows = model.vlm_prune.last_rows[0]
+                shift = int((~valid).sum())
+                assert (rows[i][rows[i] >= 0] - shift).tolist() == alone_rows[alone_rows >= 0].tolist()
+                torch.testing.assert_close(batch[i], alone, atol=1e-5, rtol=0)
+                alone_gen = model.generate(**one, max_new_tokens=5, do_sample=False)
+                assert gen[i, -5:].tolist() == alone_gen[0, -5:].tolist()
+    finally:
+        vlm_prune.unwrap(model)

@@ -33,7 +33,7 @@ from vlm_prune import engine
 from vlm_prune.frames.fastvid import FastVID
 from vlm_prune.frames.holitom import HoliTom
 from vlm_prune.frames.quota import QuoTA
-from vlm_prune.methods import PACT
+from vlm_prune.methods import PACT, SparseVLM
 from vlm_prune.methods.framefusion import FrameFusion
 from vlm_prune.registry import method_class
 
@@ -101,6 +101,8 @@ def _method(name: str, keep: float):
         return PACT(cutoff=0.0)
     if name == "framefusion":  # every slot similar enough: the first merge reaches the target (one merging layer)
         return FrameFusion(similarity=-1.0)
+    if name == "sparsevlm" and keep < 1.0:  # staged drops only: the masked reference cannot move recycled rows after the kept
+        return SparseVLM(recycle=0.0)  # ones (their decoding: tests/test_fidelity_sparsevlm.py)
     return name
 
 

@@ -41,8 +41,9 @@ def text_raters(visual: torch.Tensor, text: torch.Tensor) -> torch.Tensor:
 
 def recycled_counts(n_dropped: int, ratio: float = 0.3, cluster_size: int = 10) -> tuple[int, int]:
     """(tokens recycled, clusters) for ``n_dropped`` deleted tokens, as the official code: the top
-    int(ratio * n) + 1 of them by score are recycled into int(that / cluster_size) + 1 clusters."""
-    if n_dropped <= 0:
+    int(ratio * n) + 1 of them by score are recycled into int(that / cluster_size) + 1 clusters
+    (ratio 0: none, recycling off)."""
+    if n_dropped <= 0 or ratio <= 0:
         return 0, 0
     m = min(n_dropped, int(n_dropped * ratio) + 1)
     return m, m // cluster_size + 1
@@ -100,7 +101,8 @@ class SparseVLM(LLMMethod):
     its input rows, mean over heads, then over raters), the top k stay, and of the deleted ones the
     int(0.3 d) + 1 best-scored are recycled: DPC-kNN clusters them into int(that / 10) + 1 tokens,
     each its cluster's mean of the layer-l outputs (:func:`density_peak_merge`), which stay as
-    visual tokens for the later layers. No proportional attention (the official code has none).
+    visual tokens for the later layers (``recycle`` = 0.3 and ``cluster_size`` = 10; recycle=0 turns
+    recycling off). No proportional attention (the official code has none).
 
     Counts k, official defaults (no keep / budget): v1.5's ``retained`` setting (192 default, 128,
     64) after layers 2, 6, 15 of 32 (``layers=None`` scales them with depth), k = 300 / 200 / 110
@@ -142,9 +144,6 @@ class SparseVLM(LLMMethod):
             raise ValueError(f"SparseVLM retained must be one of the official settings {sorted(settings)}, got {retained!r}")
         if layers is not None and (not layers or list(layers) != sorted(set(layers)) or min(layers) < 0):
             raise ValueError(f"SparseVLM layers must be distinct increasing layer indices >= 0, got {layers!r}")
-        if not rank and layers is not None and len(layers) != len(SCHEDULE_LAYERS) and keep is None and budget is None:
-            raise ValueError(f"SparseVLM's v1.5 schedule has {len(SCHEDULE_LAYERS)} stages; give {len(SCHEDULE_LAYERS)} "
-                             "layers, or keep= / budget=, or rank=True")
         if (scale is not None or bias is not None) and not rank:
             raise ValueError("SparseVLM scale / bias set the rank rule's counts; pass rank=True with them")
         if not 0 <= recycle <= 1:
@@ -171,6 +170,9 @@ class SparseVLM(LLMMethod):
         if self.positions == "renumber" and getattr(adapter, "multi_axis_positions", False):
             raise ValueError(f"SparseVLM positions='renumber' is for 1-D positions; {type(adapter.model).__name__}'s "
                              "M-RoPE keeps its positions")
+        cfg = adapter.model.config
+        text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+        self.prune_after(text.num_hidden_layers)  # refuse a schedule the model cannot hold at wrap time
 
     @property
     def renumber_positions(self) -> bool:
@@ -187,8 +189,9 @@ class SparseVLM(LLMMethod):
             raise ValueError(f"SparseVLM prunes after layers {after}, but the model has only {num_layers} decoder "
                              f"layers (the last pruning layer must be <= {num_layers - 2})")
         if not self.rank and not self.has_target and len(after) != len(SCHEDULE_LAYERS):
-            raise ValueError(f"SparseVLM's v1.5 schedule needs {len(SCHEDULE_LAYERS)} distinct pruning layers; this "
-                             f"{num_layers}-layer model gives {after}: pass layers=, keep= / budget=, or rank=True")
+            raise ValueError(f"SparseVLM's v1.5 schedule has {len(SCHEDULE_LAYERS)} stages, but it prunes after layers "
+                             f"{after} of this {num_layers}-layer model: give {len(SCHEDULE_LAYERS)} layers=, or keep= / "
+                             "budget=, or rank=True")
         self._after = list(after)
         return self._after
 
@@ -277,7 +280,7 @@ class SparseVLM(LLMMethod):
         return k, self._clusters(n - k)
 
     def _clusters(self, n_dropped: int) -> int:
-        return recycled_counts(n_dropped, self.recycle, self.cluster_size)[1] if self.recycle > 0 else 0
+        return recycled_counts(n_dropped, self.recycle, self.cluster_size)[1]
 
     def reduce(self, hidden: torch.Tensor, valid: torch.Tensor, vis: torch.Tensor, score: torch.Tensor,
                k: int, n_clusters: int) -> Reduction:
@@ -303,6 +306,8 @@ class SparseVLM(LLMMethod):
             features[slots] = merged.to(hidden.dtype)
             into[vis[members]] = slots[cluster]
         indices = torch.sort(torch.cat([others, vis[kept], slots])).values
+        if not slots.numel():  # nothing recycled: a plain keep
+            return Reduction(indices)
         return Reduction(indices, features[indices], merged_into=into, order=appended_order(indices, slots, vis[kept], vis))
 
 
