@@ -256,3 +256,32 @@ def test_sparsevlm_batch_equals_samples_alone_with_recycling(attn):
                 assert gen[i, -5:].tolist() == alone_gen[0, -5:].tolist()
     finally:
         vlm_prune.unwrap(model)
+
+
+def test_sparsevlm_rank_rule_with_a_budget_adapts_the_stages_before_the_last(model):
+    """rank=True, scale 3, budget=3: each stage before the last deletes down to int(rank * 3) (+ its
+    recycled tokens) unless that falls below the target (then the target), the last stage ends on
+    the target exactly; the same re-statement of the official loop gives the same rows."""
+    inp = T.llava_inputs(batch=1)
+    layers = [0, 1, 3, 4]
+
+    def count(stage, rel, v_num):
+        r = int(torch.linalg.matrix_rank(rel.float()))
+        if 3 >= v_num or (r == v_num and stage < 3):
+            return None
+        k = min(int(r * 3.0), v_num - 1)
+        if stage < 3 and k + recycled_counts(v_num - k)[1] > 3:
+            return k
+        return kept_for_total(v_num, 3)[0]
+
+    expected, rows_exp = official_sparsevlm(model, inp, layers, count)
+    vlm_prune.wrap(model, SparseVLM(rank=True, scale=3.0), budget=3)
+    try:
+        with torch.no_grad():
+            logits = model(**inp).logits[0, -1]
+        rows = model.vlm_prune.last_rows[0]
+        out = [r["tokens_out"][0] for r in model.vlm_prune.last_stats["stages"] if r["stage"] == "llm"]
+    finally:
+        vlm_prune.unwrap(model)
+    assert rows[rows >= 0].tolist() == rows_exp and out[-1] == 3 and min(out[:-1]) > 3  # adaptive, then the target
+    torch.testing.assert_close(logits, expected, atol=1e-5, rtol=0)

@@ -269,7 +269,7 @@ class SparseVLM(LLMMethod):
             adaptive = None if r == n else min(int(r * self.scale + self.bias), n - 1)
             if not self.has_target:
                 return None if adaptive is None else (adaptive, self._clusters(n - adaptive))
-            if n_keep >= n:
+            if n_keep >= n or (adaptive is None and not last):  # full rank: nothing deleted before the last stage
                 return None
             if adaptive is not None and not last and adaptive + self._clusters(n - adaptive) > n_keep:
                 return adaptive, self._clusters(n - adaptive)
