@@ -92,7 +92,8 @@ class SparseVLM(LLMMethod):
     Vision-Language Model Inference"; Gumpest/SparseVLMs, branch v1.5 at b9619e61 - the code of the
     ICML version - llava/model/language_model/modelling_sparse_llama.py ``LlamaDynamicvitModel.forward``,
     score.py ``attn_postprocess_topk``, utils.py ``cluster_and_merge``; the rank rule of the first
-    version at b72c5d65, score.py ``attn_postprocess_rank``).
+    version at b72c5d65, score.py ``attn_postprocess_rank``). The repository's main branch now holds
+    SparseVLM+ (v2.0, Dec 2025), a later method with another text-visual attention pattern: not this.
 
     Raters: from the input embeddings, each visual token's softmax over the text tokens after the
     image (question + chat suffix) is averaged over the visual tokens; the text tokens above the
