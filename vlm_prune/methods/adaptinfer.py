@@ -55,6 +55,17 @@ PUBLISHED_SHAPES: dict[str, tuple[str, int, int]] = {
 #: its layer's cache length as position; elsewhere the kept rows keep their original ids.
 OFFICIAL_POSITIONS: dict[str, str] = {"llava": "renumber", "llava_next": "renumber"}
 
+def staged_positions(name: str, positions: str | None, adapter: Any) -> str:
+    """A staged llm method's position handling on ``adapter``'s model: ``positions``, or (None) the
+    official code's for the family (:data:`OFFICIAL_POSITIONS`, "keep" elsewhere). "renumber" is
+    refused on multi-axis positions (M-RoPE), which keep their ids."""
+    positions = positions or OFFICIAL_POSITIONS.get(adapter.family, "keep")
+    if positions == "renumber" and getattr(adapter, "multi_axis_positions", False):
+        raise ValueError(f"{name} positions='renumber' is for 1-D positions; {type(adapter.model).__name__}'s "
+                         "M-RoPE keeps its positions")
+    return positions
+
+
 #: Where the derived schedule prunes, as fractions of the depth (LLaVA-1.5-7B's 1, 10, 20 of 32).
 AUTO_LAYER_FRACTIONS = (1 / 32, 10 / 32, 20 / 32)
 
@@ -256,11 +267,7 @@ class AdaptInfer(LLMMethod):
         text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
         if self.schedule == "auto":
             self._published = published_for(adapter.family, text.num_hidden_layers, text.hidden_size)
-        if self.positions is None:
-            self.positions = OFFICIAL_POSITIONS.get(adapter.family, "keep")
-        if self.positions == "renumber" and getattr(adapter, "multi_axis_positions", False):
-            raise ValueError(f"AdaptInfer positions='renumber' is for 1-D positions; {type(adapter.model).__name__}'s "
-                             "M-RoPE keeps its positions")
+        self.positions = staged_positions("AdaptInfer", self.positions, adapter)
         published = SCHEDULES.get(self._published or "")
         has_target = self.keep is not None or self.budget is not None or self.average is not None
         if not has_target and not (published is not None and None in published.ratios):

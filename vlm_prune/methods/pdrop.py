@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from vlm_prune.methods.adaptinfer import OFFICIAL_POSITIONS, final_counts
+from vlm_prune.methods.adaptinfer import final_counts, staged_positions
 from vlm_prune.methods.base import LayerContext, LLMMethod, Reduction, check_positions
 from vlm_prune.methods.fastv import keep_all_rows, keep_top_visual, keeps_every_visual, last_query_attention
 from vlm_prune.registry import register
@@ -66,10 +66,7 @@ class PyramidDrop(LLMMethod):
 
     def check_model(self, adapter: Any) -> None:
         super().check_model(adapter)
-        if self.positions is None:
-            self.positions = OFFICIAL_POSITIONS.get(adapter.family, "keep")
-        if self.positions == "renumber" and adapter.family == "qwen2_vl":
-            raise ValueError("PyramidDrop positions='renumber' is for 1-D positions; Qwen2-VL's M-RoPE keeps its positions")
+        self.positions = staged_positions("PyramidDrop", self.positions, adapter)
 
     @property
     def renumber_positions(self) -> bool:

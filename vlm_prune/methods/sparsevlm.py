@@ -5,7 +5,7 @@ from typing import Any
 
 import torch
 
-from vlm_prune.methods.adaptinfer import OFFICIAL_POSITIONS, final_counts
+from vlm_prune.methods.adaptinfer import final_counts, staged_positions
 from vlm_prune.methods.base import LayerContext, LLMMethod, Reduction, check_positions
 from vlm_prune.methods.fastv import attention_received
 from vlm_prune.registry import register
@@ -166,11 +166,7 @@ class SparseVLM(LLMMethod):
     # ---- configuration -----------------------------------------------------------------------
     def check_model(self, adapter: Any) -> None:
         super().check_model(adapter)
-        if self.positions is None:
-            self.positions = OFFICIAL_POSITIONS.get(adapter.family, "keep")
-        if self.positions == "renumber" and getattr(adapter, "multi_axis_positions", False):
-            raise ValueError(f"SparseVLM positions='renumber' is for 1-D positions; {type(adapter.model).__name__}'s "
-                             "M-RoPE keeps its positions")
+        self.positions = staged_positions("SparseVLM", self.positions, adapter)
         cfg = adapter.model.config
         text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
         self.prune_after(text.num_hidden_layers)  # refuse a schedule the model cannot hold at wrap time
