@@ -75,7 +75,7 @@ UNWRAPPED_FAILS = {
 }
 METHODS = ["random", "pool", "divprune", "cdpruner", "visionzip", "tome", "asvit", "fastv", "pact", "adaptinfer",
            "uniform", "quota", "vidcom2", "fastvid", "holitom", "dycoke", "fastervlm", "vispruner", "dart", "pdrop",
-           "hired", "prumerge", "framefusion"]
+           "hired", "prumerge", "framefusion", "mustdrop"]
 #: combinations a pruning call refuses with a documented message (no tower attention there)
 CALL_REFUSALS = {**{("onevision_image", name): f"{title} runs on LLaVA-1.5 images and LLaVA-OneVision videos"
                     for name, title in (("visionzip", "VisionZip"), ("fastervlm", "FasterVLM"), ("vispruner", "VisPruner"))},

@@ -33,6 +33,7 @@ BUILTIN = {
     "HiRED": "vlm_prune.methods.hired",
     "PruMerge": "vlm_prune.methods.prumerge",
     "FrameFusion": "vlm_prune.methods.framefusion",
+    "MustDrop": "vlm_prune.methods.mustdrop",
     "KeyScore": "vlm_prune.frames.keyscore",
     "QuoTA": "vlm_prune.frames.quota",
     "Uniform": "vlm_prune.frames.uniform",
@@ -58,5 +59,5 @@ __all__ = [
     "Random", "Pool", "FastV", "PACT", "AdaptInfer", "VisionZip", "DivPrune", "CDPruner",
     "ASViT", "ToMe", "QuoTA", "KeyScore", "Uniform",
     "VidCom2", "FastVID", "HoliTom", "DyCoke",
-    "FasterVLM", "VisPruner", "DART", "PyramidDrop", "HiRED", "PruMerge", "FrameFusion",
+    "FasterVLM", "VisPruner", "DART", "PyramidDrop", "HiRED", "PruMerge", "FrameFusion", "MustDrop",
 ]
