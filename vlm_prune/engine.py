@@ -742,7 +742,7 @@ class PrunedDecoder:
         this step. The cache itself is untouched, so a later step may choose other keys."""
         seg = segs.layer_segment[layer]
         later = set(segs.layer_segment[layer + 1:])
-        if later - {seg}:
+        if any(not torch.equal(segs.key_valid[j], segs.key_valid[seg]) for j in later):
             raise ValueError(
                 f"{method.name}'s decode-time KV pruning needs the decoder layers from {layer} on to hold the same rows, "
                 "but an llm-stage method removed rows after it. Use the llm-stage method alone, or turn the decode "
@@ -765,7 +765,8 @@ class PrunedDecoder:
             return masks
         keep = (keep.to(key_valid.device) | ~segs.key_visual[seg]) & key_valid
         out = list(masks)
-        out[seg] = self._mask(keep, segs.key_bias[seg], valid, dtype)
+        for j in later:
+            out[j] = self._mask(keep, segs.key_bias[j], valid, dtype)
         return out
 
 

@@ -1,0 +1,164 @@
+"""DyCoke's decode stage (KD-TAO/DyCoke@dd74634, llava/model/language_model/modeling_qwen2.py
+``PrunableDynamicCache.dycoke_pruning`` / ``update_cache`` and ``Qwen2Model.forward``) against an
+independent step-by-step re-statement on the tiny LLaVA-OneVision (Qwen2 language model), video input.
+
+Re-statement: every decode step re-runs the whole sequence through the plain decoder layers with an
+explicit mask per row - the prompt causal, each generated row as its own step saw the cache: full in
+layers < L, and in layers >= L without the visual keys that step pruned. The step's choice comes from
+the new row's head-averaged attention in layer L - 1 (computed by hand from the layer's weights): when
+its cosine similarity with the previous step's visual attention is below 0.9 (always at the first
+step), the top int(n (1 - p)) visual keys stay; otherwise every key.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tiny_models as T
+import vlm_prune
+from reference import capture_lm_inputs, positions_of
+from test_fidelity_llm import attention_probs
+from vlm_prune.frames.dycoke import DyCoke, dycoke_step
+from vlm_prune.kv_cache import segments_of
+
+STEPS = 5
+
+
+@pytest.fixture(scope="module")
+def model():
+    return T.tiny_onevision()
+
+
+def lm_of(model):
+    return model.model.language_model
+
+
+def official_decode(model, inp, visual: torch.Tensor, layer: int, p: float, steps: int) -> tuple[list, list]:
+    """(logits of each generated step, the visual keys kept at each decode step) for batch 1."""
+    lm = lm_of(model)
+    with torch.no_grad(), capture_lm_inputs(model) as seen:
+        model(**inp)
+    embeds = seen[0]["inputs_embeds"][0]
+    s = embeds.shape[0]
+    pos0 = positions_of(seen[0], 1, s)[0, 0]
+    vis = torch.nonzero(visual).squeeze(1)
+    logits, kept, hidden_keys = [], [], []  # hidden_keys[j]: visual keys row s + j misses in layers >= L
+    prev = None
+    tokens: list[int] = []
+    with torch.no_grad():
+        for step in range(steps):
+            x = torch.cat([embeds, lm.embed_tokens(torch.tensor(tokens, dtype=torch.long))]) if tokens else embeds
+            n = x.shape[0]
+            pos = torch.cat([pos0, pos0[-1] + 1 + torch.arange(n - s)])
+            allowed = torch.ones(n, n, dtype=torch.bool).tril()
+            late = allowed.clone()
+            for j, miss in enumerate(hidden_keys):
+                late[s + j, miss] = False
+            pe = lm.rotary_emb(x[None], pos[None])
+            h = x[None]
+            for idx, dec in enumerate(lm.layers):
+                if step > 0 and idx == layer - 1:  # the new row's attention in layer L - 1 decides this step
+                    att = attention_probs(dec, lm.rotary_emb, h[0], pos).mean(0)[-1, vis]
+                    sim = 0.0 if prev is None else float(torch.nn.functional.cosine_similarity(att, prev, dim=0))
+                    prev = att
+                    miss = torch.tensor([], dtype=torch.long)
+                    if sim < 0.9:
+                        top = att.topk(int(vis.numel() * (1 - p))).indices
+                        miss = vis[~torch.isin(torch.arange(vis.numel()), top)]
+                    late[n - 1, miss] = False
+                    hidden_keys.append(miss)
+                    kept.append(sorted(set(vis.tolist()) - set(miss.tolist())))
+                rule = late if idx >= layer else allowed
+                mask = torch.zeros(n, n).masked_fill(~rule, float("-inf"))[None, None]
+                out = dec(h, attention_mask=mask, position_ids=pos[None], position_embeddings=pe)
+                h = out[0] if isinstance(out, tuple) else out
+            logits.append(model.lm_head(lm.norm(h[0, -1:]))[0])
+            tokens.append(int(logits[-1].argmax()))
+    return logits, kept
+
+
+def test_dycoke_step_follows_the_official_rule():
+    att = torch.tensor([[0.1, 0.4, 0.2, 0.3, 0.5], [0.1, 0.4, 0.2, 0.3, 0.5]])
+    visual = torch.tensor([[False, True, True, True, False]] * 2)
+    keep, memory = dycoke_step(att, visual, None, p=0.5)  # first step: similarity 0, prune to int(3 * 0.5) = 1
+    assert keep.tolist() == [[True, True, False, False, True]] * 2
+    assert memory[0].tolist() == pytest.approx([0.0, 0.4, 0.2, 0.3, 0.0])
+    same, _ = dycoke_step(att, visual, memory[:, :4], p=0.5)  # unchanged attention: the whole cache this step
+    assert same.all()
+    other = torch.tensor([[0.1, 0.0, 0.9, 0.1, 0.5], [0.1, 0.4, 0.2, 0.3, 0.5]])
+    changed, _ = dycoke_step(other, visual, memory, p=0.5)  # per sample: only the first changed
+    assert changed.tolist() == [[True, False, True, False, True], [True] * 5]
+
+
+@pytest.mark.parametrize("p", [0.5, 0.8])
+def test_decode_steps_equal_the_official_step_by_step_loop(model, p):
+    """keep=1.0 leaves the video whole, so the decode stage alone differs from the plain model; every
+    step's logits equal the re-statement's, and turning the stage off changes them."""
+    inp = T.onevision_video_inputs(model, batch=1, frames=4)
+    vlm_prune.wrap(model, DyCoke(decode_pruning=True, p=p), keep=1.0)
+    try:
+        with torch.no_grad():
+            gen = model.generate(**inp, max_new_tokens=STEPS, min_new_tokens=STEPS, do_sample=False,
+                                 output_scores=True, return_dict_in_generate=True)
+            segs = segments_of(gen.past_key_values)
+    finally:
+        vlm_prune.unwrap(model)
+    visual = segs.key_visual[0][0, : inp["input_ids"].shape[1]]
+    placeholders = inp["input_ids"][0] == model.config.video_token_id
+    assert torch.equal(visual, placeholders & (torch.cumsum(placeholders.long(), 0) < int(placeholders.sum())))  # the newline is no token
+    expected, kept = official_decode(model, inp, visual, 3, p, STEPS)
+    assert any(len(k) < int(visual.sum()) for k in kept)  # some step pruned
+    for step in range(STEPS):
+        torch.testing.assert_close(gen.scores[step][0], expected[step], atol=1e-5, rtol=0)
+    with torch.no_grad():
+        plain = model.generate(**inp, max_new_tokens=STEPS, min_new_tokens=STEPS, do_sample=False, output_scores=True,
+                               return_dict_in_generate=True)
+    assert torch.equal(plain.scores[0], gen.scores[0]) and not torch.allclose(plain.scores[1], gen.scores[1], atol=1e-4)
+
+
+def test_batch_samples_decode_as_alone_and_beams_carry_their_state(model):
+    """Batch 2 with padding: each sample's greedy steps equal that sample alone (its own attention
+    and memory); beam search and num_return_sequences run with the memory moved with their rows."""
+    inp = T.onevision_video_inputs(model, batch=2, frames=4)
+    vlm_prune.wrap(model, DyCoke(decode_pruning=True, p=0.5), keep=1.0)
+    try:
+        with torch.no_grad():
+            both = model.generate(**inp, max_new_tokens=STEPS, do_sample=False, output_scores=True,
+                                  return_dict_in_generate=True)
+            for b in range(2):
+                one = {k: v[b: b + 1] for k, v in inp.items()}
+                cut = int((inp["attention_mask"][b] == 0).sum())
+                one["input_ids"], one["attention_mask"] = one["input_ids"][:, cut:], one["attention_mask"][:, cut:]
+                alone = model.generate(**one, max_new_tokens=STEPS, do_sample=False, output_scores=True,
+                                       return_dict_in_generate=True)
+                for step in range(STEPS):
+                    torch.testing.assert_close(both.scores[step][b], alone.scores[step][0], atol=1e-5, rtol=0)
+            beams = model.generate(**inp, max_new_tokens=STEPS, num_beams=3, do_sample=False,
+                                   return_dict_in_generate=True)
+            assert segments_of(beams.past_key_values).decode_state["attention"].shape[0] == 6
+    finally:
+        vlm_prune.unwrap(model)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"prompt_lookup_num_tokens": 3}, "prompt_lookup_num_tokens.*decode_pruning=False"),
+    ({"use_cache": False}, "use_cache=False.*decode_pruning=False"),
+])
+def test_paths_that_skip_the_steps_are_refused(model, kwargs, message):
+    inp = T.onevision_video_inputs(model, batch=1, frames=4)
+    vlm_prune.wrap(model, DyCoke(decode_pruning=True), keep=1.0)
+    try:
+        with pytest.raises(ValueError, match=message), torch.no_grad():
+            model.generate(**inp, max_new_tokens=2, do_sample=False, **kwargs)
+    finally:
+        vlm_prune.unwrap(model)
+
+
+@pytest.mark.parametrize("knob, value, message", [
+    ("layer", 0, "layer L must be an integer >= 1"),
+    ("p", 1.0, r"must lie in \[0, 1\)"),
+    ("decode_pruning", 1, "must be True or False"),
+])
+def test_knob_refusals(knob, value, message):
+    with pytest.raises(ValueError, match=message):
+        DyCoke(**{knob: value})
