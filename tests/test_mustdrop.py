@@ -15,6 +15,7 @@ import torch
 
 import tiny_models as T
 import vlm_prune
+from test_fidelity_llm import inp, model  # noqa: F401 - the eager tiny LLaVA and its batch-1 input (fixtures)
 from test_fidelity_llm import attention_probs, hidden_entering, image_rows, last_logits, lm_of, run_layers
 from vlm_prune.kv_cache import segments_of
 from vlm_prune.methods import MustDrop
@@ -25,16 +26,6 @@ LAYERS = [0, 2, 3]  # scoring layers of the 6-layer tiny Llama (rows drop after 
 #: total, peaks 0.049 - 0.051): a high global threshold leaves the peak criterion to decide, which drops
 #: about half of the tokens in the first stage
 THRESHOLDS = dict(global_thr=0.5, individual_thr=0.0502)
-
-
-@pytest.fixture(scope="module")
-def model():
-    return T.tiny_llava(attn="eager")
-
-
-@pytest.fixture(scope="module")
-def inp():
-    return T.llava_inputs(batch=1)
 
 
 def official_mustdrop(model, inp, layers, global_thr, individual_thr, renumber=True, counts=None, seen=None):

@@ -55,6 +55,16 @@ PUBLISHED_SHAPES: dict[str, tuple[str, int, int]] = {
 #: its layer's cache length as position; elsewhere the kept rows keep their original ids.
 OFFICIAL_POSITIONS: dict[str, str] = {"llava": "renumber", "llava_next": "renumber"}
 
+
+def resolve_positions(title: str, positions: str | None, adapter: Any) -> str:
+    """``positions`` for ``adapter``: the family's official handling (:data:`OFFICIAL_POSITIONS`) when
+    None; "renumber" refused on multi-axis (M-RoPE) positions."""
+    positions = positions if positions is not None else OFFICIAL_POSITIONS.get(adapter.family, "keep")
+    if positions == "renumber" and getattr(adapter, "multi_axis_positions", False):
+        raise ValueError(f"{title} positions='renumber' is for 1-D positions; {type(adapter.model).__name__}'s "
+                         "M-RoPE keeps its positions")
+    return positions
+
 #: Where the derived schedule prunes, as fractions of the depth (LLaVA-1.5-7B's 1, 10, 20 of 32).
 AUTO_LAYER_FRACTIONS = (1 / 32, 10 / 32, 20 / 32)
 

@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from vlm_prune.methods.adaptinfer import OFFICIAL_POSITIONS, final_counts
+from vlm_prune.methods.adaptinfer import final_counts, resolve_positions
 from vlm_prune.methods.base import DecodeKV, LayerContext, LLMMethod, Reduction, check_positions
 from vlm_prune.methods.fastv import attention_received, keep_all_rows, keeps_every_visual
 from vlm_prune.registry import register
@@ -117,13 +117,11 @@ class MustDrop(DecodeKV, LLMMethod):
 
     def check_model(self, adapter: Any) -> None:
         super().check_model(adapter)
-        if self.positions is None:
-            self.positions = OFFICIAL_POSITIONS.get(adapter.family, "keep")
-        if self.positions == "renumber" and adapter.family == "qwen2_vl":
-            raise ValueError("MustDrop positions='renumber' is for 1-D positions; Qwen2-VL's M-RoPE keeps its positions")
+        self.positions = resolve_positions("MustDrop", self.positions, adapter)
 
     @property
     def renumber_positions(self) -> bool:
+        """Renumber the kept rows after each stage (the official LLaVA code's shorter sequence)."""
         return self.positions == "renumber"
 
     def scoring_layers(self, num_layers: int) -> list[int]:
