@@ -147,7 +147,7 @@ def test_decode_stage_restricts_the_cache_segments_per_sample():
     try:
         with torch.no_grad():
             out = model(**inp, use_cache=True)
-        rows = model.vlm_prune.last_rows
+        rows, stats = model.vlm_prune.last_rows, model.vlm_prune.last_stats
     finally:
         vlm_prune.unwrap(model)
     segs = segments_of(out.past_key_values)
@@ -157,6 +157,9 @@ def test_decode_stage_restricts_the_cache_segments_per_sample():
     assert segs.layer_segment[0] == 0 and segs.layer_segment[1] != 0  # layer 1's restricted copy of segment 0
     for idx in range(1, 6):
         assert segs.key_valid[segs.layer_segment[idx]].sum(1).tolist() == final, idx
+    n_img = int((inp["input_ids"][0] == T.IMAGE_TOKEN).sum())
+    assert stats["decode"] == {"method": "mustdrop", "from_layer": 1,
+                               "visual_keys_per_layer": [[n_img] * 2] + [[4, 4]] * 5}
 
 
 @pytest.mark.parametrize("knob, value, message", [

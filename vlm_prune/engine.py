@@ -615,21 +615,26 @@ class PrunedDecoder:
             prompt = pending.prompt if pending is not None and pending.prompt is not None else s
             segs = CacheSegments(layer_segment, key_valid, key_bias, next_pos=pos[:, :, -1] + 1, seen=s, prompt=prompt,
                                  segment_next_pos=segment_next if renumber else None, key_visual=key_visual)
-            self._keep_final_rows(segs, key_origin, rows.origin)
+            decode = self._keep_final_rows(segs, key_origin, rows.origin)
             install(cache, segs)
+        else:
+            decode = None
         self.state.last_stats = _stats(stats_in, rows, records, layer_visual, self.state)
+        if decode is not None:
+            self.state.last_stats["decode"] = decode
         self.state.last_rows = rows.origin
         return rows.hidden
 
-    def _keep_final_rows(self, segs: CacheSegments, key_origin: list[torch.Tensor], final: torch.Tensor) -> None:
+    def _keep_final_rows(self, segs: CacheSegments, key_origin: list[torch.Tensor], final: torch.Tensor) -> dict | None:
         """Decode-time KV pruning's output-aware cache (MustDrop): from the decode method's layer F on,
         every layer's keys are limited to the prompt rows that reached the last layer (``final`` [B, k],
         their input rows). Layers sharing a segment share its restricted copy; the cache's tensors are
-        kept (masked keys), so beams, crops and copies stay consistent."""
+        kept (masked keys), so beams, crops and copies stay consistent. Returns last_stats' "decode"
+        entry: the layer F and, per layer, the visual keys decode steps attend to per sample."""
         method = self.decode_method
         first = method.decode_final_rows_from(len(self.spec.layers)) if method is not None else None
         if first is None:
-            return
+            return None
         b = final.shape[0]
         width = max(int(o.max()) + 1 for o in key_origin) if key_origin else 0
         reached = torch.zeros(b, max(width, int(final.max()) + 1), dtype=torch.bool, device=final.device)
@@ -652,6 +657,8 @@ class PrunedDecoder:
                         segs.segment_next_pos.append(segs.segment_next_pos[last])
                     restricted[seg] = len(segs.key_valid) - 1
             segs.layer_segment[idx] = restricted[seg]
+        return {"method": method.name, "from_layer": first,
+                "visual_keys_per_layer": [(segs.key_visual[j] & segs.key_valid[j]).sum(1).tolist() for j in segs.layer_segment]}
 
     def _after_prefix(self, rows: Rows, pos: torch.Tensor, stats_in: list[int], records: list[dict[str, Any]],
                       prefix: CacheSegments, cache: Any, kwargs: dict, renumbered_rows: bool) -> torch.Tensor:
