@@ -33,48 +33,78 @@ def lm_of(model):
     return model.model.language_model
 
 
-def official_decode(model, inp, visual: torch.Tensor, layer: int, p: float, steps: int) -> tuple[list, list]:
-    """(logits of each generated step, the visual keys kept at each decode step) for batch 1."""
+def forward_rows(model, embeds, pos0, tokens, missing, layer, decide=None):
+    """Logits of the last row of the prompt ``embeds`` [S, D] followed by ``tokens``, every row through
+    the plain decoder layers with its own mask: causal, and in layers >= ``layer`` without the visual
+    keys ``missing[j]`` for the row of tokens[j] (what its decode step pruned). ``decide``: the last
+    row is a decode step: called with its head-averaged attention in layer ``layer`` - 1, it returns the
+    keys that row misses (appended to ``missing``)."""
     lm = lm_of(model)
+    s = embeds.shape[0]
+    x = torch.cat([embeds, lm.embed_tokens(torch.tensor(tokens, dtype=torch.long))]) if tokens else embeds
+    n = x.shape[0]
+    pos = torch.cat([pos0, pos0[-1] + 1 + torch.arange(n - s)])
+    causal = torch.ones(n, n, dtype=torch.bool).tril()
+    late = causal.clone()
+    for j, miss in enumerate(missing):
+        late[s + j, miss] = False
+    pe = lm.rotary_emb(x[None], pos[None])
+    h = x[None]
+    for idx, dec in enumerate(lm.layers):
+        if decide is not None and idx == layer - 1:
+            miss = decide(attention_probs(dec, lm.rotary_emb, h[0], pos).mean(0)[-1])
+            late[n - 1, miss] = False
+            missing.append(miss)
+        mask = torch.zeros(n, n).masked_fill(~(late if idx >= layer else causal), float("-inf"))[None, None]
+        out = dec(h, attention_mask=mask, position_ids=pos[None], position_embeddings=pe)
+        h = out[0] if isinstance(out, tuple) else out
+    return model.lm_head(lm.norm(h[0, -1:]))[0]
+
+
+class OfficialSteps:
+    """The official rule across steps: the visual attention remembered from the last step (None after
+    a prompt), the top int(n (1 - p)) visual keys kept when the similarity is below 0.9."""
+
+    def __init__(self, visual: torch.Tensor, p: float) -> None:
+        self.vis, self.p, self.prev, self.kept = torch.nonzero(visual).squeeze(1), p, None, []
+
+    def __call__(self, attention: torch.Tensor) -> torch.Tensor:
+        att = attention[self.vis]
+        sim = 0.0 if self.prev is None else float(torch.nn.functional.cosine_similarity(att, self.prev, dim=0))
+        self.prev = att
+        miss = torch.tensor([], dtype=torch.long)
+        if sim < 0.9:
+            top = att.topk(int(self.vis.numel() * (1 - self.p))).indices
+            miss = self.vis[~torch.isin(torch.arange(self.vis.numel()), top)]
+        self.kept.append(sorted(set(self.vis.tolist()) - set(miss.tolist())))
+        return miss
+
+
+def prompt_of(model, inp) -> tuple[torch.Tensor, torch.Tensor]:
     with torch.no_grad(), capture_lm_inputs(model) as seen:
         model(**inp)
     embeds = seen[0]["inputs_embeds"][0]
-    s = embeds.shape[0]
-    pos0 = positions_of(seen[0], 1, s)[0, 0]
-    vis = torch.nonzero(visual).squeeze(1)
-    logits, kept, hidden_keys = [], [], []  # hidden_keys[j]: visual keys row s + j misses in layers >= L
-    prev = None
-    tokens: list[int] = []
+    return embeds, positions_of(seen[0], 1, embeds.shape[0])[0, 0]
+
+
+def official_decode(model, inp, visual: torch.Tensor, layer: int, p: float, steps: int,
+                    turn: list[int] | None = None) -> tuple[list, list]:
+    """(logits of each generated step, the visual keys kept at each decode step), batch 1. ``turn``:
+    after the steps, a second turn's new tokens arrive in one chunk (the last answer token first, then
+    ``turn``): they attend to the whole cache, the memory starts afresh, and ``steps`` more follow."""
+    embeds, pos0 = prompt_of(model, inp)
+    rule = OfficialSteps(visual, p)
+    logits, tokens, missing = [], [], []
     with torch.no_grad():
-        for step in range(steps):
-            x = torch.cat([embeds, lm.embed_tokens(torch.tensor(tokens, dtype=torch.long))]) if tokens else embeds
-            n = x.shape[0]
-            pos = torch.cat([pos0, pos0[-1] + 1 + torch.arange(n - s)])
-            allowed = torch.ones(n, n, dtype=torch.bool).tril()
-            late = allowed.clone()
-            for j, miss in enumerate(hidden_keys):
-                late[s + j, miss] = False
-            pe = lm.rotary_emb(x[None], pos[None])
-            h = x[None]
-            for idx, dec in enumerate(lm.layers):
-                if step > 0 and idx == layer - 1:  # the new row's attention in layer L - 1 decides this step
-                    att = attention_probs(dec, lm.rotary_emb, h[0], pos).mean(0)[-1, vis]
-                    sim = 0.0 if prev is None else float(torch.nn.functional.cosine_similarity(att, prev, dim=0))
-                    prev = att
-                    miss = torch.tensor([], dtype=torch.long)
-                    if sim < 0.9:
-                        top = att.topk(int(vis.numel() * (1 - p))).indices
-                        miss = vis[~torch.isin(torch.arange(vis.numel()), top)]
-                    late[n - 1, miss] = False
-                    hidden_keys.append(miss)
-                    kept.append(sorted(set(vis.tolist()) - set(miss.tolist())))
-                rule = late if idx >= layer else allowed
-                mask = torch.zeros(n, n).masked_fill(~rule, float("-inf"))[None, None]
-                out = dec(h, attention_mask=mask, position_ids=pos[None], position_embeddings=pe)
-                h = out[0] if isinstance(out, tuple) else out
-            logits.append(model.lm_head(lm.norm(h[0, -1:]))[0])
-            tokens.append(int(logits[-1].argmax()))
-    return logits, kept
+        for chunk in [None] + ([turn] if turn else []):
+            if chunk is not None:  # the new turn in one forward: its rows miss nothing, the memory starts afresh
+                tokens += chunk
+                missing += [torch.tensor([], dtype=torch.long)] * (len(tokens) - len(missing))
+                rule.prev = None
+            for step in range(steps):
+                logits.append(forward_rows(model, embeds, pos0, tokens, missing, layer, rule if step > 0 else None))
+                tokens.append(int(logits[-1].argmax()))
+    return logits, rule.kept
 
 
 def test_dycoke_step_follows_the_official_rule():
@@ -114,6 +144,30 @@ def test_decode_steps_equal_the_official_step_by_step_loop(model, p):
         plain = model.generate(**inp, max_new_tokens=STEPS, min_new_tokens=STEPS, do_sample=False, output_scores=True,
                                return_dict_in_generate=True)
     assert torch.equal(plain.scores[0], gen.scores[0]) and not torch.allclose(plain.scores[1], gen.scores[1], atol=1e-4)
+
+
+def test_a_second_turn_on_the_returned_cache_equals_the_official_loop(model):
+    """generate() continuing the conversation with the returned cache: the new turn's tokens attend to
+    the whole cache in one forward (no step), the memory starts afresh, and its steps prune again."""
+    inp = T.onevision_video_inputs(model, batch=1, frames=4)
+    new = [5, 9, 11, 7, 3]
+    vlm_prune.wrap(model, DyCoke(decode_pruning=True, p=0.5), keep=1.0)
+    try:
+        with torch.no_grad():
+            first = model.generate(**inp, max_new_tokens=STEPS, min_new_tokens=STEPS, do_sample=False,
+                                   return_dict_in_generate=True, output_scores=True)
+            visual = segments_of(first.past_key_values).key_visual[0][0, : inp["input_ids"].shape[1]].clone()
+            full = torch.cat([first.sequences, torch.tensor([new])], 1)
+            second = model.generate(input_ids=full, attention_mask=torch.ones_like(full), cache=first.past_key_values,
+                                    max_new_tokens=STEPS, min_new_tokens=STEPS, do_sample=False,
+                                    return_dict_in_generate=True, output_scores=True)
+    finally:
+        vlm_prune.unwrap(model)
+    expected, kept = official_decode(model, inp, visual, 3, 0.5, STEPS, turn=new)
+    got = list(first.scores) + list(second.scores)
+    assert len(kept) == 2 * (STEPS - 1) and any(len(k) < int(visual.sum()) for k in kept[STEPS - 1:])
+    for step, (a, b) in enumerate(zip(got, expected)):
+        torch.testing.assert_close(a[0], b, atol=1e-5, rtol=0, msg=f"step {step}")
 
 
 def test_batch_samples_decode_as_alone_and_beams_carry_their_state(model):
