@@ -16,6 +16,7 @@ import torch
 
 import tiny_models as T
 import vlm_prune
+from flash_attn_standin import flash_attn_standin  # noqa: F401 - a fixture
 from reference import capture_lm_inputs, positions_of
 from test_fidelity_llm import attention_probs
 from vlm_prune.frames.dycoke import DyCoke, dycoke_step
@@ -216,3 +217,27 @@ def test_paths_that_skip_the_steps_are_refused(model, kwargs, message):
 def test_knob_refusals(knob, value, message):
     with pytest.raises(ValueError, match=message):
         DyCoke(**{knob: value})
+
+
+@pytest.mark.usefixtures("flash_attn_standin")
+def test_decode_pruning_under_flash_equals_sdpa():
+    """FlashAttention-2 (the stand-in kernel): the per-step key masks reach FA2 as 2-D key masks; batch 2
+    with padding, every step's scores equal SDPA's, and differ from no decode pruning."""
+    from test_flash_path import models
+
+    fa, sdpa, make = models("onevision_video")
+    inp = make()
+
+    def scores(model, method):
+        vlm_prune.wrap(model, method, keep=1.0)
+        try:
+            with torch.no_grad():
+                out = model.generate(**inp, max_new_tokens=STEPS, min_new_tokens=STEPS, do_sample=False,
+                                     output_scores=True, return_dict_in_generate=True)
+        finally:
+            vlm_prune.unwrap(model)
+        return torch.stack(out.scores)
+
+    got, ref = scores(fa, DyCoke(decode_pruning=True, p=0.5)), scores(sdpa, DyCoke(decode_pruning=True, p=0.5))
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)
+    assert not torch.allclose(got[1:], scores(fa, DyCoke()).float()[1:], atol=1e-4)
