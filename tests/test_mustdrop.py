@@ -158,8 +158,11 @@ def test_decode_stage_restricts_the_cache_segments_per_sample():
     for idx in range(1, 6):
         assert segs.key_valid[segs.layer_segment[idx]].sum(1).tolist() == final, idx
     n_img = int((inp["input_ids"][0] == T.IMAGE_TOKEN).sum())
-    assert stats["decode"] == {"method": "mustdrop", "from_layer": 1,
+    assert stats["decode"] == {"method": "mustdrop", "from_layer": 1, "compacted": True,
                                "visual_keys_per_layer": [[n_img] * 2] + [[4, 4]] * 5}
+    # the entries are freed: layers from F on hold the longest sample's final rows, left-padded
+    layers = out.past_key_values.layers
+    assert layers[0].keys.shape[2] == inp["input_ids"].shape[1] and {l.keys.shape[2] for l in layers[1:]} == {max(final)}
 
 
 @pytest.mark.parametrize("knob, value, message", [

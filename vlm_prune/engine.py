@@ -615,7 +615,7 @@ class PrunedDecoder:
             prompt = pending.prompt if pending is not None and pending.prompt is not None else s
             segs = CacheSegments(layer_segment, key_valid, key_bias, next_pos=pos[:, :, -1] + 1, seen=s, prompt=prompt,
                                  segment_next_pos=segment_next if renumber else None, key_visual=key_visual)
-            decode = self._keep_final_rows(segs, key_origin, rows.origin)
+            decode = self._keep_final_rows(segs, key_origin, rows.origin, cache)
             install(cache, segs)
         else:
             decode = None
@@ -625,12 +625,13 @@ class PrunedDecoder:
         self.state.last_rows = rows.origin
         return rows.hidden
 
-    def _keep_final_rows(self, segs: CacheSegments, key_origin: list[torch.Tensor], final: torch.Tensor) -> dict | None:
+    def _keep_final_rows(self, segs: CacheSegments, key_origin: list[torch.Tensor], final: torch.Tensor,
+                         cache: Any) -> dict | None:
         """Decode-time KV pruning's output-aware cache (MustDrop): from the decode method's layer F on,
         every layer's keys are limited to the prompt rows that reached the last layer (``final`` [B, k],
-        their input rows). Layers sharing a segment share its restricted copy; the cache's tensors are
-        kept (masked keys), so beams, crops and copies stay consistent. Returns last_stats' "decode"
-        entry: the layer F and, per layer, the visual keys decode steps attend to per sample."""
+        their input rows). Layers sharing a segment share its restricted copy, whose KV entries are then
+        gathered out of their layers' tensors (:meth:`_compact`). Returns last_stats' "decode" entry: the
+        layer F and, per layer, the visual keys decode steps attend to per sample."""
         method = self.decode_method
         first = method.decode_final_rows_from(len(self.spec.layers)) if method is not None else None
         if first is None:
@@ -657,8 +658,38 @@ class PrunedDecoder:
                         segs.segment_next_pos.append(segs.segment_next_pos[last])
                     restricted[seg] = len(segs.key_valid) - 1
             segs.layer_segment[idx] = restricted[seg]
-        return {"method": method.name, "from_layer": first,
+        compacted = [self._compact(cache, segs, j) for j in sorted(set(restricted.values()) - set(restricted))]
+        return {"method": method.name, "from_layer": first, "compacted": all(compacted),
                 "visual_keys_per_layer": [(segs.key_visual[j] & segs.key_valid[j]).sum(1).tolist() for j in segs.layer_segment]}
+
+    @staticmethod
+    def _compact(cache: Any, segs: CacheSegments, seg: int) -> bool:
+        """Free the masked KV entries of segment ``seg``: each sample's valid keys, in order, left-padded
+        to the longest, gathered out of the key / value tensors of every layer on the segment, and the
+        bookkeeping gathered alike. Only plain dynamic layers (transformers' ``DynamicLayer``) are edited;
+        others (sliding, quantized, offloaded) keep their entries masked. True when compacted."""
+        from transformers.cache_utils import DynamicLayer
+
+        layers = [i for i, j in enumerate(segs.layer_segment) if j == seg]
+        cached = getattr(cache, "layers", None)
+        if cached is None or any(type(cached[i]) is not DynamicLayer or not cached[i].is_initialized for i in layers):
+            return False
+        valid = segs.key_valid[seg]
+        b, kv = valid.shape
+        n = int(valid.sum(1).max())
+        if any(cached[i].keys.shape[2] != kv for i in layers):
+            return False
+        src = torch.argsort(valid.int(), dim=1, stable=True)[:, kv - n:]  # padding first, then the valid keys in order
+        for i in layers:
+            layer = cached[i]
+            for name in ("keys", "values"):
+                t = getattr(layer, name)
+                index = src.to(t.device)[:, None, :, None].expand(b, t.shape[1], n, t.shape[3])
+                setattr(layer, name, torch.gather(t, 2, index))
+        segs.key_valid[seg] = torch.gather(valid, 1, src)
+        segs.key_bias[seg] = torch.gather(segs.key_bias[seg], 1, src.to(segs.key_bias[seg].device))
+        segs.key_visual[seg] = torch.gather(segs.key_visual[seg], 1, src.to(segs.key_visual[seg].device))
+        return True
 
     def _after_prefix(self, rows: Rows, pos: torch.Tensor, stats_in: list[int], records: list[dict[str, Any]],
                       prefix: CacheSegments, cache: Any, kwargs: dict, renumbered_rows: bool) -> torch.Tensor:
