@@ -241,3 +241,23 @@ def test_decode_pruning_under_flash_equals_sdpa():
     got, ref = scores(fa, DyCoke(decode_pruning=True, p=0.5)), scores(sdpa, DyCoke(decode_pruning=True, p=0.5))
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)
     assert not torch.allclose(got[1:], scores(fa, DyCoke()).float()[1:], atol=1e-4)
+
+
+def test_a_layer_without_softmax_attention_is_refused_with_the_choices():
+    """Qwen3.5 (linear-attention layers 0 and 2, full attention 1 and 3): L - 1 must be a layer with
+    a KV cache; layer=2 reads layer 1 and runs."""
+    import tiny_models_qwen3 as Q
+
+    model = Q.tiny_qwen3_5()
+    inp = Q.qwen3_vl_inputs(model, batch=1, video=True)
+    for layer, refused in ((3, True), (2, False)):
+        vlm_prune.wrap(model, DyCoke(decode_pruning=True, layer=layer), keep=1.0)
+        try:
+            with torch.no_grad():
+                if refused:
+                    with pytest.raises(ValueError, match=r"layer 2, which is not a softmax-attention layer.*\[1, 3\]"):
+                        model.generate(**inp, max_new_tokens=3, min_new_tokens=3, do_sample=False)
+                else:
+                    model.generate(**inp, max_new_tokens=3, min_new_tokens=3, do_sample=False)
+        finally:
+            vlm_prune.unwrap(model)

@@ -785,9 +785,16 @@ class PrunedDecoder:
                 f"{method.name}'s decode-time KV pruning needs the decoder layers from {layer} on to hold the same rows, "
                 "but an llm-stage method removed rows after it. Use the llm-stage method alone, or turn the decode "
                 "stage off")
-        attn_mod = self.spec.layers[layer].self_attn
+        attn_mod = getattr(self.spec.layers[layer], "self_attn", None)
+        keys = getattr(cache.layers[layer], "keys", None)
+        if attn_mod is None or keys is None:
+            full = [i for i, m in enumerate(self.spec.layers) if getattr(m, "self_attn", None) is not None]
+            raise ValueError(
+                f"{method.name}'s decode-time KV pruning reads the attention of decoder layer {layer}, which is not a "
+                f"softmax-attention layer with a KV cache in this model (its attention layers: {full}). Choose the "
+                "layer so that it reads one of those (DyCoke: layer= one more than such a layer), or turn the decode "
+                "stage off")
         q, _ = self.project_qk(layer)(hidden, pos, rope=True)
-        keys = cache.layers[layer].keys
         key_valid = segs.key_valid[seg]
         if keys.shape[2] != key_valid.shape[1]:
             raise RuntimeError(f"layer {layer} caches {keys.shape[2]} keys but its bookkeeping has {key_valid.shape[1]}")
