@@ -121,10 +121,12 @@ def test_dycoke_step_follows_the_official_rule():
     assert changed.tolist() == [[True, False, True, False, True], [True] * 5]
 
 
-@pytest.mark.parametrize("p", [0.5, 0.8])
-def test_decode_steps_equal_the_official_step_by_step_loop(model, p):
+@pytest.mark.parametrize("p, attn", [(0.5, "sdpa"), (0.8, "sdpa"), (0.5, "eager")])
+def test_decode_steps_equal_the_official_step_by_step_loop(model, p, attn):
     """keep=1.0 leaves the video whole, so the decode stage alone differs from the plain model; every
-    step's logits equal the re-statement's, and turning the stage off changes them."""
+    step's logits equal the re-statement's (SDPA and eager attention), and turning the stage off
+    changes them."""
+    model = model if attn == "sdpa" else T.tiny_onevision(attn=attn)
     inp = T.onevision_video_inputs(model, batch=1, frames=4)
     vlm_prune.wrap(model, DyCoke(decode_pruning=True, p=p), keep=1.0)
     try:
