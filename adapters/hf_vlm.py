@@ -212,6 +212,10 @@ class HFVLMAdapter(Adapter):
                         f"vlm_prune does not return {flag} from generate(): after a removal each layer holds "
                         "different rows. Read model.vlm_prune.last_rows / last_stats, or unwrap the model"
                     )
+            for method in self.state.methods.values():  # decoding paths a method refuses (decode-time KV pruning)
+                check = getattr(method, "check_generate", None)
+                if check is not None:
+                    check(kwargs, config)
             prompt = kwargs.get("input_ids", args[0] if args else None)
             if prompt is None:
                 prompt = kwargs.get("inputs_embeds")

@@ -108,6 +108,7 @@ METHOD_COLOURS = {
     "fastervlm": "#4477AA", "vispruner": "#EE6677", "dart": "#228833", "pdrop": "#AA3377",
     "hired": "#CCBB44", "prumerge": "#66CCEE",
     "sparsevlm": "#997700",
+    "mustdrop": "#7F3C8D",
     "uniform": "#88CCEE", "keyscore": "#332288", "quota": "#D55E00",
     "vidcom2": "#661100", "fastvid": "#6699CC", "holitom": "#EE8866", "dycoke": "#BBCC33",
     "framefusion": "#994455",

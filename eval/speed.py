@@ -68,7 +68,7 @@ PROMPT_TOKENS = (14, 22)  # text tokens before / after the visual tokens (system
 #: keep=1.0 rows time the wrapper with nothing to prune, for a vision-stage and an in-LLM method
 SPEED_METHODS = {
     "image": ("pool", "random", "visionzip", "divprune", "cdpruner", "tome", "asvit", "fastv", "pact", "adaptinfer",
-              "fastervlm", "vispruner", "dart", "pdrop", "prumerge"),
+              "fastervlm", "vispruner", "dart", "pdrop", "prumerge", "mustdrop"),
     "video": ("uniform", "keyscore", "quota", "vidcom2", "fastvid", "holitom", "dycoke", "framefusion", "pool", "random",
               "divprune", "cdpruner", "tome", "fastv", "pact", "adaptinfer"),
 }

@@ -158,18 +158,23 @@ class HookedReference:
     - ``replace`` = (layer, rows [B, k] bool, feats [B, k, D]): the prompt rows' hidden states
       entering that layer (merged cluster centres), in calls that hold the prompt;
     - ``inject`` = (mask [B, k], features [n, B, k, D]): the prompt rows' DeepStack additions
-      (Qwen3-VL), given to calls that hold the prompt.
+      (Qwen3-VL), given to calls that hold the prompt;
+    - decode-time KV pruning (MustDrop's output-aware cache): per layer, the prompt key columns
+      ``decode_hidden[i]`` [B, k] that rows AFTER the prompt (generated tokens) also miss, and the
+      table ``decode_positions[i]`` [P, B, k] whose last column the generated rows continue from.
 
     Batch rows repeated by generate() (beams, num_return_sequences) take their sample's plan.
     """
 
     def __init__(self, model, k: int, positions=None, hidden=None, bias=None, layer_positions=None, replace=None,
-                 inject=None):
+                 inject=None, decode_hidden=None, decode_positions=None):
         self.model, self.k = model, k
         self.lm = model.model.language_model
         n = len(self.lm.layers)
         self.positions = positions
         self.hidden = hidden or [None] * n
+        self.decode_hidden = decode_hidden or [None] * n
+        self.decode_positions = decode_positions or [None] * n
         self.bias = bias or [None] * n
         self.layer_positions = layer_positions or [None] * n
         self.replace = replace
@@ -178,11 +183,12 @@ class HookedReference:
         self.call = (0, 0, 1)
 
     # columns of the current call -> positions [P, B, q]
-    def _at(self, table: torch.Tensor, past: int, q: int, b: int) -> torch.Tensor:
+    def _at(self, table: torch.Tensor, past: int, q: int, b: int, later: torch.Tensor | None = None) -> torch.Tensor:
         table = table.repeat_interleave(b // table.shape[1], dim=1)
+        last = table if later is None else later.repeat_interleave(b // later.shape[1], dim=1)
         cols = torch.arange(past, past + q)
         inside = table[..., cols.clamp(max=self.k - 1)]
-        after = table[..., -1:] + 1 + (cols - self.k)
+        after = last[..., -1:] + 1 + (cols - self.k)
         return torch.where(cols < self.k, inside, after)
 
     def _per_sample(self, t: torch.Tensor, b: int) -> torch.Tensor:
@@ -217,8 +223,8 @@ class HookedReference:
         def hook(mod, args, kwargs):
             past, q, b = self.call
             h = args[0] if args else kwargs.pop("hidden_states")
-            hide, bias = self.hidden[i], self.bias[i]
-            if hide is not None or bias is not None:
+            hide, bias, later_hide = self.hidden[i], self.bias[i], self.decode_hidden[i]
+            if hide is not None or bias is not None or later_hide is not None:
                 mask = kwargs.get("attention_mask")
                 kv = past + q if mask is None else mask.shape[-1]
                 if mask is None:
@@ -236,10 +242,15 @@ class HookedReference:
                 if bias is not None:
                     cols_bias[:, :n] = self._per_sample(bias, b)[:, :n]
                 allowed = allowed & ~cols_hidden[:, None, None, :]
+                if later_hide is not None:  # rows after the prompt (generated tokens) also miss these prompt keys
+                    later = torch.zeros(b, kv, dtype=torch.bool)
+                    later[:, :n] = self._per_sample(later_hide, b)[:, :n]
+                    after_prompt = (torch.arange(past, past + q) >= self.k)[None, None, :, None]
+                    allowed = allowed & ~(after_prompt & later[:, None, None, :])
                 dtype = h.dtype
                 kwargs["attention_mask"] = cols_bias[:, None, None, :].to(dtype).masked_fill(~allowed, torch.finfo(dtype).min)
             if self.layer_positions[i] is not None:
-                pos = self._at(self.layer_positions[i], past, q, b)
+                pos = self._at(self.layer_positions[i], past, q, b, self.decode_positions[i])
                 kwargs["position_embeddings"] = self.lm.rotary_emb(h, pos if pos.shape[0] > 1 else pos[0])
             if self.replace is not None and i == self.replace[0] and past == 0:
                 rows = self._per_sample(self.replace[1], b)[:, : min(q, self.k)]

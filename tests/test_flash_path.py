@@ -159,7 +159,7 @@ def test_identity_under_flash(case: str) -> None:
     ("onevision_video", "vidcom2"), ("onevision_video", "fastvid"),
     ("onevision_video", "holitom"), ("onevision_video", "dycoke"),
     ("onevision_video", "framefusion"), ("qwen2_vl_video", "framefusion"),
-    *[("llava", method) for method in ("fastervlm", "vispruner", "dart", "pdrop", "sparsevlm")],
+    *[("llava", method) for method in ("fastervlm", "vispruner", "dart", "pdrop", "sparsevlm", "mustdrop")],
     ("llava_next", "hired"), ("llava", "hired"), ("llava", "prumerge"),
 ])
 def test_pruned_flash_equals_pruned_sdpa(case: str, method: str) -> None:

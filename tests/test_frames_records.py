@@ -21,7 +21,7 @@ import torch
 
 import tiny_models as T
 import vlm_prune
-from vlm_prune.frames.dycoke import DyCoke, ttm_plan, ttm_references
+from vlm_prune.frames.dycoke import ttm_plan, ttm_references
 from vlm_prune.frames.fastvid import FastVID, fastvid_plan, frame_counts
 from vlm_prune.frames.holitom import HoliTom, holitom_plan, static_windows
 from vlm_prune.frames.vidcom2 import VidCom2, apportion
@@ -446,11 +446,9 @@ def test_dycoke_ttm_equals_the_official_at_its_k():
     assert plan.reduction.features is None
 
 
-def test_dycoke_spends_the_budget_down_to_its_pivots_and_refuses_decode_pruning():
+def test_dycoke_spends_the_budget_down_to_its_pivots():
     video = _video(5, 9, 12, distinct=None, seed=3)
     assert ttm_references(5) == [None, 0, 0, 2, 3]  # odd last frame: against its predecessor (the official drops it)
     for n_total in (9, 20, 33, 44):  # one pivot frame of 9 tokens
         assert ttm_plan(video, n_total).reduction.indices.numel() == n_total
     assert ttm_plan(video, 7).reduction.indices.numel() == 9  # below the pivot: it stays whole
-    with pytest.raises(ValueError, match="decode_pruning=True.*not implemented.*decode_pruning=False"):
-        DyCoke(decode_pruning=True)

@@ -76,7 +76,7 @@ UNWRAPPED_FAILS = {
 METHODS = ["random", "pool", "divprune", "cdpruner", "visionzip", "tome", "asvit", "fastv", "pact", "adaptinfer",
            "uniform", "quota", "vidcom2", "fastvid", "holitom", "dycoke", "fastervlm", "vispruner", "dart", "pdrop",
            "hired", "prumerge", "framefusion",
-           "sparsevlm"]
+           "sparsevlm", "mustdrop"]
 #: combinations a pruning call refuses with a documented message (no tower attention there)
 CALL_REFUSALS = {**{("onevision_image", name): f"{title} runs on LLaVA-1.5 images and LLaVA-OneVision videos"
                     for name, title in (("visionzip", "VisionZip"), ("fastervlm", "FasterVLM"), ("vispruner", "VisPruner"))},
@@ -429,8 +429,19 @@ def llm_reference(model, inp: dict, rec: dict):
             hidden[i], bias[i] = ~current[0], current[1]
             if getattr(method, "renumber_positions", False):
                 layer_pos[i] = renumber(pos, current[0] & valid)
+    # decode-time KV pruning (MustDrop): generated rows see only the rows that reached the last layer from F on
+    first = method.decode_final_rows_from(n) if getattr(method, "decode_kv", False) else None
+    decode_hidden, decode_pos = [None] * n, [None] * n
+    if first is not None and current is not None:
+        final = current[0] & valid
+        for i in range(first, n):
+            decode_hidden[i] = ~final
+            if getattr(method, "renumber_positions", False):
+                decode_pos[i] = renumber(pos, final)
+                layer_pos[i] = layer_pos[i] if layer_pos[i] is not None else pos
     return dict(inp), HookedReference(model, s, positions=pos, hidden=hidden, bias=bias, layer_positions=layer_pos,
-                                      replace=replace, inject=inject if rec["inject"] is not None and replace else None)
+                                      replace=replace, inject=inject if rec["inject"] is not None and replace else None,
+                                      decode_hidden=decode_hidden, decode_positions=decode_pos)
 
 
 def reference_turn(model, ref_inp: dict, hooks, answer: torch.Tensor) -> torch.Tensor:

@@ -188,7 +188,7 @@ def test_llm_stage_equals_masked_reference(case, attn):
 
 
 @pytest.mark.parametrize("case, method", [
-    *[(case, method) for method in ("random", "fastv", "dart", "pdrop", "sparsevlm") for case in CASES],
+    *[(case, method) for method in ("random", "fastv", "dart", "pdrop", "sparsevlm", "mustdrop") for case in CASES],
     *[(case, method) for case in ("llava", "onevision_video") for method in ("fastervlm", "vispruner", "divprune")],
     *[(case, "hired") for case in ("llava", "llava_next", "nextvideo_image")], ("llava", "prumerge"),
     *[(case, "framefusion") for case in ("onevision_video", "qwen2_vl_video", "nextvideo_video", "ov15_video",

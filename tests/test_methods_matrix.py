@@ -26,7 +26,7 @@ MODELS = {
     "qwen3_5": (Q.tiny_qwen3_5, lambda m: Q.qwen3_vl_inputs(m)),
 }
 TOKEN_METHODS = ["random", "pool", "divprune", "cdpruner", "visionzip", "fastv", "pact", "adaptinfer",
-                 "fastervlm", "vispruner", "dart", "pdrop", "hired", "prumerge", "framefusion", "sparsevlm"]
+                 "fastervlm", "vispruner", "dart", "pdrop", "hired", "prumerge", "framefusion", "sparsevlm", "mustdrop"]
 EXACT = {"random", "pool", "divprune", "cdpruner", "visionzip", "fastv", "fastervlm", "vispruner", "dart", "hired", "prumerge"}
 #: in-LLM methods that land exactly on the target per video / image (floor(keep n) visual tokens reach the last layer)
 EXACT_LLM = {"framefusion"}

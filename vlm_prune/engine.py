@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import threading
 import time
 import warnings
 from dataclasses import dataclass, field, replace
@@ -35,7 +36,7 @@ import torch
 from transformers.modeling_outputs import MoeModelOutputWithPast
 
 from vlm_prune.kv_cache import CacheSegments, install, segments_of
-from vlm_prune.methods.base import LayerContext, Reduction
+from vlm_prune.methods.base import DecodeStepContext, LayerContext, Reduction
 
 
 @dataclass
@@ -206,12 +207,14 @@ class PrunedDecoder:
         self.attn_impl = attn_impl
         self._pending = pending
         self._bypassed = bypassed
+        self._local = threading.local()  # a pending replaced for part of one call (:meth:`_split_prompt`)
 
     # ---- helpers ----------------------------------------------------------------------------
     @property
     def pending(self) -> Pending | None:
         """What the adapter learnt about the calling thread's current prefill (None: nothing)."""
-        return self._pending()
+        override = getattr(self._local, "pending", None)
+        return override if override is not None else self._pending()
 
     @property
     def bypass(self) -> bool:
@@ -221,6 +224,13 @@ class PrunedDecoder:
     @property
     def llm_method(self) -> Any:
         return self.state.methods.get("llm")
+
+    @property
+    def decode_method(self) -> Any:
+        """The configured method that prunes the KV cache during decoding (docs/decode-kv.md), or None."""
+        if self.bypass:
+            return None
+        return next((m for m in self.state.methods.values() if getattr(m, "decode_kv", False)), None)
 
     def prune_points(self) -> list[int]:
         m = self.llm_method
@@ -429,7 +439,11 @@ class PrunedDecoder:
         else:
             new_valid = torch.ones(b, s, dtype=torch.bool, device=device)
 
-        if (segs is not None or past > 0) and self.pending is not None:  # a prompt after a cached prefix
+        pending = self.pending
+        if (segs is None and past == 0 and pending is not None and pending.prompt is not None and pending.prompt < s
+                and self.decode_method is not None):  # tokens after the prompt, under decode-time KV pruning
+            hidden = self._split_prompt(inputs_embeds, position_ids, new_valid, cache, use_cache, kwargs, inject, pending)
+        elif (segs is not None or past > 0) and pending is not None:  # a prompt after a cached prefix
             if segs is None:
                 segs = self._foreign_segments(cache, attention_mask, b, past, position_ids, device)
             pos = spec.default_positions(position_ids, b, s, None, device, segs)
@@ -461,6 +475,36 @@ class PrunedDecoder:
             **kwargs,
         )
         return out[0] if isinstance(out, tuple) else out
+
+    def _split_prompt(self, embeds: torch.Tensor, position_ids: torch.Tensor | None, valid: torch.Tensor, cache: Any,
+                      use_cache: bool, kwargs: dict, inject: torch.Tensor | None, pending: Pending) -> torch.Tensor:
+        """A prompt followed by tokens after it (generate(use_cache=False) re-runs the generated tokens,
+        assisted decoding checks its first draft in the prefill) while a method prunes the KV cache
+        during decoding: the prompt runs as a prefill, then the later tokens as decode steps on its cache
+        (a private one when the call keeps none), so they see exactly what cached decode steps see."""
+        p = pending.prompt
+        b, s = valid.shape
+        if cache is None or not use_cache:
+            from transformers import DynamicCache
+
+            cache = DynamicCache(config=self.spec.lm.config)
+        pos = self.spec.default_positions(position_ids, b, s, 0, embeds.device, None)
+        head = replace(pending, prompt=None, visual=pending.visual[:, :p],
+                       keep=None if pending.keep is None else pending.keep[:, :p],
+                       sizes=None if pending.sizes is None else pending.sizes[:, :p],
+                       blocks=None if pending.blocks is None else pending.blocks[:, :p])
+        self._local.pending = head
+        try:
+            hidden = self._prefill(embeds[:, :p], pos[..., :p], valid[:, :p], cache, True, kwargs,
+                                   inject=None if inject is None else inject[:, :, :p])
+        finally:
+            self._local.pending = None
+        pending.visual_in = head.visual_in
+        rows = self.state.last_rows
+        tail = self._decode(embeds[:, p:], pos[..., p:], valid[:, p:], cache, segments_of(cache), kwargs)
+        later = torch.where(valid[:, p:], torch.arange(p, s, device=valid.device), -1)
+        self.state.last_rows = torch.cat([rows, later.to(rows.device)], 1)
+        return torch.cat([hidden, tail], 1)
 
     def _foreign_segments(self, cache: Any, attention_mask: torch.Tensor | None, b: int, past: int,
                           position_ids: torch.Tensor | None, device: torch.device) -> CacheSegments:
@@ -533,6 +577,8 @@ class PrunedDecoder:
         planned: dict[int, tuple[list[Reduction] | None, float, float]] = {}
         renumber = (bool(getattr(method, "renumber_positions", False)) and bool(points)) or vision_renumbered
         segment_next: list[torch.Tensor] = []
+        key_visual: list[torch.Tensor] = []
+        key_origin: list[torch.Tensor] = []  # each segment's input row per key (decode-time KV pruning)
         layer_visual: list[torch.Tensor] = []  # visual rows each layer saw, per sample
         mask = pe = None
         memo: dict[str, Any] = {}  # what the method keeps across the layers of this prefill (FrameFusion's phases)
@@ -558,6 +604,8 @@ class PrunedDecoder:
                 mask = None
             if mask is None:
                 key_valid.append(rows.valid)
+                key_visual.append(rows.visual & rows.valid)
+                key_origin.append(rows.origin)
                 key_bias.append(torch.log(rows.sizes.float()).masked_fill(~rows.valid, 0.0))
                 blocks = self._blocks_of(rows)
                 mask = self._mask(rows.valid, key_bias[-1], rows.valid, rows.hidden.dtype,
@@ -576,11 +624,83 @@ class PrunedDecoder:
             # tokens after the prompt (assisted decoding's first draft, checked in the prefill) were not
             # chosen from and sit last in every segment: they can be cropped like any later token
             prompt = pending.prompt if pending is not None and pending.prompt is not None else s
-            install(cache, CacheSegments(layer_segment, key_valid, key_bias, next_pos=pos[:, :, -1] + 1, seen=s, prompt=prompt,
-                                         segment_next_pos=segment_next if renumber else None))
+            segs = CacheSegments(layer_segment, key_valid, key_bias, next_pos=pos[:, :, -1] + 1, seen=s, prompt=prompt,
+                                 segment_next_pos=segment_next if renumber else None, key_visual=key_visual)
+            decode = self._keep_final_rows(segs, key_origin, rows.origin, cache)
+            install(cache, segs)
+        else:
+            decode = None
         self.state.last_stats = _stats(stats_in, rows, records, layer_visual, self.state)
+        if decode is not None:
+            self.state.last_stats["decode"] = decode
         self.state.last_rows = rows.origin
         return rows.hidden
+
+    def _keep_final_rows(self, segs: CacheSegments, key_origin: list[torch.Tensor], final: torch.Tensor,
+                         cache: Any) -> dict | None:
+        """Decode-time KV pruning's output-aware cache (MustDrop): from the decode method's layer F on,
+        every layer's keys are limited to the prompt rows that reached the last layer (``final`` [B, k],
+        their input rows). Layers sharing a segment share its restricted copy, whose KV entries are then
+        gathered out of their layers' tensors (:meth:`_compact`). Returns last_stats' "decode" entry: the
+        layer F and, per layer, the visual keys decode steps attend to per sample."""
+        method = self.decode_method
+        first = method.decode_final_rows_from(len(self.spec.layers)) if method is not None else None
+        if first is None:
+            return None
+        b = final.shape[0]
+        width = max(int(o.max()) + 1 for o in key_origin) if key_origin else 0
+        reached = torch.zeros(b, max(width, int(final.max()) + 1), dtype=torch.bool, device=final.device)
+        reached.scatter_(1, final.clamp(min=0), final >= 0)
+        restricted: dict[int, int] = {}
+        last = segs.layer_segment[-1]  # holds the final rows: a renumbered restricted layer continues from their count
+        for idx in range(first, len(segs.layer_segment)):
+            seg = segs.layer_segment[idx]
+            if seg not in restricted:
+                origin = key_origin[seg].to(reached.device)
+                keep = torch.gather(reached, 1, origin.clamp(min=0)) & (origin >= 0)
+                valid = segs.key_valid[seg] & keep.to(segs.key_valid[seg].device)
+                if torch.equal(valid, segs.key_valid[seg]):
+                    restricted[seg] = seg
+                else:
+                    segs.key_valid.append(valid)
+                    segs.key_bias.append(segs.key_bias[seg].masked_fill(~valid, 0.0))
+                    segs.key_visual.append(segs.key_visual[seg] & valid)
+                    if segs.segment_next_pos is not None:
+                        segs.segment_next_pos.append(segs.segment_next_pos[last])
+                    restricted[seg] = len(segs.key_valid) - 1
+            segs.layer_segment[idx] = restricted[seg]
+        compacted = [self._compact(cache, segs, j) for j in sorted(set(restricted.values()) - set(restricted))]
+        return {"method": method.name, "from_layer": first, "compacted": all(compacted),
+                "visual_keys_per_layer": [(segs.key_visual[j] & segs.key_valid[j]).sum(1).tolist() for j in segs.layer_segment]}
+
+    @staticmethod
+    def _compact(cache: Any, segs: CacheSegments, seg: int) -> bool:
+        """Free the masked KV entries of segment ``seg``: each sample's valid keys, in order, left-padded
+        to the longest, gathered out of the key / value tensors of every layer on the segment, and the
+        bookkeeping gathered alike. Only plain dynamic layers (transformers' ``DynamicLayer``) are edited;
+        others (sliding, quantized, offloaded) keep their entries masked. True when compacted."""
+        from transformers.cache_utils import DynamicLayer
+
+        layers = [i for i, j in enumerate(segs.layer_segment) if j == seg]
+        cached = getattr(cache, "layers", None)
+        if cached is None or any(type(cached[i]) is not DynamicLayer or not cached[i].is_initialized for i in layers):
+            return False
+        valid = segs.key_valid[seg]
+        b, kv = valid.shape
+        n = int(valid.sum(1).max())
+        if any(cached[i].keys.shape[2] != kv for i in layers):
+            return False
+        src = torch.argsort(valid.int(), dim=1, stable=True)[:, kv - n:]  # padding first, then the valid keys in order
+        for i in layers:
+            layer = cached[i]
+            for name in ("keys", "values"):
+                t = getattr(layer, name)
+                index = src.to(t.device)[:, None, :, None].expand(b, t.shape[1], n, t.shape[3])
+                setattr(layer, name, torch.gather(t, 2, index))
+        segs.key_valid[seg] = torch.gather(valid, 1, src)
+        segs.key_bias[seg] = torch.gather(segs.key_bias[seg], 1, src.to(segs.key_bias[seg].device))
+        segs.key_visual[seg] = torch.gather(segs.key_visual[seg], 1, src.to(segs.key_visual[seg].device))
+        return True
 
     def _after_prefix(self, rows: Rows, pos: torch.Tensor, stats_in: list[int], records: list[dict[str, Any]],
                       prefix: CacheSegments, cache: Any, kwargs: dict, renumbered_rows: bool) -> torch.Tensor:
@@ -599,6 +719,8 @@ class PrunedDecoder:
         bias = torch.log(rows.sizes.float()).masked_fill(~rows.valid, 0.0)
         key_valid = [torch.cat([kv, rows.valid.to(kv.device)], 1) for kv in prefix.key_valid]
         key_bias = [torch.cat([kb, bias.to(kb.device)], 1) for kb in prefix.key_bias]
+        prefix.key_visual = [torch.cat([kv, (rows.visual & rows.valid).to(kv.device)], 1) for kv in prefix.key_visual]
+        prefix.decode_state = {}  # a new prompt: a per-step decode method starts afresh
         blocks = self._blocks_of(rows)  # the new rows' blocks; cached keys belong to none
         masks = [self._mask(kv, kb, rows.valid, rows.hidden.dtype, None if blocks is None else
                             (blocks, torch.cat([blocks.new_full((kv.shape[0], kv.shape[1] - blocks.shape[1]), -1), blocks], 1)))
@@ -647,11 +769,61 @@ class PrunedDecoder:
         else:
             seg_pos = [pos] * len(segs.key_valid)
         pes = [self._pe(embeds, p) for p in seg_pos]
+        method = self.decode_method
+        step = method.decode_step_layer(len(spec.layers)) if method is not None else None
+        if step is not None and s > 1:  # several tokens at once (a new turn's text): never pruned per step
+            segs.decode_state = {}
+            step = None
         hidden = embeds
         for idx in range(len(spec.layers)):
             seg = segs.layer_segment[idx]
+            hidden_in = hidden
             hidden = self._run_layer(idx, hidden, masks[seg], pes[seg], seg_pos[seg], cache, True, kwargs, valid)
+            if idx == step:
+                masks = self._step_masks(method, idx, hidden_in, seg_pos[seg], cache, segs, valid, masks, embeds.dtype)
         return hidden
+
+    def _step_masks(self, method: Any, layer: int, hidden: torch.Tensor, pos: torch.Tensor, cache: Any,
+                    segs: CacheSegments, valid: torch.Tensor, masks: list[Any], dtype: torch.dtype) -> list[Any]:
+        """A per-step decode-time KV pruning step (DyCoke): the new row's head-averaged attention in
+        ``layer`` (its query projected on the side, the keys read from the layer's cache) goes to
+        ``method.decode_step``; the keys it keeps are the only ones layers after ``layer`` attend to in
+        this step. The cache itself is untouched, so a later step may choose other keys."""
+        seg = segs.layer_segment[layer]
+        later = set(segs.layer_segment[layer + 1:])
+        if any(not torch.equal(segs.key_valid[j], segs.key_valid[seg]) for j in later):
+            raise ValueError(
+                f"{method.name}'s decode-time KV pruning needs the decoder layers from {layer} on to hold the same rows, "
+                "but an llm-stage method removed rows after it. Use the llm-stage method alone, or turn the decode "
+                "stage off")
+        attn_mod = getattr(self.spec.layers[layer], "self_attn", None)
+        keys = getattr(cache.layers[layer], "keys", None)
+        if attn_mod is None or keys is None:
+            full = [i for i, m in enumerate(self.spec.layers) if getattr(m, "self_attn", None) is not None]
+            raise ValueError(
+                f"{method.name}'s decode-time KV pruning reads the attention of decoder layer {layer}, which is not a "
+                f"softmax-attention layer with a KV cache in this model (its attention layers: {full}). Choose the "
+                "layer so that it reads one of those (DyCoke: layer= one more than such a layer), or turn the decode "
+                "stage off")
+        q, _ = self.project_qk(layer)(hidden, pos, rope=True)
+        key_valid = segs.key_valid[seg]
+        if keys.shape[2] != key_valid.shape[1]:
+            raise RuntimeError(f"layer {layer} caches {keys.shape[2]} keys but its bookkeeping has {key_valid.shape[1]}")
+        from vlm_prune.kernels import attention_to_keys
+
+        scale = getattr(attn_mod, "scaling", None) or q.shape[-1] ** -0.5
+        attention = attention_to_keys(q[:, :, -1:], keys.to(q.dtype), key_valid[:, None, :].to(q.device), scale)[:, 0]
+        ctx = DecodeStepContext(layer=layer, attention=attention, visual=segs.key_visual[seg], valid=key_valid,
+                                state=segs.decode_state)
+        with torch.no_grad():
+            keep = method.decode_step(ctx)
+        if keep is None:
+            return masks
+        keep = (keep.to(key_valid.device) | ~segs.key_visual[seg]) & key_valid
+        out = list(masks)
+        for j in later:
+            out[j] = self._mask(keep, segs.key_bias[j], valid, dtype)
+        return out
 
 
 @functools.lru_cache(maxsize=None)

@@ -12,12 +12,16 @@ transformers expects:
   and from the bookkeeping; cropping into a pruned prompt raises;
 - ``reorder_cache`` / ``batch_repeat_interleave`` / ``batch_select_indices`` (beam search,
   contrastive search) move the bookkeeping rows with the cached rows.
+
+Decode-time KV pruning (docs/decode-kv.md) lives here too: a method that restricts what decode
+steps attend to edits ``key_valid`` of its own segments (MustDrop), and a per-step one keeps its
+per-sample state in ``decode_state`` (DyCoke), so beams, copies and crops carry both.
 """
 from __future__ import annotations
 
 import copy
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -38,12 +42,22 @@ class CacheSegments:
     seen: int = 0
     #: columns of the prefill; those of a pruned prefill cannot be cropped
     prompt: int = 0
+    #: per segment [B, kv] bool: which keys are visual tokens (decode-time KV pruning reads them)
+    key_visual: list[torch.Tensor] | None = None
+    #: a decode-time pruning method's per-sample state (tensors with the batch first), moved with
+    #: the batch rows by beams and copies; reset by every new prompt on the cache
+    decode_state: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.key_visual is None:
+            self.key_visual = [torch.zeros_like(kv) for kv in self.key_valid]
 
     def extend(self, valid: torch.Tensor, next_pos: torch.Tensor) -> None:
         """Append the keys of ``valid`` [B, s] new rows (every segment sees them)."""
         b, s = valid.shape
         self.key_valid = [torch.cat([kv, valid], 1) for kv in self.key_valid]
         self.key_bias = [torch.cat([kb, torch.zeros(b, s, device=kb.device)], 1) for kb in self.key_bias]
+        self.key_visual = [torch.cat([kv, torch.zeros_like(valid, device=kv.device)], 1) for kv in self.key_visual]
         self.next_pos = next_pos
         self.seen += s
 
@@ -61,6 +75,7 @@ class CacheSegments:
             )
         self.key_valid = [kv[:, : kv.shape[1] - n] for kv in self.key_valid]
         self.key_bias = [kb[:, : kb.shape[1] - n] for kb in self.key_bias]
+        self.key_visual = [kv[:, : kv.shape[1] - n] for kv in self.key_visual]
         self.next_pos = self.next_pos - n
         if self.segment_next_pos is not None:
             self.segment_next_pos = [p - n for p in self.segment_next_pos]
@@ -71,6 +86,8 @@ class CacheSegments:
         """Keep / reorder / repeat batch rows (``index`` into the batch)."""
         self.key_valid = [kv[index.to(kv.device)] for kv in self.key_valid]
         self.key_bias = [kb[index.to(kb.device)] for kb in self.key_bias]
+        self.key_visual = [kv[index.to(kv.device)] for kv in self.key_visual]
+        self.decode_state = {k: v[index.to(v.device)] for k, v in self.decode_state.items()}
         self.next_pos = self.next_pos[:, index.to(self.next_pos.device)]
         if self.segment_next_pos is not None:
             self.segment_next_pos = [p[:, index.to(p.device)] for p in self.segment_next_pos]

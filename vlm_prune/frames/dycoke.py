@@ -2,11 +2,10 @@
 Compression of Tokens for Fast Video Large Language Models"; official code
 KD-TAO/DyCoke@dd7463498203479d0ff6f2d29c4e72928c0af244, ``llava/model/llava_arch.py`` ``dycole_ttm``).
 
-Its second stage, dynamic KV-cache pruning during decoding (``modeling_qwen2.py``
-``PrunableDynamicCache.dycoke_pruning``: from layer L=3 on, each decode step attends to the
-top (1 - p) of the visual KV entries by the previous step's attention, re-chosen when that
-attention changes), is a decode-time engine capability vlm-prune does not have yet; asking for it
-(``decode_pruning=True``) is refused.
+Its second stage, dynamic KV-cache pruning during decoding (``llava/model/language_model/
+modeling_qwen2.py`` ``PrunableDynamicCache.dycoke_pruning`` / ``update_cache`` and the decoder loop of
+``Qwen2Model.forward``), runs on the engine's decode-time KV pruning (docs/decode-kv.md) with
+``decode_pruning=True``: see :func:`dycoke_step`.
 
 Stage: frames, on the projected (and pooled) frame tokens; kept tokens stay at their slots.
 """
@@ -17,7 +16,7 @@ import torch.nn.functional as F
 
 from vlm_prune.frames.uniform import whole_video
 from vlm_prune.frames.vidcom2 import apportion
-from vlm_prune.methods.base import FramesContext, FramesMethod, FramesPlan, Reduction
+from vlm_prune.methods.base import DecodeKV, DecodeStepContext, FramesContext, FramesMethod, FramesPlan, Reduction
 from vlm_prune.registry import register
 
 
@@ -61,8 +60,36 @@ def ttm_plan(features: torch.Tensor, n_total: int) -> FramesPlan:
     return FramesPlan(Reduction(torch.cat(keep)), [i for i in range(t) if per_frame[i]], per_frame)
 
 
+def dycoke_step(attention: torch.Tensor, visual: torch.Tensor, previous: torch.Tensor | None, p: float,
+                threshold: float = 0.9) -> tuple[torch.Tensor, torch.Tensor]:
+    """One decode step of DyCoke's dynamic KV pruning for a batch: (keep [B, kv] bool, the visual
+    attention to remember [B, kv]).
+
+    ``attention`` [B, kv]: the new token's head-averaged attention in layer L - 1 over its keys;
+    ``visual`` [B, kv]: the visual keys; ``previous`` [B, k <= kv]: the last step's remembered visual
+    attention (None at the first step). As the official code: a sample whose visual attention has a
+    cosine similarity below ``threshold`` (0.9) to the last step's (the first step counts as 0) keeps
+    only its top int(n_visual * (1 - p)) visual keys in layers L.. for this step; otherwise this step
+    attends to the whole cache. The remembered attention is always the current one."""
+    current = torch.where(visual, attention.float(), 0.0)
+    b, kv = current.shape
+    if previous is None:
+        similarity = torch.zeros(b, device=current.device)
+    else:
+        past = torch.zeros_like(current)
+        past[:, : previous.shape[1]] = previous.to(current.device)
+        similarity = F.cosine_similarity(current, past, dim=1)
+    keep = torch.ones(b, kv, dtype=torch.bool, device=current.device)
+    for i in torch.nonzero(similarity < threshold).squeeze(1).tolist():
+        cols = torch.nonzero(visual[i]).squeeze(1)
+        n_keep = int(cols.numel() * (1 - p))
+        keep[i, cols] = False
+        keep[i, cols[torch.topk(current[i, cols], n_keep, sorted=False).indices]] = True
+    return keep, current
+
+
 @register
-class DyCoke(FramesMethod):
+class DyCoke(DecodeKV, FramesMethod):
     """DyCoke's temporal token merging (CVPR 2025; KD-TAO/DyCoke@dd74634): in every pair of frames
     the second keeps only the tokens that differ most (lowest cosine, slot by slot) from the first,
     and in every group of four the third likewise against the first; the other frames (pivots) keep
@@ -70,9 +97,18 @@ class DyCoke(FramesMethod):
     official concatenates a compared frame's tokens in score order and numbers them anew); nothing is
     averaged (the official "merging" drops the similar tokens). See :func:`ttm_plan`.
 
-    Knobs: decode_pruning=False. The official second stage, dynamic KV pruning during decoding
-    (layer L=3, keep 1 - p of the visual KV entries by the last token's attention), is not
-    implemented: True is refused with the reason.
+    Decode stage (``decode_pruning=True``; off by default so that the budget alone decides what the
+    LLM sees): at every single-token decode step the new token's head-averaged attention in layer
+    ``layer`` - 1 (L = 3, the official ``dycoke_l``) over the cached keys is compared with the last
+    step's (cosine over the visual keys); when it changed (similarity < 0.9, and at the first step) the
+    layers from L on attend, in this step only, to the top int(n (1 - ``p``)) of the n visual keys by
+    that attention (``p`` = 0.8, the official ``dycoke_p`` default; the README's example uses 0.7); in
+    a step whose attention did not change they attend to the whole cache (the official code clears its
+    selection at every step and sets it only when the attention changed). The cache keeps every entry,
+    so a later step may choose others (:func:`dycoke_step`). Unlike the official code (batch row 0, one
+    remembered attention shared by every request), each sample scores and remembers its own, and a new
+    prompt on the cache starts afresh. generate() with an assistant model, prompt lookup or
+    use_cache=False is refused (they verify or recompute several tokens per step).
     Budget: the official k (0.3: a compared frame keeps int(0.7 N) tokens) follows from the budget:
     the pivots keep N tokens each and the compared frames share the rest (within a token of each
     other). Pivots are about T / 4 + 1 of T frames, so a budget below their tokens cannot be met by
@@ -84,22 +120,54 @@ class DyCoke(FramesMethod):
     name = "dycoke"
     paper = "DyCoke, CVPR 2025 (arXiv 2411.15024)"
 
-    def __init__(self, keep: float | None = None, budget: int | None = None, decode_pruning: bool = False) -> None:
+    def __init__(self, keep: float | None = None, budget: int | None = None, decode_pruning: bool = False,
+                 layer: int = 3, p: float = 0.8, threshold: float = 0.9) -> None:
         super().__init__(keep, budget)
-        if decode_pruning:
-            raise ValueError(
-                "dycoke: decode_pruning=True (DyCoke's dynamic KV-cache pruning during decoding) is not implemented: "
-                "vlm-prune's engine cannot yet drop KV entries between decode steps while keeping the cache consistent "
-                "with generate(), beams and cache reuse. Use decode_pruning=False (temporal token merging only)"
-            )
+        if not isinstance(decode_pruning, bool):
+            raise ValueError(f"dycoke decode_pruning must be True or False, got {decode_pruning!r}")
+        if not isinstance(layer, int) or layer < 1:
+            raise ValueError(f"dycoke layer L must be an integer >= 1 (it reads layer L - 1's attention), got {layer!r}")
+        if not 0 <= p < 1:
+            raise ValueError(f"dycoke p (the share of visual KV entries pruned per step) must lie in [0, 1), got {p!r}")
         self.decode_pruning = decode_pruning
+        self.layer = layer
+        self.p = float(p)
+        self.threshold = float(threshold)
+
+    @property
+    def decode_kv(self) -> bool:  # type: ignore[override]
+        return self.decode_pruning
+
+    def decode_step_layer(self, num_layers: int) -> int | None:
+        if self.layer >= num_layers:
+            raise ValueError(f"dycoke prunes the KV cache from layer L={self.layer}, but the model has only {num_layers} "
+                             "decoder layers; pass a smaller layer")
+        return self.layer - 1
+
+    def decode_step(self, ctx: DecodeStepContext) -> torch.Tensor | None:
+        keep, ctx.state["attention"] = dycoke_step(ctx.attention, ctx.visual & ctx.valid, ctx.state.get("attention"),
+                                                   self.p, self.threshold)
+        return keep
+
+    def check_generate(self, kwargs: dict, config) -> None:
+        if not self.decode_pruning:
+            return
+        for knob in ("assistant_model", "prompt_lookup_num_tokens"):
+            if kwargs.get(knob, getattr(config, knob, None)) is not None:
+                raise ValueError(f"dycoke decode_pruning=True chooses the KV entries one generated token at a time, which "
+                                 f"generate({knob}=...) skips by verifying several tokens per step. Generate without "
+                                 f"{knob}, or wrap with decode_pruning=False")
+        if kwargs.get("use_cache", getattr(config, "use_cache", True)) is False:
+            raise ValueError("dycoke decode_pruning=True prunes the KV cache, which generate(use_cache=False) does not keep. "
+                             "Generate with the cache (the default), or wrap with decode_pruning=False")
 
     def budget_warning(self, adapter) -> str | None:
         if self.keep is not None and float(self.keep) >= 1.0:
             return None
         return ("dycoke keeps its pivot frames (about T / 4 + 1 of T frames) whole, as the official TTM; a video whose "
                 "budget is below their tokens keeps them all and ends above the budget (the official goes lower only "
-                "through decode-time KV pruning, not implemented); last_stats gives the count reached per video")
+                "through decode-time KV pruning, decode_pruning=True, which the budget does not count); last_stats "
+                "gives the count reached per video")
 
     def allocate(self, ctx: FramesContext) -> FramesPlan:
         whole = whole_video(ctx)

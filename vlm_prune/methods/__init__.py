@@ -34,6 +34,7 @@ BUILTIN = {
     "PruMerge": "vlm_prune.methods.prumerge",
     "FrameFusion": "vlm_prune.methods.framefusion",
     "SparseVLM": "vlm_prune.methods.sparsevlm",
+    "MustDrop": "vlm_prune.methods.mustdrop",
     "KeyScore": "vlm_prune.frames.keyscore",
     "QuoTA": "vlm_prune.frames.quota",
     "Uniform": "vlm_prune.frames.uniform",
@@ -59,5 +60,5 @@ __all__ = [
     "Random", "Pool", "FastV", "PACT", "AdaptInfer", "VisionZip", "DivPrune", "CDPruner",
     "ASViT", "ToMe", "QuoTA", "KeyScore", "Uniform",
     "VidCom2", "FastVID", "HoliTom", "DyCoke",
-    "FasterVLM", "VisPruner", "DART", "PyramidDrop", "HiRED", "PruMerge", "FrameFusion", "SparseVLM",
+    "FasterVLM", "VisPruner", "DART", "PyramidDrop", "HiRED", "PruMerge", "FrameFusion", "SparseVLM", "MustDrop",
 ]

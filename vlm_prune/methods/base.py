@@ -497,3 +497,52 @@ class LLMMethod(Method):
         Text and padding rows must be kept; only visual rows may be dropped or merged.
         """
         raise NotImplementedError
+
+
+@dataclass
+class DecodeStepContext:
+    """One decode step as a per-step decode-time KV pruning method sees it (docs/decode-kv.md).
+
+    attention: [B, kv] float32, the head-averaged softmax attention the step's new row pays every
+        cached key in decoder layer ``layer`` (the keys that layer attends to, the new row last),
+        computed on the side from the cache; 0 on masked keys.
+    visual: [B, kv] bool, the keys that are visual tokens. valid: [B, kv] bool, the keys the layer
+        may attend to (padding and earlier drops False).
+    state: the method's per-sample tensors (batch first), kept on the KV cache so beams and copies
+        move them with their rows; empty at the first decode step after a prompt.
+    """
+
+    layer: int
+    attention: torch.Tensor
+    visual: torch.Tensor
+    valid: torch.Tensor
+    state: dict[str, torch.Tensor]
+
+
+class DecodeKV:
+    """Mixin: decode-time KV-cache pruning (docs/decode-kv.md). The engine asks the configured
+    method that has ``decode_kv`` True (any stage) for either or both hooks:
+
+    - :meth:`decode_final_rows_from`: a layer F; after the prompt, decode steps in layers >= F attend
+      only to the prompt rows that reached the last decoder layer (MustDrop's output-aware cache).
+    - :meth:`decode_step_layer` and :meth:`decode_step`: at every single-token decode step the new
+      row's attention in layer L is handed to :meth:`decode_step`, which returns the keys layers > L
+      attend to in this step (DyCoke's dynamic KV pruning).
+    """
+
+    #: True while the method prunes the KV cache during decoding (a knob may turn it off)
+    decode_kv: bool = False
+
+    def decode_final_rows_from(self, num_layers: int) -> int | None:
+        return None
+
+    def decode_step_layer(self, num_layers: int) -> int | None:
+        return None
+
+    def decode_step(self, ctx: DecodeStepContext) -> torch.Tensor | None:  # pragma: no cover - abstract
+        """[B, kv] bool: the keys layers after ``ctx.layer`` attend to in this step (None: all valid)."""
+        return None
+
+    def check_generate(self, kwargs: dict[str, Any], config: Any) -> None:
+        """Refuse, at the generate() call, the decoding paths this method's decode stage cannot follow."""
+        return None
