@@ -161,7 +161,7 @@ def test_a_second_turn_on_the_returned_cache_equals_the_official_loop(model):
                                    return_dict_in_generate=True, output_scores=True)
             visual = segments_of(first.past_key_values).key_visual[0][0, : inp["input_ids"].shape[1]].clone()
             full = torch.cat([first.sequences, torch.tensor([new])], 1)
-            second = model.generate(input_ids=full, attention_mask=torch.ones_like(full), cache=first.past_key_values,
+            second = model.generate(input_ids=full, attention_mask=torch.ones_like(full), past_key_values=first.past_key_values,
                                     max_new_tokens=STEPS, min_new_tokens=STEPS, do_sample=False,
                                     return_dict_in_generate=True, output_scores=True)
     finally:
