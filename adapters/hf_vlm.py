@@ -492,6 +492,10 @@ class HFVLMAdapter(Adapter):
         samples = self.sample_of_items(modality, [it.features.shape[0] for it in items])
         t0, c0 = time.perf_counter(), time.process_time()
         new_feats, keep_list, size_list, n_in, n_out, extra, merges = [], [], [], [], [], [], []
+        # the frames stage's token groups (FramesPlan.groups), numbered on from earlier ones of the request
+        group_list: list[torch.Tensor] = []
+        group_keep = list(request.pending.group_keep or [])
+        grouped = False
         # a frames + vision pipeline: the frames stage's count per video, then the vision stage's record
         mid: list[int] = []
         vision_videos: list[dict[str, list[int]]] = []
@@ -523,6 +527,12 @@ class HFVLMAdapter(Adapter):
                     red = self.reduce_frames(vision_m, it, samples[i], gen, i)
             merges.append(red)
             merged = merged or red.merged_into is not None
+            groups = torch.full((it.features.shape[0],), -1, dtype=torch.long, device=it.features.device)
+            if frames_m is not None and plan.groups is not None:
+                groups[red.indices.to(groups.device)] = plan.groups.to(groups.device) + len(group_keep)
+                group_keep.extend(plan.group_keep)
+                grouped = True
+            group_list.append(groups)
             f, keep, sizes = scatter_reduction(it.features[:body], red)
             tail = slice(body, it.features.shape[0])
             new_feats.append(torch.cat([f, it.features[tail]]))
@@ -536,6 +546,8 @@ class HFVLMAdapter(Adapter):
         secs, cpu_secs = time.perf_counter() - t0, time.process_time() - c0
         request.reductions[modality] = merges
         self._commit_vision(modality, keep_list, size_list)
+        if grouped:
+            self._commit_groups(modality, group_list, group_keep)
         if frames_m is None and getattr(vision_m, "renumber_positions", False):
             request.pending.renumber = True  # the official code feeds the LLM the shorter sequence
         record = {"stage": "frames" if frames_m is not None else "vision",
@@ -845,6 +857,15 @@ class HFVLMAdapter(Adapter):
         keep[mask] = torch.cat(keep_list).to(keep.device)
         sizes[mask] = torch.cat(size_list).to(sizes.device)
         pending.keep, pending.sizes = keep, sizes
+
+    def _commit_groups(self, modality: str, group_list: list[torch.Tensor], group_keep: list[int]) -> None:
+        """Hand the frames stage's token groups (FramesPlan.groups) of this modality's rows to the engine."""
+        pending = self.request.pending
+        mask = self.request.masks[modality]
+        groups = pending.groups.clone() if pending.groups is not None else torch.full(mask.shape, -1, dtype=torch.long,
+                                                                                      device=mask.device)
+        groups[mask] = torch.cat(group_list).to(groups.device)
+        pending.groups, pending.group_keep = groups, group_keep
 
     def tower_attention_fn(self, out: Any, modality: str) -> Callable[[int, int], tuple[torch.Tensor, torch.Tensor]] | None:
         """callable(item, frame) -> (attention [N], keys [N, d]) for that frame's N tokens, or None."""

@@ -91,6 +91,14 @@ def build_pipeline(
                 f"stage; a pipeline takes at most one method per stage (frames -> vision -> llm)"
             )
         by_stage[m.stage] = m
+    for m in list(by_stage.values()):  # methods that span stages bring their other stages' parts
+        for part in m.companions({s: o for s, o in by_stage.items() if o is not m}):
+            if part.stage in by_stage:
+                raise ValueError(
+                    f"method {m.name!r} also works in the {part.stage!r} stage, where {by_stage[part.stage].name!r} "
+                    f"was given; a pipeline takes at most one method per stage: drop {by_stage[part.stage].name!r}"
+                )
+            by_stage[part.stage] = part
     # one target, the final count: every stage gets it; stage i of m keeps an even share of the
     # reduction (Method.n_keep), so the last stage lands on the target
     ordered = [by_stage[s] for s in STAGES if s in by_stage]

@@ -91,6 +91,10 @@ class Pending:
     #: every frame of one video, ids of different videos apart), -1 elsewhere; set for llm methods with
     #: ``wants_frame_slots`` (FrameFusion), handed to them as ``extras["frame_slots"]`` of their rows
     frame_slots: torch.Tensor | None = None
+    #: [B, S] long: the frames stage's group of each row (-1: none), and the rows each group keeps
+    #: in the llm stage (FramesPlan.groups / group_keep, ids unique within the request)
+    groups: torch.Tensor | None = None
+    group_keep: list[int] | None = None
 
 
 @dataclass
@@ -304,10 +308,16 @@ class PrunedDecoder:
         extras = {"family": self.spec.family, "prune_before": prune_before, "origin": rows.origin,
                   "images": self.pending.images_per_sample if self.pending else None, "final_norm": self.spec.lm.norm,
                   "prefill_memo": {} if memo is None else memo}
-        slots = self.pending.frame_slots if self.pending is not None else None
-        if slots is not None:  # each row's slot, followed through removals by its input index
-            slots = slots.to(rows.origin.device)
-            extras["frame_slots"] = torch.gather(slots, 1, rows.origin.clamp(min=0)).masked_fill(rows.origin < 0, -1)
+        pending = self.pending
+
+        def follow(table: torch.Tensor) -> torch.Tensor:  # an input-layout [B, S] table, through removals (-1: padding)
+            table = table.to(rows.origin.device)
+            return torch.gather(table, 1, rows.origin.clamp(min=0)).masked_fill(rows.origin < 0, -1)
+
+        if pending is not None and pending.frame_slots is not None:  # each row's slot
+            extras["frame_slots"] = follow(pending.frame_slots)
+        if pending is not None and pending.groups is not None:  # the frames stage's groups
+            extras["groups"], extras["group_keep"] = follow(pending.groups), pending.group_keep
         if first is not None:  # the rows entering layer 0 (methods with needs_input_rows)
             extras.update(input_hidden=first.hidden, input_visual=first.visual & first.valid, input_text=first.text,
                           input_origin=first.origin)

@@ -62,7 +62,7 @@ def describe_methods() -> list[dict[str, Any]]:
     for name in available_methods():
         cls = method_class(name)
         out.append({
-            "name": name, "stage": cls.stage, "paper": cls.paper,
+            "name": name, "stage": "+".join(getattr(cls, "needs_stages", None) or (cls.stage,)), "paper": cls.paper,
             "supported": method_families(name), "family_notes": dict(cls.family_notes),
             "own_defaults": bool(cls.own_schedule), "knobs": method_knobs(name),
             "budget_note": getattr(cls, "budget_note", None),

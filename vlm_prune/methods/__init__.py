@@ -42,6 +42,7 @@ BUILTIN = {
     "FastVID": "vlm_prune.frames.fastvid",
     "HoliTom": "vlm_prune.frames.holitom",
     "DyCoke": "vlm_prune.frames.dycoke",
+    "PruneVid": "vlm_prune.frames.prunevid",
 }
 
 
@@ -59,6 +60,6 @@ __all__ = [
     "Method", "VisionMethod", "LLMMethod", "FramesMethod", "Reduction", "VisionContext", "LayerContext",
     "Random", "Pool", "FastV", "PACT", "AdaptInfer", "VisionZip", "DivPrune", "CDPruner",
     "ASViT", "ToMe", "QuoTA", "KeyScore", "Uniform",
-    "VidCom2", "FastVID", "HoliTom", "DyCoke",
+    "VidCom2", "FastVID", "HoliTom", "DyCoke", "PruneVid",
     "FasterVLM", "VisPruner", "DART", "PyramidDrop", "HiRED", "PruMerge", "FrameFusion", "SparseVLM", "MustDrop",
 ]

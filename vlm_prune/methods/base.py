@@ -199,7 +199,8 @@ class LayerContext:
         projects only those query rows (q [B, H, R, d]); ``rope="keys"`` returns
         (q, k, k_rope), q and k without RoPE and the keys with it, from one projection.
     extras: "family", "prune_before", "origin" (each row's input index), "images" (per sample),
-        "final_norm" (the language model's last norm); for a method with ``needs_previous_hidden``
+        "final_norm" (the language model's last norm); "groups" [B, S] and "group_keep" when the
+        frames stage grouped its tokens (:attr:`FramesPlan.groups`); for a method with ``needs_previous_hidden``
         also "previous_hidden" (the same rows entering layer ``layer - 1``) and
         "previous_project_qk" (that layer's ``project_qk``); "prefill_memo", a dict the method may
         keep state in across the layers of one prefill (new for every prefill); "frame_slots" [B, S]
@@ -277,6 +278,10 @@ class FramesPlan:
     token_coords: [K, 3] long (frame, row, col) of every kept token in its frame's (resized)
         grid, when the plan resizes frames; None when kept tokens stay at their own slots. Models
         with spatial position ids (Qwen2-VL's M-RoPE) place resized tokens by these coordinates.
+    groups: [K] long, the group (0 ..) of every kept token, for a method whose llm stage keeps a
+        count per group (PruneVid: a window's static tokens, a frame's dynamic ones); None otherwise.
+        The engine hands them on as ``LayerContext.extras["groups"]``.
+    group_keep: the tokens of each group that the llm stage keeps (``extras["group_keep"]``).
     """
 
     reduction: Reduction
@@ -284,6 +289,8 @@ class FramesPlan:
     tokens_per_frame: list[int]
     frame_scores: torch.Tensor | None = None
     token_coords: torch.Tensor | None = None
+    groups: torch.Tensor | None = None
+    group_keep: list[int] | None = None
 
 
 class Method:
@@ -373,6 +380,13 @@ class Method:
     def check_model(self, adapter: Any) -> None:
         """Raise ValueError at wrap time when this model does not meet the method's further needs
         (its family has passed :meth:`refusal` already: ``Adapter.check_methods``)."""
+
+    def companions(self, others: dict[str, "Method"]) -> list["Method"]:
+        """The methods this one runs in other stages (one per stage), added to the pipeline by
+        wrap(): a method whose algorithm spans stages (PruneVid: a frames-stage merge, then an
+        llm-stage selection) is one name for the user. ``others``: the pipeline's other methods by
+        stage; refuse (ValueError) combinations the method cannot run in. Default: none."""
+        return []
 
     def describe(self) -> dict[str, Any]:
         """The configuration as plain values (for stats, results files and plots)."""
