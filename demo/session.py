@@ -597,7 +597,8 @@ class Session:
                         pipeline = build_pipeline(entry, None, loaded)
                     except DemoError:
                         continue
-                    if kind == "image" and any(m.stage == "frames" for m in pipeline):
+                    if kind == "image" and any("frames" in (getattr(m, "needs_stages", None) or (m.stage,))
+                                               for m in pipeline):  # frames methods (and PruneVid) act on videos
                         continue
                     with self.lock:
                         try:

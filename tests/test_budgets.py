@@ -16,9 +16,10 @@ import torch
 
 import tiny_models as T
 import vlm_prune
+from vlm_prune.frames.prunevid import PruneVid
 from vlm_prune.frames.quota import QuoTA
 from vlm_prune.methods.base import BudgetWarning
-from vlm_prune.registry import available_methods, method_class
+from vlm_prune.registry import available_methods, method_class, method_stages
 
 KEEPS = [1.0, 0.5, 0.25, 0.11, 0.05]
 BUDGET = 3
@@ -60,6 +61,8 @@ def _model(case):
 
 
 def _spec(name):
+    if name == "prunevid":  # its selection layer inside the tiny models' 6 decoder layers (default 11)
+        return PruneVid(layer=2)
     if name == "quota":  # a fixed scorer: no processor / prompting needed to test budgets
         return QuoTA(scorer=lambda pixels, prompt: torch.linspace(0.2, 0.9, pixels.shape[0]), variant="v2")
     return name
@@ -126,7 +129,7 @@ def _one_thread():
 @pytest.mark.parametrize("name", available_methods())
 def test_every_method_meets_the_target(name, case, kind, value):
     model, inp = _model(case)
-    if method_class(name).stage == "frames" and not CASES[case][3]:
+    if "frames" in method_stages(name) and not CASES[case][3]:
         pytest.skip("frames methods choose among a video's frames; this input has none")
     result = _run(model, inp, name, kind, value)
     if result is None:

@@ -32,10 +32,11 @@ from reference import HookedReference, capture_lm_inputs, injection_kwargs, inje
 from vlm_prune import engine
 from vlm_prune.frames.fastvid import FastVID
 from vlm_prune.frames.holitom import HoliTom
+from vlm_prune.frames.prunevid import PruneVid
 from vlm_prune.frames.quota import QuoTA
 from vlm_prune.methods import PACT, SparseVLM
 from vlm_prune.methods.framefusion import FrameFusion
-from vlm_prune.registry import method_class
+from vlm_prune.registry import method_stages
 
 STEPS = 4
 
@@ -75,8 +76,7 @@ UNWRAPPED_FAILS = {
 }
 METHODS = ["random", "pool", "divprune", "cdpruner", "visionzip", "tome", "asvit", "fastv", "pact", "adaptinfer",
            "uniform", "quota", "vidcom2", "fastvid", "holitom", "dycoke", "fastervlm", "vispruner", "dart", "pdrop",
-           "hired", "prumerge", "framefusion",
-           "sparsevlm", "mustdrop"]
+           "hired", "prumerge", "framefusion", "sparsevlm", "mustdrop", "prunevid"]
 #: combinations a pruning call refuses with a documented message (no tower attention there)
 CALL_REFUSALS = {**{("onevision_image", name): f"{title} runs on LLaVA-1.5 images and LLaVA-OneVision videos"
                     for name, title in (("visionzip", "VisionZip"), ("fastervlm", "FasterVLM"), ("vispruner", "VisPruner"))},
@@ -97,6 +97,8 @@ def _method(name: str, keep: float):
         return FastVID(d=0.5)
     if name == "holitom":  # every slot static: windows of 2 frames average into one token per slot
         return HoliTom(tau=-1.0, max_window=2)
+    if name == "prunevid":  # slots still through a window (tau 0): static tokens averaged; selection in layer 2
+        return PruneVid(layer=2, tau=0.0)
     if name == "pact" and keep == 1.0:
         return PACT(cutoff=0.0)
     if name == "framefusion":  # every slot similar enough: the first merge reaches the target (one merging layer)
@@ -232,7 +234,7 @@ def assisted(model, inp1, adapter: str) -> torch.Tensor:
 def wrapped(adapter: str, method: str, keep: float):
     """(model, inputs, batch-1 inputs) of the adapter wrapped with ``method``; None when wrap() or
     the call refuses the combination with its documented message."""
-    if method_class(method).stage == "frames" and adapter not in VIDEO:
+    if "frames" in method_stages(method) and adapter not in VIDEO:
         pytest.skip("frames methods act on video only")
     model, inp, inp1 = setup(adapter)
     return (model, inp, inp1) if wrap_or_refuse(model, method, adapter, inp, keep=keep) else None
@@ -444,6 +446,23 @@ def llm_reference(model, inp: dict, rec: dict):
                                       decode_hidden=decode_hidden, decode_positions=decode_pos)
 
 
+def pipeline_reference(model, inp: dict, rec: dict):
+    """Frames / vision stage, then in-LLM (PruneVid): the vision reference's shorter input of the
+    rows the first stage kept (the rows the llm stage chose from), with the rows the llm stage
+    dropped hidden as keys from its pruning layer on."""
+    (layer, origin, reds), = rec["selects"]
+    ref, hooks = vision_reference(model, inp, {**rec, "rows": origin})
+    b, k = ref["attention_mask"].shape
+    dropped = torch.zeros(b, k, dtype=torch.bool)
+    for i, red in enumerate(reds):
+        rows = origin[i][origin[i] >= 0]  # the short input's rows, left-padded to k
+        short = torch.zeros(origin.shape[1], dtype=torch.bool)
+        short[red.indices] = True
+        dropped[i, k - rows.numel():] = ~short[origin[i] >= 0]
+    hooks.hidden = [None if i < layer else dropped for i in range(len(hooks.hidden))]
+    return ref, hooks
+
+
 def reference_turn(model, ref_inp: dict, hooks, answer: torch.Tensor) -> torch.Tensor:
     """The second turn on the reference: its first-turn cache, then the new turn and one greedy
     token at a time through model() (positions and masks from the hooks)."""
@@ -538,12 +557,14 @@ def test_every_path_when_pruning_equals_its_reference(adapter, method):
             _assert_refusals(model, inp)
     finally:
         vlm_prune.unwrap(model)
-    build = llm_reference if in_llm else vision_reference
+    two_stage = in_llm and ("frames" in state.methods or "vision" in state.methods)
+    build = pipeline_reference if two_stage else llm_reference if in_llm else vision_reference
     (ref_inp, hooks), (ref_inp1, hooks1) = build(model, inp, rec), build(model, inp1, rec1)
     s, s1 = inp["input_ids"].shape[1], inp1["input_ids"].shape[1]
     answer = first[:, s:]
     with torch.no_grad():
         ref = reference_paths(model, ref_inp, hooks, ref_inp1, hooks1, answer, UNWRAPPED_FAILS.get(adapter, ()))
+    in_llm = in_llm and not two_stage  # the reference's input: the whole one, or a shorter one of embeddings
     cut = 0 if in_llm else s  # generate() on inputs_embeds returns the new tokens only
     for name in ("greedy", "sampling", "beams3", "return2", "no_cache"):
         if name in UNWRAPPED_FAILS.get(adapter, ()):

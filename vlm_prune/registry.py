@@ -53,6 +53,13 @@ def method_families(name: str) -> list[str]:
     return [family for family, stages in FAMILY_STAGES.items() if cls.refusal(family, stages) is None]
 
 
+def method_stages(name: str) -> tuple[str, ...]:
+    """The stages method ``name`` runs in: its own, or every stage of a method that spans several
+    (``needs_stages``: PruneVid's frames-stage merge and llm-stage selection)."""
+    cls = method_class(name)
+    return tuple(getattr(cls, "needs_stages", None) or (cls.stage,))
+
+
 def describe_methods() -> list[dict[str, Any]]:
     """One plain dict per registered method: name, stage, paper, ``supported``: the model families
     wrap() accepts it on (:func:`method_families`) and ``family_notes`` (limits within a family),
@@ -62,7 +69,7 @@ def describe_methods() -> list[dict[str, Any]]:
     for name in available_methods():
         cls = method_class(name)
         out.append({
-            "name": name, "stage": "+".join(getattr(cls, "needs_stages", None) or (cls.stage,)), "paper": cls.paper,
+            "name": name, "stage": "+".join(method_stages(name)), "paper": cls.paper,
             "supported": method_families(name), "family_notes": dict(cls.family_notes),
             "own_defaults": bool(cls.own_schedule), "knobs": method_knobs(name),
             "budget_note": getattr(cls, "budget_note", None),
