@@ -12,6 +12,7 @@ import torch
 
 import test_invariants as inv
 import vlm_prune
+from vlm_prune.frames.prunevid import PruneVid
 from flash_attn_standin import (  # noqa: F401  (flash_attn_standin is a fixture)
     flash_attn_func,
     flash_attn_standin,
@@ -160,6 +161,7 @@ def test_identity_under_flash(case: str) -> None:
     ("onevision_video", "holitom"), ("onevision_video", "dycoke"),
     ("onevision_video", "framefusion"), ("qwen2_vl_video", "framefusion"),
     *[("llava", method) for method in ("fastervlm", "vispruner", "dart", "pdrop", "sparsevlm", "mustdrop")],
+    pytest.param("onevision_video", PruneVid(layer=2, tau=0.0), id="onevision_video-prunevid"),
     ("llava_next", "hired"), ("llava", "hired"), ("llava", "prumerge"),
 ])
 def test_pruned_flash_equals_pruned_sdpa(case: str, method: str) -> None:
