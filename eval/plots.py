@@ -111,7 +111,7 @@ METHOD_COLOURS = {
     "mustdrop": "#7F3C8D",
     "uniform": "#88CCEE", "keyscore": "#332288", "quota": "#D55E00",
     "vidcom2": "#661100", "fastvid": "#6699CC", "holitom": "#EE8866", "dycoke": "#BBCC33",
-    "framefusion": "#994455",
+    "framefusion": "#994455", "prunevid": "#5D3A9B",
 }
 SPARE_COLOURS = ("#999933", "#56B4E9", "#009E73", "#F0E442", "#CC79A7")
 FAMILY_MARKERS = {"baseline": "X", "vision": "o", "vit": "^", "llm": "s", "frames": "D"}

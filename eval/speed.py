@@ -69,8 +69,8 @@ PROMPT_TOKENS = (14, 22)  # text tokens before / after the visual tokens (system
 SPEED_METHODS = {
     "image": ("pool", "random", "visionzip", "divprune", "cdpruner", "tome", "asvit", "fastv", "pact", "adaptinfer",
               "fastervlm", "vispruner", "dart", "pdrop", "prumerge", "mustdrop"),
-    "video": ("uniform", "keyscore", "quota", "vidcom2", "fastvid", "holitom", "dycoke", "framefusion", "pool", "random",
-              "divprune", "cdpruner", "tome", "fastv", "pact", "adaptinfer"),
+    "video": ("uniform", "keyscore", "quota", "vidcom2", "fastvid", "holitom", "dycoke", "framefusion", "prunevid", "pool",
+              "random", "divprune", "cdpruner", "tome", "fastv", "pact", "adaptinfer"),
 }
 SPEED_METHODS["image-deep"] = SPEED_METHODS["image"]
 IDENTITY_METHODS = ("random", "fastv")
