@@ -285,6 +285,7 @@ def test_question_attention_equals_the_eager_attention_weights():
 CASES = {
     "onevision": (T.tiny_onevision, lambda m, batch=2: T.onevision_video_inputs(m, batch=batch, frames=8)),
     "qwen2_vl": (T.tiny_qwen2_vl, lambda m, batch=2: T.qwen2_vl_inputs(m, batch=batch, video=True)),
+    "qwen2_5_vl": (lambda: T.tiny_qwen2_vl(v25=True), lambda m, batch=2: T.qwen2_vl_inputs(m, batch=batch, video=True)),
 }
 
 
