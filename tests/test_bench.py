@@ -22,7 +22,7 @@ def applicable(stages: set[str], family: str) -> set[str]:
     out = {"saturation"}  # the required model-free baseline
     for name in vlm_prune.available_methods():
         cls = method_class(name)
-        if cls.stage in stages and (cls.supported is None or family in cls.supported):
+        if cls.refusal(family, tuple(stages)) is None:  # wrap()'s rule (PruneVid needs the frames and llm stages)
             out.add(name)
             if cls.stage == "frames":
                 out.add(f"{name}+pact")
