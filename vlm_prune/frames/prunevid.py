@@ -293,7 +293,10 @@ class PruneVid(LLMMethod):
     its decode steps see fewer keys in those layers); DPC-kNN's 1e-6 random density noise is left
     out (ties go as torch.topk breaks them); a single-frame scene has no static tokens (the
     official divides 0 by 0 there, which also marks none); fewer than 4 frames make one cluster
-    (the official asks for int(T / 4) = 0 and fails). Videos only: images pass unchanged.
+    (the official asks for int(T / 4) = 0 and fails). Videos only: images pass unchanged; on
+    Qwen2-VL / 2.5-VL (and the later M-RoPE families) a "frame" is a temporal slice of 2 frames, as
+    the model encodes them. Runs alone (no other method in the pipeline: the selection counts per
+    group of the merge).
     """
 
     name = "prunevid"
