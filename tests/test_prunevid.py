@@ -356,3 +356,21 @@ def test_listed_as_one_method_in_two_stages():
     assert entry["knobs"] == {"tau": 0.8, "temporal_ratio": 0.25, "cluster_ratio": 0.5, "alpha": 0.4, "layer": 11, "k": 7}
     assert entry["supported"] == ["llava_onevision", "qwen2_vl", "llava_next_video", "llava_onevision15", "qwen3_vl",
                                   "glm4v"]
+
+
+def test_a_deep_copy_keeps_one_method_in_two_stages():
+    """copy.deepcopy of a wrapped model: the copy's merge reads the copy's PruneVid (its knobs and
+    budget), not the original's, and prunes the same."""
+    import copy
+
+    make, inputs = CASES["qwen2_vl"]
+    model = make()
+    inp = inputs(model)
+    vlm_prune.wrap(model, PruneVid(layer=2), budget=5)
+    clone = copy.deepcopy(model)
+    try:
+        methods = clone.vlm_prune.methods
+        assert methods["frames"].owner is methods["llm"] and methods["llm"] is not model.vlm_prune.methods["llm"]
+        assert T.forward_stats(clone, inp)["visual_tokens_out"] == [5, 5]
+    finally:
+        vlm_prune.unwrap(model)
