@@ -2,7 +2,8 @@
 
 The frames-stage methods "quota" (QuoTA), "keyscore" (KeyScore + STACFP) and "uniform", and the
 video token-reduction records on the same stage ("vidcom2", "fastvid", "holitom", "dycoke":
-vlm_prune.frames.vidcom2 ...), register when their modules are imported (the registry does that);
+vlm_prune.frames.vidcom2 ...; "prunevid", whose merge runs here and its selection in the LLM),
+register when their modules are imported (the registry does that);
 :func:`select_frames` chooses keyframes outside any model. The names below are imported on first
 use, so that ``vlm-prune keyframes --help`` (this package's ``cli``) does not import torch.
 """
