@@ -353,7 +353,8 @@ def test_refusals():
 def test_listed_as_one_method_in_two_stages():
     entry = next(m for m in vlm_prune.describe_methods() if m["name"] == "prunevid")
     assert entry["stage"] == "frames+llm" and entry["own_defaults"]
-    assert entry["knobs"] == {"tau": 0.8, "temporal_ratio": 0.25, "cluster_ratio": 0.5, "alpha": 0.4, "layer": 11, "k": 7}
+    assert entry["knobs"] == {"tau": 0.8, "temporal_ratio": 0.25, "cluster_ratio": 0.5, "alpha": 0.4, "layer": 11, "k": 7,
+                              "early_kv": "keep"}
     assert entry["supported"] == ["llava_onevision", "qwen2_vl", "llava_next_video", "llava_onevision15", "qwen3_vl",
                                   "glm4v"]
 
@@ -372,5 +373,75 @@ def test_a_deep_copy_keeps_one_method_in_two_stages():
         methods = clone.vlm_prune.methods
         assert methods["frames"].owner is methods["llm"] and methods["llm"] is not model.vlm_prune.methods["llm"]
         assert T.forward_stats(clone, inp)["visual_tokens_out"] == [5, 5]
+    finally:
+        vlm_prune.unwrap(model)
+
+
+def test_early_kv_drop_decodes_as_the_official_cache():
+    """early_kv="drop": each decode step equals the official VTPWindowCache decode - the unwrapped model
+    on the merged video's rows with the llm stage's dropped rows hidden from the pruning layer on in
+    the prompt, then removed from EVERY layer's KV cache (the earlier layers' too) before the decode
+    steps, which continue the positions. The default (early_kv="keep") decodes otherwise."""
+    from test_generate_matrix import pipeline_reference, record_prefill
+
+    model = T.tiny_onevision()
+    inp = T.onevision_video_inputs(model, batch=1, frames=8)
+    steps = 4
+
+    def decode_logits(early_kv):
+        vlm_prune.wrap(model, PruneVid(layer=3, tau=2.0, early_kv=early_kv), keep=0.25)  # nothing static
+        try:
+            rec = record_prefill(model, inp)
+            with torch.no_grad():
+                out = model.generate(**inp, max_new_tokens=steps, do_sample=False, output_logits=True,
+                                     return_dict_in_generate=True)
+            if early_kv == "drop":
+                with pytest.raises(ValueError, match="early_kv='drop'.*use_cache=False"):
+                    model.generate(**inp, max_new_tokens=2, do_sample=False, use_cache=False)
+        finally:
+            vlm_prune.unwrap(model)
+        return rec, out.sequences[:, inp["input_ids"].shape[1]:], torch.stack(out.logits, 1)
+
+    rec, tokens, logits = decode_logits("drop")
+    ref, hooks = pipeline_reference(model, inp, rec)
+    dropped = hooks.hidden[3][0]
+    assert bool(dropped.any()) and hooks.hidden[2] is None
+    with torch.no_grad():
+        with hooks:
+            first = model(**ref, use_cache=True)
+        cache = first.past_key_values
+        for layer in cache.layers:  # the official cache surgery: every layer keeps the kept rows only
+            layer.keys, layer.values = layer.keys[:, :, ~dropped], layer.values[:, :, ~dropped]
+        ref_logits = [first.logits[:, -1]]
+        pos = int(rec["pos"][0, 0].max()) + 1
+        for step in range(steps - 1):
+            tok = tokens[:, step:step + 1]
+            n = cache.get_seq_length()
+            out = model(input_ids=tok, cache=cache, position_ids=torch.tensor([[pos + step]]),
+                        attention_mask=torch.ones(1, n + 1, dtype=torch.long))
+            cache = out.past_key_values
+            ref_logits.append(out.logits[:, -1])
+    torch.testing.assert_close(logits, torch.stack(ref_logits, 1), atol=1e-5, rtol=1e-5)
+    _, _, kept_logits = decode_logits("keep")
+    torch.testing.assert_close(kept_logits[:, 0], logits[:, 0], atol=1e-5, rtol=1e-5)  # the same prefill
+    assert float((kept_logits[:, 1:] - logits[:, 1:]).abs().max()) > 1e-4  # decode steps differ
+
+
+def test_early_kv_drop_batch_and_beams_equal_each_sample_alone():
+    """early_kv="drop" keeps the cache bookkeeping right through padding, beams and returned sequences:
+    a padded batch of 2 decodes as each sample alone (greedy and 3 beams)."""
+    model = T.tiny_onevision()
+    inp = T.onevision_video_inputs(model, frames=8)
+    vlm_prune.wrap(model, PruneVid(layer=3, tau=2.0, early_kv="drop"), keep=0.25)
+    try:
+        with torch.no_grad():
+            for kw in ({"do_sample": False}, {"do_sample": False, "num_beams": 3}):
+                both = model.generate(**inp, max_new_tokens=6, **kw)
+                for b in range(2):
+                    valid = inp["attention_mask"][b].bool()
+                    one = {"input_ids": inp["input_ids"][b:b + 1, valid], "attention_mask": inp["attention_mask"][b:b + 1, valid],
+                           "pixel_values_videos": inp["pixel_values_videos"][b:b + 1]}
+                    alone = model.generate(**one, max_new_tokens=6, **kw)
+                    assert torch.equal(both[b, -6:], alone[0, -6:]), (kw, b)
     finally:
         vlm_prune.unwrap(model)

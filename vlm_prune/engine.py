@@ -352,6 +352,12 @@ class PrunedDecoder:
         # the prompt's rows, exactly as with a cache. Counted on the input's width, not the rows'
         extra = pending.visual.shape[1] - pending.prompt if pending is not None and pending.prompt is not None else 0
         extra = max(0, min(extra, int(rows.valid.sum(1).min())))
+        if extra and getattr(self.llm_method, "drops_earlier_keys", False):
+            raise ValueError(
+                f"{self.llm_method.name} also removes the dropped tokens from the KV cache of the layers before it "
+                "(early_kv='drop'), which decoding without a cache (use_cache=False) cannot repeat: the generated "
+                "tokens would see them there. Decode with the cache (the default), or use early_kv='keep'"
+            )
         with torch.no_grad():
             if extra:
                 cut = rows.valid.shape[1] - extra
@@ -590,6 +596,7 @@ class PrunedDecoder:
         key_visual: list[torch.Tensor] = []
         key_origin: list[torch.Tensor] = []  # each segment's input row per key (decode-time KV pruning)
         layer_visual: list[torch.Tensor] = []  # visual rows each layer saw, per sample
+        layout_start = 0  # the first key segment holding the current rows' layout
         mask = pe = None
         memo: dict[str, Any] = {}  # what the method keeps across the layers of this prefill (FrameFusion's phases)
         for idx in range(n_layers):
@@ -601,7 +608,11 @@ class PrunedDecoder:
             if reds is not None:  # None: the method changes nothing before this layer (no record, same mask)
                 before = (rows.visual & rows.valid).sum(1).tolist()
                 merges = merged_into(rows, reds, visual_in) if any(r.merged_into is not None for r in reds) else None
+                if getattr(method, "drops_earlier_keys", False):  # the layers since the last removal (same rows)
+                    for j in range(layout_start, len(key_valid)):
+                        key_valid[j] = earlier_keys_dropped(key_valid[j], reds)
                 rows = apply(rows, reds)
+                layout_start = len(key_valid)
                 if renumber and getattr(method, "renumber_positions", False):
                     rows = replace(rows, pos=renumbered(rows.pos, rows.valid))
                 records.append({
@@ -1029,6 +1040,17 @@ def merged_into(rows: Rows, reds: list[Reduction], visual_in: torch.Tensor) -> l
         res[number[b, rows.origin[b, src[ok]]]] = number[b, rows.origin[b, dst[ok]]]
         out.append(res.tolist())
     return out
+
+
+def earlier_keys_dropped(key_valid: torch.Tensor, reds: list[Reduction]) -> torch.Tensor:
+    """[B, S] the keys of the layers before a removal that later tokens still see: only the rows the
+    removal ``reds`` keeps (for a method with ``drops_earlier_keys``, as PruneVid's official cache,
+    which removes them from every layer's KV). The prompt has run through those layers already, so
+    only decode steps see the difference."""
+    kept = torch.zeros_like(key_valid)
+    for i, red in enumerate(reds):
+        kept[i, red.indices.to(kept.device)] = True
+    return key_valid & kept
 
 
 def renumbered(pos: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:

@@ -282,15 +282,17 @@ class PruneVid(LLMMethod):
     Knobs (official defaults, scripts/eval.sh): tau=0.8, temporal_ratio=0.25
     (temporal_segment_ratio), cluster_ratio=0.5, alpha=0.4, layer=11 (the official prunes after
     selected_layer=10 with that layer's attention: here "before layer 11, scored in layer 10", as
-    FastV's K), k=7.
+    FastV's K), k=7, early_kv="keep".
     Budget: without keep / budget the official counts (data-dependent; about 16-17% of the tokens in
     the paper). With them, the video's tokens reaching the last layer are exactly the target:
     see :func:`prunevid_plan` (the llm stage's alpha becomes target / merged tokens).
     Differences from the official code: merged tokens take the slot (and position id) of their
     cluster's centre - a scene's static tokens in its first frame - instead of being packed
-    scene by scene (static, then each frame's dynamic tokens) and renumbered; the layers before
-    ``layer`` keep the dropped tokens in their KV cache (the official also removes them there, so
-    its decode steps see fewer keys in those layers); DPC-kNN's 1e-6 random density noise is left
+    scene by scene (static, then each frame's dynamic tokens) and renumbered; by default
+    (early_kv="keep") the layers before ``layer`` keep the dropped tokens in their KV cache, so decode
+    steps still see them there, as every in-LLM method here; early_kv="drop" removes them there too,
+    as the official cache does (decode steps then see the kept tokens only, in every layer; decoding
+    without a cache, use_cache=False, is refused then); DPC-kNN's 1e-6 random density noise is left
     out (ties go as torch.topk breaks them); a single-frame scene has no static tokens (the
     official divides 0 by 0 there, which also marks none); fewer than 4 frames make one cluster
     (the official asks for int(T / 4) = 0 and fails). Videos only: images pass unchanged; on
@@ -314,8 +316,12 @@ class PruneVid(LLMMethod):
 
     def __init__(self, keep: float | None = None, budget: int | None = None, tau: float = 0.8,
                  temporal_ratio: float = 0.25, cluster_ratio: float = 0.5, alpha: float = 0.4, layer: int = 11,
-                 k: int = 7) -> None:
+                 k: int = 7, early_kv: str = "keep") -> None:
         super().__init__(keep, budget)
+        if early_kv not in ("keep", "drop"):
+            raise ValueError(f"prunevid early_kv must be 'keep' (the layers before `layer` keep every token in their KV "
+                             f"cache) or 'drop' (the official: they lose the dropped ones too), got {early_kv!r}")
+        self.early_kv = early_kv
         for name, value in (("temporal_ratio", temporal_ratio), ("cluster_ratio", cluster_ratio), ("alpha", alpha)):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
                 raise ValueError(f"prunevid {name} must be a fraction in (0, 1], got {value!r}")
@@ -342,6 +348,12 @@ class PruneVid(LLMMethod):
                 f"it cannot be combined with {', '.join(repr(m.name) for m in others.values())}: wrap with 'prunevid' alone"
             )
         return [PruneVidMerge(self)]
+
+    @property
+    def drops_earlier_keys(self) -> bool:
+        """True when the layers before ``layer`` lose the dropped tokens from their KV cache too (the
+        engine hides them from later decode steps there: ``engine.earlier_keys_dropped``)."""
+        return self.early_kv == "drop"
 
     def prune_layers(self, num_layers: int) -> list[int]:
         if self.layer >= num_layers:
