@@ -14,7 +14,10 @@ rows between layers:
   (proportional attention) through an additive float mask (eager / SDPA);
 - each layer's KV cache holds exactly the rows that layer saw; the key-validity and bias of
   every cache segment are kept on the cache object, so decode steps of ``generate()`` attend
-  to the right keys and continue positions from the unpruned length.
+  to the right keys and continue positions from the unpruned length. A method with
+  ``drops_earlier_keys`` (PruneVid's ``early_kv="drop"``, as its official cache) also hides the
+  rows it removes from the decode steps of the layers before the removal
+  (:func:`earlier_keys_dropped`).
 
 The layers themselves are called unchanged with the fastest exact mask of each segment
 (:func:`segment_mask`): none where no key is padding or merged (SDPA's and FlashAttention's
