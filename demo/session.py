@@ -163,7 +163,8 @@ def load_checkpoint(model_id: str) -> LoadedModel:
 
 
 def make_method(cls: type, layer: int | None, loaded: LoadedModel | None) -> Any:
-    """One configured method: ``layer`` (when > 0) for in-LLM methods that take one; QuoTA with
+    """One configured method: ``layer`` (when > 0) for in-LLM methods that take one (else the
+    method's default, moved to the model's last layer when the model is shallower); QuoTA with
     its frame scorer's prompt in the loaded model's own words (``QuoTA.for_processor``), and on the
     toy models the objects their questions name (``eval.bench.query_objects``) in place of the
     decoupling prompt the toy cannot follow."""
@@ -176,7 +177,11 @@ def make_method(cls: type, layer: int | None, loaded: LoadedModel | None) -> Any
         return cls.for_processor(loaded.processor, **knobs)
     if layer and "layer" in inspect.signature(cls.__init__).parameters:
         return cls(layer=int(layer))
-    return cls()
+    method = cls()
+    depth = loaded.depth if loaded is not None else None
+    if depth and isinstance(getattr(method, "layer", None), int) and method.layer >= depth:
+        return cls(layer=depth - 1)  # a default deeper than the model (PruneVid's 11): its last layer
+    return method
 
 
 def build_pipeline(methods: list[str] | str, layer: int | None, loaded: LoadedModel | None = None) -> list[Any]:

@@ -404,10 +404,22 @@ def test_offered_methods_are_those_the_model_takes(session):
     image = session.offered("image", ("keyscore+pact",))
     video = session.offered("video", ("keyscore+pact",))
     assert {"tome", "asvit", "pact", "random", "fastervlm", "vispruner", "dart", "pdrop"} <= set(image) and not {"keyscore", "uniform", "quota", "keyscore+pact"} & set(image)
-    assert {"keyscore", "uniform", "pact", "keyscore+pact", "quota"} <= set(video) and not {"tome", "asvit"} & set(video)
+    assert {"keyscore", "uniform", "pact", "keyscore+pact", "quota", "prunevid"} <= set(video) and not {"tome", "asvit"} & set(video)
+    assert "prunevid" not in image  # frames merge + llm selection: videos only
     labels = dict((v, label) for label, v in method_choices(session, "image"))
     assert labels["divprune"].startswith("divprune - ") and "diversity" in labels["divprune"]
     assert media_kind(str(EXAMPLES_DIR / "bikes.mp4")) == "video" and media_kind(str(EXAMPLES_DIR / "coffee.jpg")) == "image"
+
+
+def test_prunevid_runs_on_the_video_at_the_budget(session):
+    """PruneVid, one name in two stages, on the toy video: the merge's frames record, then the LLM's,
+    at the toy's last layer (its default 11 is deeper than the toy); the video ends at the budget."""
+    out = session.run(EXAMPLES_DIR / "synthetic_clip.mp4", "what colour is the shape ?", ["prunevid"], keep=0.25)
+    col = out.columns[-1]
+    stages = [(r["stage"], r["method"]) for r in col.stats["stages"]]
+    assert stages == [("frames", "prunevid"), ("llm", "prunevid")]
+    assert col.stats["stages"][1]["layer"] == session.models["video"].depth - 1
+    assert col.stats["visual_tokens_out"] == [col.stats["visual_tokens_in"][0] // 4]
 
 
 def test_unknown_words_are_named_and_the_toy_says_what_it_is(session, tmp_path):
