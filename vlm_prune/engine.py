@@ -355,12 +355,6 @@ class PrunedDecoder:
         # the prompt's rows, exactly as with a cache. Counted on the input's width, not the rows'
         extra = pending.visual.shape[1] - pending.prompt if pending is not None and pending.prompt is not None else 0
         extra = max(0, min(extra, int(rows.valid.sum(1).min())))
-        if extra and getattr(self.llm_method, "drops_earlier_keys", False):
-            raise ValueError(
-                f"{self.llm_method.name} also removes the dropped tokens from the KV cache of the layers before it "
-                "(early_kv='drop'), which decoding without a cache (use_cache=False) cannot repeat: the generated "
-                "tokens would see them there. Decode with the cache (the default), or use early_kv='keep'"
-            )
         with torch.no_grad():
             if extra:
                 cut = rows.valid.shape[1] - extra

@@ -355,6 +355,14 @@ class PruneVid(LLMMethod):
         engine hides them from later decode steps there: ``engine.earlier_keys_dropped``)."""
         return self.early_kv == "drop"
 
+    def check_generate(self, kwargs: dict[str, Any], config: Any) -> None:
+        """early_kv="drop": refuse generate(use_cache=False) at the call: re-running the generated tokens
+        through the prompt's layers, they would see the dropped tokens in the layers before ``layer``."""
+        if self.early_kv == "drop" and kwargs.get("use_cache", getattr(config, "use_cache", True)) is False:
+            raise ValueError("prunevid early_kv='drop' removes the dropped tokens from the earlier layers' KV cache, "
+                             "which generate(use_cache=False) does not keep. Decode with the cache (the default), or "
+                             "use early_kv='keep'")
+
     def prune_layers(self, num_layers: int) -> list[int]:
         if self.layer >= num_layers:
             raise ValueError(f"prunevid layer={self.layer} but the model has only {num_layers} decoder layers: "
