@@ -423,7 +423,7 @@ def test_early_kv_drop_decodes_as_the_official_cache():
         for step in range(steps - 1):
             tok = tokens[:, step:step + 1]
             n = cache.get_seq_length()
-            out = model(input_ids=tok, cache=cache, position_ids=torch.tensor([[pos + step]]),
+            out = model(input_ids=tok, past_key_values=cache, position_ids=torch.tensor([[pos + step]]),
                         attention_mask=torch.ones(1, n + 1, dtype=torch.long))
             cache = out.past_key_values
             ref_logits.append(out.logits[:, -1])
