@@ -179,3 +179,63 @@ def onevision15_inputs(model, batch: int = 2, pad: str = "left", seed: int = 1, 
 
 def onevision15_video_inputs(model, batch: int = 2, pad: str = "left", seed: int = 1):
     return onevision15_inputs(model, batch=batch, pad=pad, seed=seed, video=True)
+
+
+#: SmolVLM / Idefics3 prompt tokens (the tokenizer's <fake_token_around_image>, <global-img>,
+#: <row_1_col_1>, <row_1_col_2> and "\n")
+FAKE_IMAGE, GLOBAL_IMG, ROW1_COL1, ROW1_COL2, NEWLINE = IMG_BREAK, IMG_END, 88, 89, 10
+
+
+def tiny_smolvlm(attn: str = "sdpa", seed: int = 0, idefics3: bool = False):
+    """SmolVLM (or Idefics3): 32 px tiles, 8 x 8 patches pixel-shuffled (scale 2) to 4 x 4 = 16
+    tokens a tile, a Llama text model."""
+    from transformers import (Idefics3Config, Idefics3ForConditionalGeneration, Idefics3VisionConfig, SmolVLMConfig,
+                              SmolVLMForConditionalGeneration, SmolVLMVisionConfig)
+
+    torch.manual_seed(seed)
+    vision_cls, cfg_cls, model_cls = ((Idefics3VisionConfig, Idefics3Config, Idefics3ForConditionalGeneration) if idefics3
+                                      else (SmolVLMVisionConfig, SmolVLMConfig, SmolVLMForConditionalGeneration))
+    vision = vision_cls(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                        image_size=32, patch_size=4)
+    cfg = cfg_cls(vision_config=vision, text_config=_llama(), image_token_id=IMAGE_TOKEN, scale_factor=2)
+    model = _finish(model_cls(cfg), attn)
+    # a real checkpoint never answers with a placeholder; a random one may (see tiny_onevision15)
+    model.generation_config.suppress_tokens = [IMAGE_TOKEN, FAKE_IMAGE, GLOBAL_IMG]
+    return model
+
+
+def tiny_idefics3(attn: str = "sdpa", seed: int = 0):
+    return tiny_smolvlm(attn, seed, idefics3=True)
+
+
+def smolvlm_tiles(split: bool) -> list[int]:
+    """Token ids of one image as the SmolVLM / Idefics3 processor writes it: split into 1 x 2 tiles
+    and its global tile, or (``split=False``) the global tile alone."""
+    tile = [IMAGE_TOKEN] * 16
+    ids = []
+    if split:
+        ids = [FAKE_IMAGE, ROW1_COL1, *tile, FAKE_IMAGE, ROW1_COL2, *tile, NEWLINE, NEWLINE]
+    return ids + [FAKE_IMAGE, GLOBAL_IMG, *tile, FAKE_IMAGE]
+
+
+def smolvlm_inputs(model, batch: int = 2, pad: str = "left", seed: int = 1):
+    """Sample 0: one image split into 1 x 2 tiles + its global tile (3 tiles); sample 1: two images
+    the processor did not split (a tile each); later samples alternate. ``pixel_values`` [B, 3, 3,
+    32, 32] with all-zero padding tiles and ``pixel_attention_mask``, as the processor returns them."""
+    g = torch.Generator().manual_seed(seed)
+    layouts = [[True], [False, False]] * batch
+    layouts = layouts[:batch]
+    pixels = torch.zeros(batch, 3, 3, 32, 32)
+    pmask = torch.zeros(batch, 3, 32, 32, dtype=torch.bool)
+    seqs = []
+    for b, images in enumerate(layouts):
+        n_tiles = sum(3 if split else 1 for split in images)
+        pixels[b, :n_tiles] = torch.randn(n_tiles, 3, 32, 32, generator=g)
+        pmask[b, :n_tiles] = True
+        s = [1] + torch.randint(3, 80, (2 + b,), generator=g).tolist()
+        for split in images:
+            s += smolvlm_tiles(split) + torch.randint(3, 80, (2,), generator=g).tolist()
+        s += torch.randint(3, 80, (5 + 2 * b,), generator=g).tolist()
+        seqs.append(s)
+    ids, mask = _pad(seqs, pad)
+    return {"input_ids": ids, "attention_mask": mask, "pixel_values": pixels, "pixel_attention_mask": pmask}
