@@ -239,3 +239,51 @@ def smolvlm_inputs(model, batch: int = 2, pad: str = "left", seed: int = 1):
         seqs.append(s)
     ids, mask = _pad(seqs, pad)
     return {"input_ids": ids, "attention_mask": mask, "pixel_values": pixels, "pixel_attention_mask": pmask}
+
+
+#: the SmolVLM / Idefics3 chat template (images only; SmolVLMProcessor brings its own for videos)
+SMOLVLM_TEMPLATE = (
+    "<|im_start|>{% for message in messages %}{{ message['role'] | capitalize }}"
+    "{% if message['content'][0]['type'] == 'image' %}{{ ':' }}{% else %}{{ ': ' }}{% endif %}"
+    "{% for line in message['content'] %}{% if line['type'] == 'text' %}{{ line['text'] }}"
+    "{% elif line['type'] == 'image' %}{{ '<image>' }}{% endif %}{% endfor %}<end_of_utterance>\n{% endfor %}"
+    "{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}"
+)
+
+
+def smolvlm_processor(idefics3: bool = False):
+    """The real SmolVLMProcessor (or Idefics3Processor) on a word-level tokenizer whose special tokens
+    sit at the tiny models' ids: images resized to at most 64 px and split into 32 px tiles (16
+    tokens each after the pixel shuffle), video frames of 32 px (SmolVLM only)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = {"<pad>": 0, "<s>": 1, "<end_of_utterance>": 2, "<unk>": 3, "<|im_start|>": 4, "<image>": IMAGE_TOKEN,
+                "<video>": VIDEO_TOKEN, "<fake_token_around_image>": FAKE_IMAGE, "<global-img>": GLOBAL_IMG,
+                "<row_1_col_1>": ROW1_COL1, "<row_1_col_2>": ROW1_COL2, "<row_2_col_1>": 86, "<row_2_col_2>": 87}
+    words = ["User:", "Assistant:", "what", "is", "the", "colour", "shape", "?", "A", "B", "C", "D", "red", "blue"]
+    vocab = dict(specials)
+    free = [i for i in range(VOCAB) if i not in vocab.values()]
+    vocab.update({w: i for w, i in zip(words, free)})
+    vocab.update({f"<unused{i}>": i for i in range(VOCAB) if i not in vocab.values()})
+    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=core, pad_token="<pad>", bos_token="<s>", eos_token="<end_of_utterance>", unk_token="<unk>",
+        extra_special_tokens={"image_token": "<image>", "fake_image_token": "<fake_token_around_image>",
+                              "global_image_token": "<global-img>", "end_of_utterance_token": "<end_of_utterance>",
+                              "video_token": "<video>"},
+        padding_side="left", chat_template=SMOLVLM_TEMPLATE,
+    )
+    tok.add_special_tokens({"additional_special_tokens": [t for t in specials if t.startswith(("<row", "<|im"))]})
+    if idefics3:
+        from transformers import Idefics3ImageProcessor, Idefics3Processor
+
+        ip = Idefics3ImageProcessor(size={"longest_edge": 64}, max_image_size={"longest_edge": 32}, do_image_splitting=True)
+        return Idefics3Processor(image_processor=ip, tokenizer=tok, image_seq_len=16, chat_template=SMOLVLM_TEMPLATE)
+    from transformers import SmolVLMImageProcessor, SmolVLMProcessor, SmolVLMVideoProcessor
+
+    ip = SmolVLMImageProcessor(size={"longest_edge": 64}, max_image_size={"longest_edge": 32}, do_image_splitting=True)
+    vp = SmolVLMVideoProcessor(size={"longest_edge": 32}, max_image_size={"longest_edge": 32})
+    return SmolVLMProcessor(image_processor=ip, tokenizer=tok, video_processor=vp, image_seq_len=16,
+                            chat_template=SMOLVLM_TEMPLATE)
