@@ -373,6 +373,8 @@ def processor_size(processor: Any) -> int | None:
     """The square side the processor's image/video processor resizes to, when it states one."""
     for attr in ("video_processor", "image_processor"):
         proc = getattr(processor, attr, None)
+        if getattr(proc, "temporal_patch_size", None) is not None:
+            continue  # Qwen2-VL-style processors (Qwen-VL, GLM-4.1V, LLaVA-OV-1.5): size holds pixel counts, any side fits
         for size in (getattr(proc, "crop_size", None), getattr(proc, "size", None)):
             size = dict(size or {})
             side = size.get("height") or size.get("shortest_edge")
