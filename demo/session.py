@@ -158,8 +158,10 @@ def load_checkpoint(model_id: str) -> LoadedModel:
         model = AutoModelForImageTextToText.from_pretrained(
             model_id, dtype=torch.bfloat16 if cuda else torch.float32
         )
-    except (OSError, ValueError) as err:
+    except (OSError, ValueError, ImportError) as err:
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        if isinstance(err, ImportError):  # e.g. SmolVLM's processor without num2words
+            raise DemoError(f"could not load {model_id!r}: it needs a package that is not installed ({first})") from None
         raise DemoError(f"could not load {model_id!r} as an image-text-to-text model ({first}); give a local "
                         "checkpoint folder or a Hugging Face hub id of a supported VLM") from None
     model = model.to("cuda" if cuda else "cpu").eval()

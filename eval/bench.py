@@ -439,7 +439,7 @@ def targets(args: argparse.Namespace) -> Iterator[tuple[str, int, torch.nn.Modul
     try:
         processor = AutoProcessor.from_pretrained(args.model)
         model = AutoModelForImageTextToText.from_pretrained(args.model, dtype=dtype).to(args.device).eval()
-    except (OSError, ValueError) as err:  # not found, not downloadable, not an image-text-to-text model
+    except (OSError, ValueError, ImportError) as err:  # not found / downloadable, not image-text-to-text, a missing package
         raise UsageError(cannot_load(args.model, err)) from None
     try:
         kind = "video" if "frames" in find_adapter(model).stages else "image"

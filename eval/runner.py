@@ -437,7 +437,7 @@ def load_model(cfg: EvalConfig, dist: sharding.Dist) -> tuple[torch.nn.Module, A
     try:
         processor = AutoProcessor.from_pretrained(cfg.model)
         model = AutoModelForImageTextToText.from_pretrained(cfg.model, **kwargs)
-    except (OSError, ValueError) as err:  # not found, not downloadable, not an image-text-to-text model
+    except (OSError, ValueError, ImportError) as err:  # not found / downloadable, not image-text-to-text, a missing package
         raise EvalConfigError(cannot_load(cfg.model, err)) from None
     if not cfg.device_map:
         model.to(torch.device(f"cuda:{dist.local_rank}") if cuda else torch.device("cpu"))

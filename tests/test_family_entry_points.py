@@ -10,27 +10,16 @@ import json
 
 import numpy as np
 import pytest
-import torch
 
 import tiny_processors as P
 from eval_tiny import write_image, write_video
 from vlm_prune.eval.runner import EvalConfig, EvalConfigError, Predictor, load_model, run_eval
 from vlm_prune.eval import sharding
 
-pytest.importorskip("num2words")  # SmolVLMProcessor needs it
-
 FAMILIES = list(P.FAMILIES)
 VIDEO_FAMILIES = [f for f in FAMILIES if "video" in P.FAMILIES[f][2]]
 #: a vision-stage method every family runs
 METHOD = "divprune"
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 _saved: dict = {}
@@ -39,6 +28,8 @@ _saved: dict = {}
 @pytest.fixture
 def checkpoint(request, tmp_path_factory):
     family = request.param
+    if family == "smolvlm":
+        pytest.importorskip("num2words")  # SmolVLMProcessor needs it
     if family not in _saved:
         make, proc, _ = P.FAMILIES[family]
         path = tmp_path_factory.mktemp(family)
@@ -184,3 +175,18 @@ def test_demo_serves_the_checkpoint(checkpoint, tmp_path):
         col = out.columns[0]
         assert not col.error, col.error
         assert 0 < sum(col.stats["visual_tokens_out"]) < sum(col.stats["visual_tokens_in"])
+
+
+@pytest.mark.parametrize("checkpoint", ["smolvlm"], indirect=True)
+def test_a_missing_package_of_the_processor_is_named(checkpoint, tmp_path, monkeypatch):
+    """SmolVLM's processor needs num2words: every loader says so in one line (no traceback)."""
+    import transformers.models.smolvlm.processing_smolvlm as smolvlm_processing
+
+    from vlm_prune.demo.session import DemoError, load_checkpoint
+
+    _, path, _ = checkpoint
+    monkeypatch.setattr(smolvlm_processing, "num2words", None)
+    with pytest.raises(EvalConfigError, match="needs a package that is not installed: .*pip install num2words"):
+        load_model(EvalConfig(model=path, data="", dataset="", out=""), sharding.current())
+    with pytest.raises(DemoError, match="needs a package that is not installed .*num2words"):
+        load_checkpoint(path)

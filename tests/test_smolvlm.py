@@ -12,12 +12,12 @@ import vlm_prune
 from tiny_models import IMAGE_TOKEN
 from vlm_prune.methods.simple import Random as RandomPrune
 
-pytest.importorskip("num2words")  # SmolVLMProcessor needs it
-
 _built: dict = {}
 
 
 def model_and_processor(idefics3: bool = False):
+    if not idefics3:
+        pytest.importorskip("num2words")  # SmolVLMProcessor needs it
     if idefics3 not in _built:
         _built[idefics3] = (L.tiny_smolvlm(idefics3=idefics3), L.smolvlm_processor(idefics3=idefics3))
     return _built[idefics3]

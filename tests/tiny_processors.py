@@ -51,35 +51,39 @@ def _template(image: str, video: str = "") -> str:
     return TEMPLATE.replace("{IMAGE}", image).replace("{VIDEO}", video)
 
 
+def _patch_merging(processor_cls, image_cls, video_cls, ids: dict[str, int], names: dict[str, str], image: str,
+                   video: str):
+    """A Qwen2-VL-style processor: 32 px images -> 8 x 8 patches of 4 px, merged 2 x 2 -> 16 tokens;
+    a video's frames share :data:`VIDEO_PIXELS`."""
+    template = _template(image, video)
+    pixels = {"shortest_edge": 32 * 32, "longest_edge": 32 * 32}
+    patches = dict(patch_size=4, merge_size=2, temporal_patch_size=2)
+    return processor_cls(image_processor=image_cls(size=pixels, **patches),
+                         video_processor=video_cls(size=VIDEO_PIXELS, **patches),
+                         tokenizer=tokenizer(ids, names, template), chat_template=template)
+
+
 def qwen3_vl_processor():
-    """Qwen3VLProcessor (Qwen3-VL, Qwen3.5): 32 px images -> 8 x 8 patches of 4 px -> 16 tokens."""
+    """Qwen3VLProcessor (Qwen3-VL, Qwen3.5)."""
     from transformers import Qwen2VLImageProcessor, Qwen3VLProcessor, Qwen3VLVideoProcessor
 
     names = {"image_token": "<|image_pad|>", "video_token": "<|video_pad|>",
              "vision_start_token": "<|vision_start|>", "vision_end_token": "<|vision_end|>"}
     ids = {"<|image_pad|>": IMAGE_TOKEN, "<|video_pad|>": VIDEO_TOKEN, "<|vision_start|>": Q.VISION_START,
            "<|vision_end|>": Q.VISION_END}
-    template = _template("<|vision_start|><|image_pad|><|vision_end|>", "<|vision_start|><|video_pad|><|vision_end|>")
-    pixels = {"shortest_edge": 32 * 32, "longest_edge": 32 * 32}
-    return Qwen3VLProcessor(
-        image_processor=Qwen2VLImageProcessor(patch_size=4, merge_size=2, temporal_patch_size=2, size=pixels),
-        video_processor=Qwen3VLVideoProcessor(patch_size=4, merge_size=2, temporal_patch_size=2, size=VIDEO_PIXELS),
-        tokenizer=tokenizer(ids, names, template), chat_template=template)
+    return _patch_merging(Qwen3VLProcessor, Qwen2VLImageProcessor, Qwen3VLVideoProcessor, ids, names,
+                          "<|vision_start|><|image_pad|><|vision_end|>", "<|vision_start|><|video_pad|><|vision_end|>")
 
 
 def glm4v_processor():
-    """Glm4vProcessor (GLM-4.1V): 32 px images -> 16 tokens; video frames with the image placeholder."""
+    """Glm4vProcessor (GLM-4.1V): video frames with the image placeholder."""
     from transformers import Glm4vImageProcessor, Glm4vProcessor, Glm4vVideoProcessor
 
     names = {"image_token": "<|image|>", "video_token": "<|video|>"}
     ids = {"<|image|>": IMAGE_TOKEN, "<|video|>": VIDEO_TOKEN, "<|begin_of_image|>": Q.IMAGE_START,
            "<|end_of_image|>": Q.IMAGE_END, "<|begin_of_video|>": Q.VISION_START, "<|end_of_video|>": Q.VISION_END}
-    template = _template("<|begin_of_image|><|image|><|end_of_image|>", "<|begin_of_video|><|video|><|end_of_video|>")
-    pixels = {"shortest_edge": 32 * 32, "longest_edge": 32 * 32}
-    return Glm4vProcessor(
-        image_processor=Glm4vImageProcessor(patch_size=4, merge_size=2, temporal_patch_size=2, size=pixels),
-        video_processor=Glm4vVideoProcessor(patch_size=4, merge_size=2, temporal_patch_size=2, size=VIDEO_PIXELS),
-        tokenizer=tokenizer(ids, names, template), chat_template=template)
+    return _patch_merging(Glm4vProcessor, Glm4vImageProcessor, Glm4vVideoProcessor, ids, names,
+                          "<|begin_of_image|><|image|><|end_of_image|>", "<|begin_of_video|><|video|><|end_of_video|>")
 
 
 def mistral3_processor():
