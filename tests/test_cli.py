@@ -323,7 +323,7 @@ def _tiny_family_models() -> dict:
             "mistral3": L.tiny_mistral3(), "gemma3": L.tiny_gemma3(), "internvl": L.tiny_internvl(),
             "llava_next_video": L.tiny_llava_next_video(tower_layers=4), "llava_onevision15": L.tiny_onevision15(),
             "qwen3_vl": Q.tiny_qwen3_vl(), "glm4v": Q.tiny_glm4v(), "qwen3_5": Q.tiny_qwen3_5(),
-            "smolvlm": L.tiny_smolvlm()}
+            "smolvlm": L.tiny_smolvlm(), "videollama3": L.tiny_videollama3()}
 
 
 def test_methods_lists_the_model_families_wrap_accepts(capsys):

@@ -66,6 +66,7 @@ ADAPTERS = {
     "qwen3_5_image": (Q.tiny_qwen3_5, lambda m, batch=2: Q.qwen3_vl_inputs(m, batch=batch)),
     "qwen3_5_video": (Q.tiny_qwen3_5, lambda m, batch=2: Q.qwen3_vl_inputs(m, batch=batch, video=True)),
     "smolvlm": (L.tiny_smolvlm, L.smolvlm_inputs),
+    "videollama3": (L.tiny_videollama3, L.videollama3_inputs),
 }
 VIDEO = {"onevision_video", "qwen2_vl_video", "qwen3_vl_video", "glm4v_video", "qwen3_5_video"}
 #: decoding paths the UNWRAPPED model cannot run (a transformers bug, checked by

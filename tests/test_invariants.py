@@ -38,6 +38,7 @@ CASES = {
     "glm46v": (lambda attn="sdpa": Q.tiny_glm4v(attn, variant="4.6"), Q.glm4v_inputs, {}),
     "smolvlm": (L.tiny_smolvlm, L.smolvlm_inputs, {}),
     "idefics3": (L.tiny_idefics3, L.smolvlm_inputs, {}),
+    "videollama3": (L.tiny_videollama3, L.videollama3_inputs, {}),
 }
 #: cases whose adapter refuses in-LLM methods at wrap time (Qwen3.5's linear-attention layers):
 #: there the invariants run the vision stage alone and check the refusal
@@ -175,7 +176,7 @@ def test_vision_stage_equals_hand_built_input(case, method, attn):
 @pytest.mark.parametrize("case", ["llava", "llava_next", "onevision_video", "qwen2_vl_image", "qwen2_5_vl",
                                   "mistral3", "internvl", "nextvideo_video", "gemma3", "ov15_video",
                                   "qwen3_vl_image", "qwen3_vl_video", "qwen3_vl_moe", "glm4v_image", "glm4v_video",
-                                  "smolvlm", "idefics3"])
+                                  "smolvlm", "idefics3", "videollama3"])
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
 def test_llm_stage_equals_masked_reference(case, attn):
     """Invariant 3: FastV's in-LLM removal equals the full sequence with the removed tokens
@@ -224,8 +225,9 @@ def test_batch_equals_samples_alone(case, method):
                 elif k.endswith("grid_thw"):
                     alone[k] = v[i : i + 1]
                 elif k in ("pixel_values", "pixel_values_videos"):
-                    n = int(inp[("video" if "video" in k else "image") + "_grid_thw"][i].prod())
-                    alone[k] = v[i * n : (i + 1) * n]
+                    sizes = inp[("video" if "video" in k else "image") + "_grid_thw"].prod(-1)  # patches per image
+                    start = int(sizes[:i].sum())
+                    alone[k] = v[start : start + int(sizes[i])]
                 else:
                     alone[k] = v[i : i + 1]
             l1, g1 = run(model, alone, steps=10)

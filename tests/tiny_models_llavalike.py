@@ -287,3 +287,36 @@ def smolvlm_processor(idefics3: bool = False):
     vp = SmolVLMVideoProcessor(size={"longest_edge": 32}, max_image_size={"longest_edge": 32})
     return SmolVLMProcessor(image_processor=ip, tokenizer=tok, video_processor=vp, image_seq_len=16,
                             chat_template=SMOLVLM_TEMPLATE)
+
+
+def tiny_videollama3(attn: str = "sdpa", seed: int = 0):
+    """VideoLLaMA3: a 2-layer tower (patch 4) on packed patches, each image downsampled by its merge
+    size 2, a Qwen2 text model."""
+    from transformers import VideoLlama3Config, VideoLlama3ForConditionalGeneration, VideoLlama3VisionConfig
+
+    torch.manual_seed(seed)
+    vision = VideoLlama3VisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                                     patch_size=4)
+    cfg = VideoLlama3Config(vision_config=vision, text_config=_qwen2(), image_token_id=IMAGE_TOKEN,
+                            video_token_id=VIDEO_TOKEN)
+    model = _finish(VideoLlama3ForConditionalGeneration(cfg), attn)
+    model.generation_config.suppress_tokens = [IMAGE_TOKEN, VIDEO_TOKEN]
+    return model
+
+
+#: (height, width) in patches of each sample's image (4 px patches, merge 2): 4 x 4 and 4 x 6 tokens
+VIDEOLLAMA3_PATCHES = [(8, 8), (8, 12)]
+
+
+def videollama3_inputs(model, batch: int = 2, pad: str = "left", seed: int = 1):
+    """One image per sample at its own resolution, patches packed as the processor packs them
+    (``image_grid_thw``, ``image_merge_sizes``), its (h / 2) * (w / 2) placeholders between random text."""
+    from tiny_models import prompts
+
+    g = torch.Generator().manual_seed(seed)
+    sizes = (VIDEOLLAMA3_PATCHES * batch)[:batch]
+    grid = torch.tensor([[1, h, w] for h, w in sizes])
+    pixels = torch.randn(int(grid.prod(-1).sum()), 3 * 4 * 4, generator=g)
+    ids, mask = prompts([[(IMAGE_TOKEN, h * w // 4)] for h, w in sizes], pad, seed)
+    return {"input_ids": ids, "attention_mask": mask, "pixel_values": pixels, "image_grid_thw": grid,
+            "image_merge_sizes": torch.full((batch,), 2, dtype=torch.long)}

@@ -159,6 +159,21 @@ def onevision15_processor():
         tokenizer=tokenizer(ids, names, template), chat_template=template)
 
 
+def videollama3_processor():
+    """VideoLlama3Processor: Qwen-style placeholders; 4 px patches, images merged 2 x 2 (32 px -> 16
+    tokens)."""
+    from transformers import VideoLlama3ImageProcessor, VideoLlama3Processor, VideoLlama3VideoProcessor
+
+    names = {"image_token": "<|image_pad|>", "video_token": "<|video_pad|>"}
+    ids = {"<|image_pad|>": IMAGE_TOKEN, "<|video_pad|>": VIDEO_TOKEN}
+    template = _template("<|image_pad|>", "<|video_pad|>")
+    pixels = {"shortest_edge": 32 * 32, "longest_edge": 32 * 32}
+    return VideoLlama3Processor(
+        image_processor=VideoLlama3ImageProcessor(patch_size=4, merge_size=2, size=pixels),
+        video_processor=VideoLlama3VideoProcessor(patch_size=4, merge_size=2, size=VIDEO_PIXELS),
+        tokenizer=tokenizer(ids, names, template), chat_template=template)
+
+
 #: family -> (tiny model builder, processor builder, media the family takes)
 FAMILIES = {
     "mistral3": (L.tiny_mistral3, mistral3_processor, ("image",)),
@@ -171,6 +186,8 @@ FAMILIES = {
     "glm4v": (Q.tiny_glm4v, glm4v_processor, ("image", "video")),
     "smolvlm": (L.tiny_smolvlm, L.smolvlm_processor, ("image", "video")),
     "idefics3": (L.tiny_idefics3, lambda: L.smolvlm_processor(idefics3=True), ("image",)),
+    # its processor takes videos, the adapter refuses them (the model's own token compression)
+    "videollama3": (L.tiny_videollama3, videollama3_processor, ("image",)),
 }
 
 
