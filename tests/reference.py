@@ -303,3 +303,18 @@ def recording(method_cls, **knobs):
     method = Recording(**knobs)
     method.seen = seen
     return method
+
+
+def grid_recording(method_cls, **knobs):
+    """``method_cls(**knobs)`` (a vision-stage method) whose ``grids`` list holds the grid of every
+    image it reduced, in order (also in the copy wrap() makes)."""
+    grids: list = []
+
+    class Recording(method_cls):
+        def reduce_image(self, ctx):
+            grids.append(ctx.grid)
+            return super().reduce_image(ctx)
+
+    method = Recording(**knobs)
+    method.grids = grids
+    return method

@@ -10,7 +10,8 @@ from PIL import Image
 import tiny_models_llavalike as L
 import vlm_prune
 from tiny_models import IMAGE_TOKEN
-from vlm_prune.methods.simple import Random as RandomPrune
+from reference import grid_recording
+from vlm_prune.methods.simple import Random
 
 _built: dict = {}
 
@@ -43,18 +44,6 @@ def stats_of(model, method, inp, **kw):
         vlm_prune.unwrap(model)
 
 
-class Recording(RandomPrune):
-    """Random pruning that records the grid of every image it is given."""
-
-    def __init__(self, **kw):
-        super().__init__(**kw)
-        self.grids = []
-
-    def reduce_image(self, ctx):
-        self.grids.append(ctx.grid)
-        return super().reduce_image(ctx)
-
-
 @pytest.mark.parametrize("idefics3", [False, True])
 def test_the_processors_tiles_are_grouped_into_images_with_per_image_budgets(idefics3):
     """The real processor splits a 32 x 64 picture into 1 x 2 tiles + its global tile (48 tokens) and a
@@ -70,7 +59,7 @@ def test_the_processors_tiles_are_grouped_into_images_with_per_image_budgets(ide
     torch.testing.assert_close(logits[valid], ref[valid], atol=1e-5, rtol=0)
     assert stats["stages"][0]["tokens_in"] == [48, 80, 48]
     assert stats["visual_tokens_in"] == [48, 128]
-    method = Recording()
+    method = grid_recording(Random)
     _, stats, rows = stats_of(model, method, inp, keep=0.5)
     assert stats["stages"][0]["tokens_out"] == [24, 40, 24]
     assert method.grids == [None, None, None]  # several tiles: no single rectangular grid
@@ -88,7 +77,7 @@ def test_an_unsplit_image_is_one_tile_on_its_square_grid():
     model, proc = model_and_processor()
     inp = processed(proc, [[picture(32, 64, 0), picture(40, 40, 1)]], do_image_splitting=False)
     assert int((inp["input_ids"] == IMAGE_TOKEN).sum()) == 32
-    method = Recording()
+    method = grid_recording(Random)
     _, stats, _ = stats_of(model, method, inp, keep=0.25)
     assert stats["stages"][0]["tokens_in"] == [16, 16] and stats["stages"][0]["tokens_out"] == [4, 4]
     assert method.grids == [(4, 4), (4, 4)]  # pixel shuffle 8 x 8 patches -> 4 x 4 tokens, row-major

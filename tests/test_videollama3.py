@@ -9,6 +9,7 @@ import torch
 import tiny_models_llavalike as L
 import tiny_processors as P
 import vlm_prune
+from reference import grid_recording
 from vlm_prune.methods.simple import Random
 
 _built: dict = {}
@@ -20,22 +21,12 @@ def model():
     return _built["m"]
 
 
-class Recording(Random):
-    def __init__(self, **kw):
-        super().__init__(**kw)
-        self.grids = []
-
-    def reduce_image(self, ctx):
-        self.grids.append(ctx.grid)
-        return super().reduce_image(ctx)
-
-
 def test_each_image_gets_its_own_grid_and_budget():
     """8 x 8 and 8 x 12 patches merged 2 x 2: grids (4, 4) and (4, 6), in a batch and with beams."""
     m = model()
     inp = L.videollama3_inputs(m)
     assert inp["image_grid_thw"].tolist() == [[1, 8, 8], [1, 8, 12]]
-    method = Recording()
+    method = grid_recording(Random)
     vlm_prune.wrap(m, method, budget=5)
     try:
         with torch.no_grad():
