@@ -36,6 +36,9 @@ SUPPORTED = {
     "Glm4vForConditionalGeneration": ("vlm_prune.adapters.glm4v", "Glm4vAdapter", "glm4v"),
     "Glm4vMoeForConditionalGeneration": ("vlm_prune.adapters.glm4v", "Glm4vAdapter", "glm4v"),
     "Glm46VForConditionalGeneration": ("vlm_prune.adapters.glm4v", "Glm4vAdapter", "glm4v"),
+    "SmolVLMForConditionalGeneration": ("vlm_prune.adapters.smolvlm", "SmolVLMAdapter", "smolvlm"),
+    "Idefics3ForConditionalGeneration": ("vlm_prune.adapters.smolvlm", "SmolVLMAdapter", "smolvlm"),
+    "VideoLlama3ForConditionalGeneration": ("vlm_prune.adapters.videollama3", "VideoLlama3Adapter", "videollama3"),
     "VisionTransformer": ("vlm_prune.adapters.timm_vit", "TimmViTAdapter", "timm_vit"),
 }
 
@@ -55,6 +58,8 @@ FAMILY_STAGES: dict[str, tuple[str, ...]] = {
     "qwen3_vl": ("frames", "vision", "llm"),
     "glm4v": ("frames", "vision", "llm"),
     "qwen3_5": ("frames", "vision"),
+    "smolvlm": ("vision", "llm"),
+    "videollama3": ("vision", "llm"),
     "timm_vit": ("vit",),
 }
 

@@ -36,7 +36,7 @@ from vlm_prune.demo import overlay
 from vlm_prune.eval import metrics
 from vlm_prune.methods.base import BudgetWarning
 from vlm_prune.registry import available_methods, method_class
-from vlm_prune.video import VideoError, read_frames
+from vlm_prune.video import VideoError, processor_video_kwargs, read_frames
 
 MediaKind = Literal["image", "video"]
 log = logging.getLogger(__name__)
@@ -56,6 +56,8 @@ class Media:
     kind: MediaKind
     image: Image.Image | None = None
     frames: np.ndarray | None = None
+    #: seconds of each video frame (the prompts of Qwen3-VL, GLM-4.1V and SmolVLM2 write them)
+    times: np.ndarray | None = None
 
 
 def read_media(path: str | Path, num_frames: int) -> Media:
@@ -70,7 +72,7 @@ def read_media(path: str | Path, num_frames: int) -> Media:
     except (UnidentifiedImageError, OSError):
         pass
     try:
-        frames, _ = read_frames(path, num_frames=num_frames, timeout=VIDEO_TIMEOUT_S)
+        frames, times = read_frames(path, num_frames=num_frames, timeout=VIDEO_TIMEOUT_S)
     except VideoError as err:
         log.info("%s is not a readable video: %s", path, err)
         raise DemoError(
@@ -78,7 +80,7 @@ def read_media(path: str | Path, num_frames: int) -> Media:
         ) from None
     if frames.shape[0] == 0:
         raise DemoError(f"the video {path.name!r} has no frames; upload a longer clip")
-    return Media("video", frames=frames)
+    return Media("video", frames=frames, times=times)
 
 
 @dataclass
@@ -98,9 +100,11 @@ class LoadedModel:
         return int(self.model.config.get_text_config().num_hidden_layers)
 
     def takes(self, kind: MediaKind) -> bool:
+        """Whether the processor takes this medium (models without a video input of their own, SmolVLM2
+        and InternVL, get a video's frames from their processor as images)."""
         if kind == "image":
             return getattr(self.processor, "image_processor", None) is not None
-        return getattr(self.processor, "video_processor", None) is not None and hasattr(self.model.config, "video_token_id")
+        return getattr(self.processor, "video_processor", None) is not None
 
 
 TOY_NOTE = (
@@ -154,8 +158,10 @@ def load_checkpoint(model_id: str) -> LoadedModel:
         model = AutoModelForImageTextToText.from_pretrained(
             model_id, dtype=torch.bfloat16 if cuda else torch.float32
         )
-    except (OSError, ValueError) as err:
+    except (OSError, ValueError, ImportError) as err:
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        if isinstance(err, ImportError):  # e.g. SmolVLM's processor without num2words
+            raise DemoError(f"could not load {model_id!r}: it needs a package that is not installed ({first})") from None
         raise DemoError(f"could not load {model_id!r} as an image-text-to-text model ({first}); give a local "
                         "checkpoint folder or a Hugging Face hub id of a supported VLM") from None
     model = model.to("cuda" if cuda else "cpu").eval()
@@ -233,7 +239,9 @@ def encode(loaded: LoadedModel, media: Media, question: str) -> dict[str, torch.
     if media.kind == "image":
         inputs = processor(images=[media.image], text=[text], return_tensors="pt")
     else:
-        inputs = processor(videos=[media.frames], text=[text], return_tensors="pt")
+        times = None if media.times is None else [media.times]
+        inputs = processor(videos=[media.frames], text=[text], return_tensors="pt",
+                           **processor_video_kwargs(processor, times))
     model = loaded.model
     return {
         k: v.to(model.device, model.dtype if v.is_floating_point() else v.dtype) if isinstance(v, torch.Tensor) else v
@@ -774,7 +782,7 @@ class Session:
     def _draw_video(self, col: Column, loaded: LoadedModel, media: Media, inputs: dict[str, Any],
                     rows: torch.Tensor, spy: ScoreSpy, columns: int = overlay.STRIP_COLUMNS) -> None:
         ids = inputs["input_ids"][0].cpu()
-        token_id = loaded.model.config.video_token_id
+        token_id = video_placeholder(loaded.model.config, ids)
         kept = overlay.kept_placeholders(ids, rows, token_id).numpy()
         thw = inputs.get("video_grid_thw")
         # token groups in time: one per frame, or one per temporal patch (Qwen2-VL merges 2 frames)
@@ -911,6 +919,15 @@ def model_box(processor: Any, inputs: dict[str, Any], width: int, height: int) -
     cw, ch = min(width, crop["width"] / scale), min(height, crop["height"] / scale)
     x0, y0 = (width - cw) / 2, (height - ch) / 2
     return (round(x0), round(y0), round(x0 + cw), round(y0 + ch))
+
+
+def video_placeholder(config: Any, ids: torch.Tensor) -> int:
+    """The placeholder id of a video's rows in ``ids``: ``video_token_id``, or ``image_token_id`` where
+    the processor writes the frames as images (GLM-4.1V, SmolVLM2, InternVL)."""
+    video = getattr(config, "video_token_id", None)
+    if video is not None and bool((ids == video).any()):
+        return int(video)
+    return int(config.image_token_id)
 
 
 def image_grid(config: Any, inputs: dict[str, Any], n_tokens: int) -> tuple[int, int] | None:

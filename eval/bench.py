@@ -373,6 +373,8 @@ def processor_size(processor: Any) -> int | None:
     """The square side the processor's image/video processor resizes to, when it states one."""
     for attr in ("video_processor", "image_processor"):
         proc = getattr(processor, attr, None)
+        if getattr(proc, "temporal_patch_size", None) is not None:
+            continue  # Qwen2-VL-style processors (Qwen-VL, GLM-4.1V, LLaVA-OV-1.5): size holds pixel counts, any side fits
         for size in (getattr(proc, "crop_size", None), getattr(proc, "size", None)):
             size = dict(size or {})
             side = size.get("height") or size.get("shortest_edge")
@@ -437,7 +439,7 @@ def targets(args: argparse.Namespace) -> Iterator[tuple[str, int, torch.nn.Modul
     try:
         processor = AutoProcessor.from_pretrained(args.model)
         model = AutoModelForImageTextToText.from_pretrained(args.model, dtype=dtype).to(args.device).eval()
-    except (OSError, ValueError) as err:  # not found, not downloadable, not an image-text-to-text model
+    except (OSError, ValueError, ImportError) as err:  # not found / downloadable, not image-text-to-text, a missing package
         raise UsageError(cannot_load(args.model, err)) from None
     try:
         kind = "video" if "frames" in find_adapter(model).stages else "image"

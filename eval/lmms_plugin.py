@@ -111,20 +111,22 @@ class VLMPruneLMM(_Base):
     def batch_size(self) -> int:
         return self.batch_size_per_gpu
 
-    def _visuals(self, visuals: list[Any]) -> tuple[list[Any], str | None]:
+    def _visuals(self, visuals: list[Any]) -> tuple[list[Any], str | None, Any]:
+        """(frames or images, "video" / "image" / None, the video frames' times in seconds or None)."""
         from vlm_prune.video import read_frames
 
         if not visuals:
-            return [], None
+            return [], None, None
         if isinstance(visuals[0], str):
             if len(visuals) != 1:
                 raise ValueError(f"vlm_prune answers about one video per question, got {len(visuals)} paths")
             if visuals[0] not in self._recent:  # Video-MME asks 3 questions about each video
-                self._recent[visuals[0]] = read_frames(visuals[0], num_frames=self.max_frames)[0]
+                self._recent[visuals[0]] = read_frames(visuals[0], num_frames=self.max_frames)
                 while len(self._recent) > self.RECENT_VIDEOS:
                     self._recent.pop(next(iter(self._recent)))
-            return [self._recent[visuals[0]]], "video"
-        return [v.convert("RGB") for v in visuals], "image"
+            frames, times = self._recent[visuals[0]]
+            return [frames], "video", times
+        return [v.convert("RGB") for v in visuals], "image", None
 
     def generate_until(self, requests: list[Any]) -> list[str]:
         """Greedy answers; each request's args are (context, gen_kwargs, doc_to_visual, doc_id, task, split)."""
@@ -139,7 +141,7 @@ class VLMPruneLMM(_Base):
             raw = doc_to_visual(self.task_dict[task][split][doc_id]) if doc_to_visual is not None else []
             flat = [v for item in (raw or []) for v in (item if isinstance(item, list) else [item])]
             try:
-                visuals, media_type = self._visuals(flat)
+                visuals, media_type, times = self._visuals(flat)
             except (VideoError, OSError) as err:  # one unreadable file must not end the run
                 error = f"{type(err).__name__}: {err}"
                 self.failed_documents.append({"task": task, "split": split, "doc_id": doc_id, "error": error[:2000]})
@@ -150,7 +152,7 @@ class VLMPruneLMM(_Base):
             until = gen_kwargs.get("until") or []
             until = [until] if isinstance(until, str) else list(until)
             gen = self.predictor.generate(context, visuals, media_type,
-                                          max_new_tokens=gen_kwargs.get("max_new_tokens"), stop=until)
+                                          max_new_tokens=gen_kwargs.get("max_new_tokens"), stop=until, times=times)
             answers.append(gen.text)
         failed = self.failed_documents[failed_before:]
         if failed:

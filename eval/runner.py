@@ -76,11 +76,18 @@ class Predictor:
         content.append({"type": "text", "text": text})
         return self.processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True)
 
-    def inputs(self, text: str, visuals: Sequence[Any], media_type: str | None) -> dict[str, torch.Tensor]:
-        """Processor outputs on the model's device; float tensors in the model's dtype."""
+    def inputs(self, text: str, visuals: Sequence[Any], media_type: str | None,
+               times: Sequence[float] | None = None) -> dict[str, torch.Tensor]:
+        """Processor outputs on the model's device; float tensors in the model's dtype. A video's
+        frames are the ones given (the processor does not sample again) at ``times`` (seconds, for the
+        prompts that write each frame's time: Qwen3-VL, GLM-4.1V, SmolVLM2), see
+        :func:`vlm_prune.video.processor_video_kwargs`."""
+        from vlm_prune.video import processor_video_kwargs
+
         kwargs: dict[str, Any] = {"text": [self.prompt(text, media_type, len(visuals))], "return_tensors": "pt"}
         if media_type == "video":
             kwargs["videos"] = list(visuals)
+            kwargs.update(processor_video_kwargs(self.processor, [times] * len(visuals) if times is not None else None))
         elif media_type == "image":
             kwargs["images"] = list(visuals)
         batch = self.processor(**kwargs)
@@ -91,10 +98,11 @@ class Predictor:
     @torch.no_grad()
     def generate(
         self, text: str, visuals: Sequence[Any], media_type: str | None,
-        max_new_tokens: int | None = None, stop: Sequence[str] = (),
+        max_new_tokens: int | None = None, stop: Sequence[str] = (), times: Sequence[float] | None = None,
     ) -> Generation:
-        """Answer ``text`` about ``visuals`` (one video as a uint8 [T,H,W,3] array, or PIL images)."""
-        batch = self.inputs(text, visuals, media_type)
+        """Answer ``text`` about ``visuals`` (one video as a uint8 [T,H,W,3] array, its frames at
+        ``times`` seconds when known, or PIL images)."""
+        batch = self.inputs(text, visuals, media_type, times)
         ids = batch["input_ids"]
         seq_len = int(ids.shape[1])
         clock = _Clock(self.timer)
@@ -429,7 +437,7 @@ def load_model(cfg: EvalConfig, dist: sharding.Dist) -> tuple[torch.nn.Module, A
     try:
         processor = AutoProcessor.from_pretrained(cfg.model)
         model = AutoModelForImageTextToText.from_pretrained(cfg.model, **kwargs)
-    except (OSError, ValueError) as err:  # not found, not downloadable, not an image-text-to-text model
+    except (OSError, ValueError, ImportError) as err:  # not found / downloadable, not image-text-to-text, a missing package
         raise EvalConfigError(cannot_load(cfg.model, err)) from None
     if not cfg.device_map:
         model.to(torch.device(f"cuda:{dist.local_rank}") if cuda else torch.device("cpu"))
@@ -571,7 +579,7 @@ def _answer(predictor: Predictor, sample: Sample, setting: Setting, visuals: Vis
                            processor=processor, seed=cfg.seed)
         try:
             gen = predictor.generate(format_prompt(sample, _subtitles(sample, visuals) if setting.subtitles else None),
-                                     visuals.items, sample.media_type)
+                                     visuals.items, sample.media_type, times=visuals.times)
         finally:
             if setting.method != "none":
                 vlm_prune.unwrap(model)

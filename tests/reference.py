@@ -8,11 +8,17 @@ import inspect
 import torch
 
 
+def language_model_of(model):
+    """The model's language model (``model.model.language_model``; SmolVLM / Idefics3: ``text_model``)."""
+    inner = model.model
+    return inner.language_model if hasattr(inner, "language_model") else inner.text_model
+
+
 @contextlib.contextmanager
 def capture_lm_inputs(model):
     """Record the kwargs the language model receives (inputs_embeds, position_ids, ...)."""
     seen: list[dict] = []
-    lm = model.model.language_model
+    lm = language_model_of(model)
     handle = lm.register_forward_pre_hook(lambda mod, args, kwargs: seen.append(dict(kwargs)), with_kwargs=True)
     try:
         yield seen
@@ -70,7 +76,7 @@ def run_layers(model, embeds, pos, masks_for_layer, replace_at=None, inject=None
     list of them (merges at several layers). inject: (mask [B, S], features [n, B, S, D]) added after
     layers 0..n-1 (DeepStack)."""
     replacements = [] if replace_at is None else [replace_at] if isinstance(replace_at[0], int) else list(replace_at)
-    lm = model.model.language_model
+    lm = language_model_of(model)
     rope_pos, layer_pos = split_positions(model, pos)
     types = getattr(lm.config, "layer_types", None)
     if "layer_type" in inspect.signature(lm.rotary_emb.forward).parameters:  # Gemma 3: a table per layer type
@@ -169,7 +175,7 @@ class HookedReference:
     def __init__(self, model, k: int, positions=None, hidden=None, bias=None, layer_positions=None, replace=None,
                  inject=None, decode_hidden=None, decode_positions=None):
         self.model, self.k = model, k
-        self.lm = model.model.language_model
+        self.lm = language_model_of(model)
         n = len(self.lm.layers)
         self.positions = positions
         self.hidden = hidden or [None] * n
@@ -296,4 +302,19 @@ def recording(method_cls, **knobs):
 
     method = Recording(**knobs)
     method.seen = seen
+    return method
+
+
+def grid_recording(method_cls, **knobs):
+    """``method_cls(**knobs)`` (a vision-stage method) whose ``grids`` list holds the grid of every
+    image it reduced, in order (also in the copy wrap() makes)."""
+    grids: list = []
+
+    class Recording(method_cls):
+        def reduce_image(self, ctx):
+            grids.append(ctx.grid)
+            return super().reduce_image(ctx)
+
+    method = Recording(**knobs)
+    method.grids = grids
     return method

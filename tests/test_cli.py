@@ -322,7 +322,8 @@ def _tiny_family_models() -> dict:
             "timm_vit": VisionTransformer(img_size=32, patch_size=4, embed_dim=32, depth=12, num_heads=2).eval(),
             "mistral3": L.tiny_mistral3(), "gemma3": L.tiny_gemma3(), "internvl": L.tiny_internvl(),
             "llava_next_video": L.tiny_llava_next_video(tower_layers=4), "llava_onevision15": L.tiny_onevision15(),
-            "qwen3_vl": Q.tiny_qwen3_vl(), "glm4v": Q.tiny_glm4v(), "qwen3_5": Q.tiny_qwen3_5()}
+            "qwen3_vl": Q.tiny_qwen3_vl(), "glm4v": Q.tiny_glm4v(), "qwen3_5": Q.tiny_qwen3_5(),
+            "smolvlm": L.tiny_smolvlm(), "videollama3": L.tiny_videollama3()}
 
 
 def test_methods_lists_the_model_families_wrap_accepts(capsys):

@@ -28,7 +28,8 @@ import tiny_models as T
 import tiny_models_llavalike as L
 import tiny_models_qwen3 as Q
 import vlm_prune
-from reference import HookedReference, capture_lm_inputs, injection_kwargs, injections_of, multi_axis, positions_of, renumber
+from reference import (HookedReference, capture_lm_inputs, injection_kwargs, injections_of, language_model_of, multi_axis,
+                       positions_of, renumber)
 from vlm_prune import engine
 from vlm_prune.frames.fastvid import FastVID
 from vlm_prune.frames.holitom import HoliTom
@@ -65,6 +66,8 @@ ADAPTERS = {
     "glm4v_video": (Q.tiny_glm4v, lambda m, batch=2: Q.glm4v_inputs(m, batch=batch, video=True)),
     "qwen3_5_image": (Q.tiny_qwen3_5, lambda m, batch=2: Q.qwen3_vl_inputs(m, batch=batch)),
     "qwen3_5_video": (Q.tiny_qwen3_5, lambda m, batch=2: Q.qwen3_vl_inputs(m, batch=batch, video=True)),
+    "smolvlm": (L.tiny_smolvlm, L.smolvlm_inputs),
+    "videollama3": (L.tiny_videollama3, L.videollama3_inputs),
 }
 VIDEO = {"onevision_video", "qwen2_vl_video", "qwen3_vl_video", "glm4v_video", "qwen3_5_video"}
 #: decoding paths the UNWRAPPED model cannot run (a transformers bug, checked by
@@ -365,7 +368,7 @@ def vision_reference(model, inp: dict, rec: dict):
     method = rec["methods"].get("vision")
     if getattr(method, "renumber_positions", False) and "frames" not in rec["methods"]:
         target = renumber(target, mask.bool())
-    n = len(model.model.language_model.layers)
+    n = len(language_model_of(model).layers)
     inject = None
     if rec["inject"] is not None:  # DeepStack (Qwen3-VL): the kept rows' additions, in the short layout
         src = torch.zeros(b, k, dtype=torch.long)
@@ -391,7 +394,7 @@ def llm_reference(model, inp: dict, rec: dict):
     a DeepStack layer (Qwen3-VL) gets there its members' additions, averaged by their sizes."""
     b, s = inp["input_ids"].shape
     valid = inp["attention_mask"].bool()
-    n = len(model.model.language_model.layers)
+    n = len(language_model_of(model).layers)
     method = rec["methods"]["llm"]
     pos = rec["pos"]
     hidden, bias, layer_pos = [None] * n, [None] * n, [None] * n

@@ -9,8 +9,8 @@ import tiny_models_llavalike as L
 import tiny_models_qwen3 as Q
 import vlm_prune
 from vlm_prune.frames.prunevid import PruneVid
-from reference import (capture_lm_inputs, injection_kwargs, injections_of, masked_llm_reference, multi_axis,
-                       positions_of, recording)
+from reference import (capture_lm_inputs, injection_kwargs, injections_of, language_model_of, masked_llm_reference,
+                       multi_axis, positions_of, recording)
 
 CASES = {
     "llava": (T.tiny_llava, lambda m, **k: T.llava_inputs(**k), {}),
@@ -37,6 +37,9 @@ CASES = {
     "qwen3_5_moe": (lambda attn="sdpa": Q.tiny_qwen3_5(attn, moe=True), Q.qwen3_vl_inputs, {}),
     "glm4v_moe": (lambda attn="sdpa": Q.tiny_glm4v(attn, variant="4.5"), Q.glm4v_inputs, {}),
     "glm46v": (lambda attn="sdpa": Q.tiny_glm4v(attn, variant="4.6"), Q.glm4v_inputs, {}),
+    "smolvlm": (L.tiny_smolvlm, L.smolvlm_inputs, {}),
+    "idefics3": (L.tiny_idefics3, L.smolvlm_inputs, {}),
+    "videollama3": (L.tiny_videollama3, L.videollama3_inputs, {}),
 }
 #: cases whose adapter refuses in-LLM methods at wrap time (Qwen3.5's linear-attention layers):
 #: there the invariants run the vision stage alone and check the refusal
@@ -154,7 +157,7 @@ def test_vision_stage_equals_hand_built_input(case, method, attn):
     b, s, _ = embeds.shape
     pos = positions_of(seen[0], b, s)
     inject = injections_of(seen[0])  # Qwen3-VL's DeepStack additions, for the kept rows only
-    lm = model.model.language_model
+    lm = language_model_of(model)
     for i in range(b):
         keep = rows[i][rows[i] >= 0]
         p = pos[:, i : i + 1, keep]
@@ -173,7 +176,8 @@ def test_vision_stage_equals_hand_built_input(case, method, attn):
 
 @pytest.mark.parametrize("case", ["llava", "llava_next", "onevision_video", "qwen2_vl_image", "qwen2_5_vl",
                                   "mistral3", "internvl", "nextvideo_video", "gemma3", "ov15_video",
-                                  "qwen3_vl_image", "qwen3_vl_video", "qwen3_vl_moe", "glm4v_image", "glm4v_video"])
+                                  "qwen3_vl_image", "qwen3_vl_video", "qwen3_vl_moe", "glm4v_image", "glm4v_video",
+                                  "smolvlm", "idefics3", "videollama3"])
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
 def test_llm_stage_equals_masked_reference(case, attn):
     """Invariant 3: FastV's in-LLM removal equals the full sequence with the removed tokens
@@ -224,8 +228,9 @@ def test_batch_equals_samples_alone(case, method):
                 elif k.endswith("grid_thw"):
                     alone[k] = v[i : i + 1]
                 elif k in ("pixel_values", "pixel_values_videos"):
-                    n = int(inp[("video" if "video" in k else "image") + "_grid_thw"][i].prod())
-                    alone[k] = v[i * n : (i + 1) * n]
+                    sizes = inp[("video" if "video" in k else "image") + "_grid_thw"].prod(-1)  # patches per image
+                    start = int(sizes[:i].sum())
+                    alone[k] = v[start : start + int(sizes[i])]
                 else:
                     alone[k] = v[i : i + 1]
             l1, g1 = run(model, alone, steps=10)
@@ -238,7 +243,7 @@ def test_batch_equals_samples_alone(case, method):
 
 
 @pytest.mark.parametrize("case", ["llava", "onevision_video", "qwen2_vl_image", "mistral3", "gemma3",
-                                  "qwen3_vl_image", "glm4v_image"])
+                                  "qwen3_vl_image", "glm4v_image", "smolvlm"])
 def test_pact_merging_equals_masked_reference_with_log_size_bias(case):
     """Invariant 3 with merges: PACT's clusters (mean hidden state at the centre, log cluster
     size added to that key's logits in every later layer) equal the full-sequence reference;

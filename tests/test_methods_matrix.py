@@ -24,6 +24,8 @@ MODELS = {
     "qwen3_vl": (Q.tiny_qwen3_vl, lambda m: Q.qwen3_vl_inputs(m)),
     "glm4v": (Q.tiny_glm4v, lambda m: Q.glm4v_inputs(m)),
     "qwen3_5": (Q.tiny_qwen3_5, lambda m: Q.qwen3_vl_inputs(m)),
+    "smolvlm": (L.tiny_smolvlm, L.smolvlm_inputs),
+    "videollama3": (L.tiny_videollama3, L.videollama3_inputs),
 }
 TOKEN_METHODS = ["random", "pool", "divprune", "cdpruner", "visionzip", "fastv", "pact", "adaptinfer",
                  "fastervlm", "vispruner", "dart", "pdrop", "hired", "prumerge", "framefusion", "sparsevlm", "mustdrop"]

@@ -104,6 +104,8 @@ def one_line(text: str) -> str:
 def cannot_load(model: str, err: BaseException) -> str:
     """The one-line usage error for a ``--model`` that ``from_pretrained`` could not load."""
     why = one_line(str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__)
+    if isinstance(err, ImportError):  # e.g. SmolVLM's processor without num2words
+        return f"--model {model}: its processor or model needs a package that is not installed: {why}"
     return (f"--model {model}: cannot load it ({why}); give a local checkpoint folder (save_pretrained output) or "
             "a Hugging Face hub id that is in the local cache or downloadable from here")
 

@@ -380,3 +380,32 @@ def read_frames(
     for note in out.warnings:
         warnings.warn(note, VideoWarning, stacklevel=2)
     return out.frames, out.times
+
+
+#: clock of the frame indices in :func:`processor_video_kwargs`' metadata: 1 ms ticks
+METADATA_TICKS = 1000.0
+
+
+def processor_video_kwargs(processor: Any, times: list[Any] | None = None) -> dict[str, Any]:
+    """Keyword arguments for ``processor(videos=..., text=...)`` on frames sampled already.
+
+    transformers' video processors of recent families sample frames again by default (Qwen3-VL and
+    Qwen3.5 cut 32 given frames to a handful at their own rate; GLM-4.1V refuses frames without
+    metadata), and the prompts of Qwen3-VL, GLM-4.1V and SmolVLM2 write each frame's time, which they
+    read from ``video_metadata`` (24 fps assumed without it). ``do_sample_frames=False`` keeps the
+    frames given; ``times`` (seconds of each video's frames, one sequence per video, None when
+    unknown) become ``video_metadata`` with those times (frame indices on a 1 ms clock). Processors
+    without a video processor get nothing."""
+    if getattr(processor, "video_processor", None) is None:
+        return {}
+    kwargs: dict[str, Any] = {"do_sample_frames": False}
+    if times and all(t is not None and len(t) for t in times):
+        from transformers.video_utils import VideoMetadata
+
+        metadata = []
+        for t in times:
+            idx = [int(round(float(s) * METADATA_TICKS)) for s in t]
+            metadata.append(VideoMetadata(total_num_frames=idx[-1] + 1, fps=METADATA_TICKS, frames_indices=idx,
+                                          duration=float(t[-1])))
+        kwargs["video_metadata"] = metadata
+    return kwargs

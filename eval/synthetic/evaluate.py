@@ -8,6 +8,7 @@ from transformers import BatchFeature, PreTrainedModel, ProcessorMixin
 
 from vlm_prune.eval.synthetic.processing import prompt
 from vlm_prune.eval.synthetic.scenes import Sample
+from vlm_prune.video import processor_video_kwargs
 
 
 def encode(processor: ProcessorMixin, samples: list[Sample], with_answers: bool = False) -> BatchFeature:
@@ -16,8 +17,10 @@ def encode(processor: ProcessorMixin, samples: list[Sample], with_answers: bool 
     eos = processor.tokenizer.eos_token
     texts = [prompt(processor, s.question, media) + (f" {s.answer} {eos}" if with_answers else "") for s in samples]
     if media == "image":
-        return processor(images=[s.image for s in samples], text=texts, padding=True, return_tensors="pt")
-    return processor(videos=[s.frames for s in samples], text=texts, padding=True, return_tensors="pt")
+        # one list per sample: Gemma 3's and SmolVLM's processors read a flat list as one sample's images
+        return processor(images=[[s.image] for s in samples], text=texts, padding=True, return_tensors="pt")
+    return processor(videos=[s.frames for s in samples], text=texts, padding=True, return_tensors="pt",
+                     **processor_video_kwargs(processor))
 
 
 @torch.no_grad()
