@@ -28,6 +28,22 @@ def _kinds(text: str) -> tuple[str, ...]:
     return kinds
 
 
+#: model-free baselines ``--methods`` names beside the registered methods (vlm_prune.eval.synthetic.baselines)
+BENCH_BASELINES = ("saturation",)
+
+
+def bench_methods(text: str) -> str:
+    """``--methods``: registered method names (:func:`vlm_prune.cli.method_list`) and the bench's
+    model-free baselines (``saturation``), so a chosen set can stand against the required baseline."""
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    registered = [n for n in names if n.lower() not in BENCH_BASELINES]
+    if registered:
+        method_list(",".join(registered))
+    elif not names:
+        method_list(text)  # the usual message for an empty list
+    return ",".join(n.lower() if n.lower() in BENCH_BASELINES else n for n in names)
+
+
 def add_parser(subparsers: Any) -> None:
     p = subparsers.add_parser(
         "bench", help="every method on the shipped synthetic models: accuracy, kept tokens, prefill time",
@@ -42,8 +58,9 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--kinds", type=_kinds, default=("image", "video"), help="shipped model kinds to bench (default image,video)")
     p.add_argument("--seeds", type=positive_int, default=None, help="bench only the first N shipped training seeds (default all; --quick 1)")
     p.add_argument("--keep", type=_keeps, default=None, help="keep ratios for every model, e.g. 0.5,0.25")
-    p.add_argument("--methods", type=method_list, default=None,
-                   help="comma-separated method names to run (default: all registered)")
+    p.add_argument("--methods", type=bench_methods, default=None,
+                   help="comma-separated method names to run, 'saturation' for the model-free baseline "
+                        "(default: all registered and saturation)")
     p.add_argument("--model", type=checkpoint, default=None, metavar="PATH_OR_HUB_ID",
                    help="bench a supported checkpoint with its own processor instead of the shipped models")
     p.add_argument("--out", default="runs/bench", help="output folder (default runs/bench)")

@@ -277,6 +277,8 @@ def run_kind(kind: str, args: argparse.Namespace, dtype: torch.dtype) -> tuple[l
             "video": f"llava-onevision-7b/{args.scale} ({args.frames} frames)"}[kind]
     only = args.methods.split(",") if args.methods else None
     methods = list(SPEED_METHODS[kind]) if only is None else only
+    if "saturation" in methods:
+        raise UsageError("--speed times registered methods; 'saturation' is the accuracy bench's model-free baseline")
     for m in methods:
         method_class(m)  # an unknown name is an error, not an empty table
     settings = [(m, k) for m in methods for k in args.speed_keeps]
