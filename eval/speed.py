@@ -64,7 +64,8 @@ SIGLIP_SO400M = {"hidden_size": 1152, "intermediate_size": 4304, "num_hidden_lay
 QWEN2_7B = {"hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28, "num_attention_heads": 28,
             "num_key_value_heads": 4, "vocab_size": 152128}
 PROMPT_TOKENS = (14, 22)  # text tokens before / after the visual tokens (system prompt, question)
-#: methods timed per model kind (any other registered name given to --methods is tried too);
+#: methods timed first per model kind, in this order (then every other registered method the shape's
+#: adapter runs, :func:`default_methods`; any registered name given to --methods is tried too);
 #: keep=1.0 rows time the wrapper with nothing to prune, for a vision-stage and an in-LLM method
 SPEED_METHODS = {
     "image": ("pool", "random", "visionzip", "divprune", "cdpruner", "tome", "asvit", "fastv", "pact", "adaptinfer",
@@ -251,6 +252,20 @@ class QuotaScorerCost:
         return torch.sigmoid(logits[:, -1, 0].float()).cpu()
 
 
+def default_methods(kind: str, model: torch.nn.Module) -> list[str]:
+    """The methods timed without ``--methods``: :data:`SPEED_METHODS` of the shape in that order,
+    then every other registered method the model's adapter runs (``Method.refusal``), so a newly
+    registered method is timed without a change here."""
+    from vlm_prune.adapters import find_adapter
+    from vlm_prune.registry import available_methods, method_class
+
+    adapter = find_adapter(model)
+    listed = list(SPEED_METHODS[kind])
+    extra = [m for m in available_methods()
+             if m not in listed and method_class(m).refusal(adapter.family, adapter.stages) is None]
+    return listed + extra
+
+
 def build_method(method: str, model: torch.nn.Module, n_layers: int, factor: float) -> tuple[Any, str]:
     """The method object for one setting (pruning layers at the real depth's fraction)."""
     if method == "quota":
@@ -276,9 +291,7 @@ def run_kind(kind: str, args: argparse.Namespace, dtype: torch.dtype) -> tuple[l
     name = {"image": f"llava-1.5-7b/{args.scale}", "image-deep": "llava-1.5-7b/64-deep",
             "video": f"llava-onevision-7b/{args.scale} ({args.frames} frames)"}[kind]
     only = args.methods.split(",") if args.methods else None
-    methods = list(SPEED_METHODS[kind]) if only is None else only
-    if "saturation" in methods:
-        raise UsageError("--speed times registered methods; 'saturation' is the accuracy bench's model-free baseline")
+    methods = default_methods(kind, model) if only is None else only
     for m in methods:
         method_class(m)  # an unknown name is an error, not an empty table
     settings = [(m, k) for m in methods for k in args.speed_keeps]
@@ -344,4 +357,6 @@ def run(args: argparse.Namespace) -> int:
     unknown = [k for k in kinds if k not in KINDS]
     if unknown:
         raise UsageError(f"--shapes: unknown shape(s) {', '.join(unknown)}; choose from {', '.join(KINDS)}")
+    if args.methods and "saturation" in args.methods.split(","):
+        raise UsageError("--speed times registered methods; 'saturation' is the accuracy bench's model-free baseline")
     return run_and_write("speed", args, (run_kind(kind, args, dtype) for kind in kinds), markdown, plot=False)

@@ -115,6 +115,32 @@ def test_speed_unknown_method_is_an_error(tmp_path, capsys):
     assert exit_.value.code == 2 and "unknown method 'tomme'; did you mean tome" in capsys.readouterr().err
 
 
+def test_speed_times_every_registered_method_the_shape_runs(monkeypatch):
+    """Without --methods, --speed times its listed methods first, then every other registered
+    method the shape's adapter runs: the video records of issue 31 with no change to speed.py."""
+    from vlm_prune.eval import speed
+
+    monkeypatch.setitem(speed.SPEED_METHODS, "video", ("uniform", "tome"))
+    model = speed.build("video", 64, torch.float32, "cpu")
+    methods = speed.default_methods("video", model)
+    assert methods[:2] == ["uniform", "tome"]  # listed ones stay, refused or not (tome: skipped with the reason)
+    assert {"vidcom2", "fastvid", "holitom", "dycoke", "keyscore", "quota", "pact"} <= set(methods)
+    assert "asvit" not in methods and len(methods) == len(set(methods))
+    adapter = LlavaOnevisionAdapter
+    for name in methods[2:]:
+        assert method_class(name).refusal(adapter.family, adapter.stages) is None, name
+
+
+def test_bench_methods_take_the_saturation_baseline(tmp_path, capsys):
+    argv = ["bench", "--quick", "--kinds", "video", "--limit", "4", "--batch-size", "4", "--keep", "0.25",
+            "--methods", "vidcom2,Saturation", "--out", str(tmp_path / "b")]
+    assert main(argv) == 0
+    rows = json.loads((tmp_path / "b" / "bench.json").read_text())["rows"]
+    assert [r["method"] for r in rows] == ["none", "saturation", "vidcom2"]
+    assert main(["bench", "--speed", "--methods", "random,saturation", "--out", str(tmp_path / "s")]) == 2
+    assert "'saturation' is the accuracy bench's model-free baseline" in capsys.readouterr().err
+
+
 def test_proportional_shape_keeps_the_7b_proportions():
     from vlm_prune.eval.speed import LLAVA_VISION, proportional
 

@@ -105,6 +105,31 @@ def test_sweep_accuracy_tokens_and_outputs(ckpt, data, tmp_path):
     assert os.path.getsize(tmp_path / "sweep.png") > 5000
 
 
+#: the video methods of issue 31 (those registered when the test runs; PruneVid and FrameFusion may land later)
+VIDEO_RECORDS = ("vidcom2", "fastvid", "holitom", "dycoke", "prunevid", "framefusion")
+
+
+@pytest.mark.skipif(not HAS_OV_ADAPTER, reason="needs the LLaVA-OneVision adapter")
+def test_sweep_runs_the_video_records(ckpt, data, tmp_path):
+    """`vlm-prune eval` sweeps take every registered video method of issue 31 by name, alone and
+    composed with a vision-stage method, and each prunes the video (answers pinned to "A": 3 of 4)."""
+    import vlm_prune
+
+    methods = [m for m in VIDEO_RECORDS if m in vlm_prune.available_methods()]
+    assert {"vidcom2", "fastvid", "holitom", "dycoke"} <= set(methods)
+    model, processor = load(ckpt)
+    always_a(model, processor)
+    plan = ["none", *methods, "vidcom2+random"]
+    rows = run_eval(cfg_for(ckpt, data, str(tmp_path), methods=plan, keeps=[0.25]), model, processor)
+    assert [r["name"] for r in rows] == ["none", *(f"{m}_keep0.25" for m in plan[1:])]
+    for row in rows:
+        assert (row["n"], row["correct"], row["failed"]) == (N, 3, 0), row["name"]
+    for row in rows[1:]:  # 4 frames x 3x3 pooled tokens (the newline is not counted once wrapped)
+        assert row["visual_tokens_in"] == 4 * 9, row["name"]
+        assert row["visual_tokens_out"] < 4 * 9 and row["flops_ratio"] < 1.0, row["name"]
+    assert not hasattr(model, "vlm_prune")
+
+
 def test_image_questions(ckpt, tmp_path):
     write_image(str(tmp_path / "img" / "a.png"))
     with open(tmp_path / "vqa.jsonl", "w") as f:
