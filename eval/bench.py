@@ -527,6 +527,8 @@ def _matched_tables(model: str, entries: list[dict[str, Any]]) -> list[str]:
         lines += ["", f"Matched {label}, {model}: accuracy % interpolated at each target (- = not reached):", "",
                   "| method | " + " | ".join(targets) + " |", "|" + "---|" * (len(targets) + 1)]
         lines += ["| " + " | ".join([m] + [_pct(e["accuracy"][m]) for e in mine]) + " |" for m in methods]
+        if axis == "layer_avg_fraction":
+            lines += _reference_table(model, label, mine)
         lines += ["", f"Best method per task family at matched {label}, {model} (paired difference, % points +- 95% CI):", "",
                   "| family | target | best | accuracy % | vs runner-up | vs saturation | vs random |", "|---|---|---|---|---|---|---|"]
         for e in (e for e in entries if e["axis"] == axis):
@@ -535,6 +537,27 @@ def _matched_tables(model: str, entries: list[dict[str, Any]]) -> list[str]:
                 e["family"], f"{100 * e['fraction']:g}%", best or "-", _pct(e["accuracy"].get(best)) if best else "-",
                 _diff(e.get("vs_runner_up")), _diff(e.get("vs_saturation")), _diff(e.get("vs_random")),
             ]) + " |")
+    return lines
+
+
+def _reference_table(model: str, label: str, mine: list[dict[str, Any]]) -> list[str]:
+    """Every method at each matched target (all families) with its 95% interval and its paired
+    difference to each reference row the model has (``bench_stats.REFERENCES``)."""
+    refs = [r for r in bench_stats.REFERENCES if any(e["accuracy"].get(r) is not None for e in mine)]
+    if not refs:
+        return []
+    lines = ["", f"Every method against {', '.join(refs)} at matched {label}, {model} (accuracy % +- 95% CI; "
+             f"paired difference method - reference, % points +- 95% CI; - = not reached):", "",
+             "| method | target | accuracy % | " + " | ".join(f"vs {r}" for r in refs) + " |", "|" + "---|" * (3 + len(refs))]
+    for method in mine[0]["accuracy"]:
+        for e in mine:
+            acc = e["accuracy"][method]
+            if acc is None:
+                continue
+            vs = e["vs_references"].get(method, {})
+            cells = [f"{100 * vs[r]['diff']:+.1f} +- {100 * vs[r]['ci']:.1f}" if r in vs else "-" for r in refs]
+            lines.append("| " + " | ".join([method, f"{100 * e['fraction']:g}%",
+                                            f"{_pct(acc)} +- {_pct(e['ci'][method])}", *cells]) + " |")
     return lines
 
 

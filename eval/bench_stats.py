@@ -24,6 +24,9 @@ MATCHED_FRACTIONS = (0.25, 0.11, 0.05)
 #: x axes of the matched view: row key -> column label
 AXES = {"kept_fraction": "final tokens", "layer_avg_fraction": "layer-avg tokens", "flops_ratio": "FLOPs"}
 Z95 = 1.959963984540054
+#: the rows every method is compared with at each matched target, those a model has: the required
+#: saturation baseline and the frames / vision methods the video and image records stand against
+REFERENCES = ("saturation", "quota", "keyscore", "divprune")
 
 
 def scores(row: dict[str, Any]) -> np.ndarray:
@@ -122,8 +125,10 @@ def matched(pooled: list[dict[str, Any]], qtypes: dict[str, list[str]],
     """The matched view: every (model, family, axis, target, method) with its interpolated accuracy.
 
     Entries: model, family ("all" or a question type), axis (a key of AXES), target, method,
-    accuracy (None when the method does not reach the target), and per family the best method
-    with paired 95% intervals against the runner-up, the saturation baseline and random.
+    accuracy (None when the method does not reach the target) with ``ci`` (its 95% half-width),
+    per family the best method with paired 95% intervals against the runner-up, the saturation
+    baseline and random, and ``vs_references``: every method against each of :data:`REFERENCES`
+    the model has at the target (method -> reference -> {diff, ci}, paired).
     """
     out = []
     for model in dict.fromkeys(r["model"] for r in pooled):
@@ -154,8 +159,14 @@ def matched(pooled: list[dict[str, Any]], qtypes: dict[str, list[str]],
 def _compare(model: str, family: str, axis: str, frac: float, target: float, at: dict[str, np.ndarray | None]) -> dict[str, Any]:
     acc = {m: (None if s is None else float(s.mean())) for m, s in at.items()}
     ranked = sorted((m for m in acc if acc[m] is not None), key=lambda m: -acc[m])
-    entry: dict[str, Any] = {"model": model, "family": family, "axis": axis, "fraction": frac, "target": target,
-                             "accuracy": acc, "best": ranked[0] if ranked else None}
+    refs = [r for r in REFERENCES if at.get(r) is not None]
+    entry: dict[str, Any] = {
+        "model": model, "family": family, "axis": axis, "fraction": frac, "target": target, "accuracy": acc,
+        "ci": {m: (None if s is None else mean_ci(s)[1]) for m, s in at.items()},
+        "best": ranked[0] if ranked else None,
+        "vs_references": {m: {r: dict(zip(("diff", "ci"), paired(s, at[r]))) for r in refs if r != m}
+                          for m, s in at.items() if s is not None},
+    }
     if ranked:
         best = at[ranked[0]]
         for label, other in (("runner_up", ranked[1] if len(ranked) > 1 else None), ("saturation", "saturation"),

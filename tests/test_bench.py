@@ -258,6 +258,32 @@ def test_matched_view_names_the_best_method_with_paired_intervals():
     assert at[("x", "layer_avg_fraction", 0.05)]["accuracy"]["good"] == pytest.approx(0.8)
 
 
+def test_matched_view_sets_every_method_against_the_references():
+    """Each method's paired difference to saturation / QuoTA / KeyScore at every matched target,
+    and the bench.md table that prints it (issue 31: where each video record stands)."""
+    from vlm_prune.eval.bench import _reference_table
+    from vlm_prune.eval.bench_stats import matched, pool_seeds
+
+    ones = "1" * 10
+    rows = [_row("none", 1.0, ones, 1.0), _row("saturation", 0.25, "1" * 6 + "0" * 4, 0.25),
+            _row("quota", 0.25, "1" * 4 + "0" * 6, 0.25), _row("vidcom2", 0.25, "0" * 2 + "1" * 8, 0.25),
+            _row("dycoke", 0.5, ones, 0.5)]  # never reaches 25%
+    view = matched(pool_seeds(rows), {"m": ["x"] * 10})
+    e = next(e for e in view if (e["family"], e["axis"], e["fraction"]) == ("all", "layer_avg_fraction", 0.25))
+    vs = e["vs_references"]["vidcom2"]
+    assert set(vs) == {"saturation", "quota"}  # keyscore / divprune: not in this bench
+    diffs = np.array([-1, -1, 0, 0, 0, 0, 1, 1, 1, 1], float)  # vidcom2 - saturation per sample
+    assert vs["saturation"]["diff"] == pytest.approx(0.2)
+    assert vs["saturation"]["ci"] == pytest.approx(1.959964 * diffs.std(ddof=1) / np.sqrt(10), rel=1e-5)
+    assert vs["quota"]["diff"] == pytest.approx(0.4) and set(e["vs_references"]["quota"]) == {"saturation"}
+    assert "dycoke" not in e["vs_references"] and e["ci"]["dycoke"] is None
+    assert e["ci"]["vidcom2"] == pytest.approx(1.959964 * np.std([0] * 2 + [1] * 8, ddof=1) / np.sqrt(10), rel=1e-5)
+    table = _reference_table("m", "layer-avg tokens", [x for x in view if x["axis"] == "layer_avg_fraction" and x["family"] == "all"])
+    assert "| method | target | accuracy % | vs saturation | vs quota |" in table
+    assert f"| vidcom2 | 25% | 80.0 +- {100 * e['ci']['vidcom2']:.1f} | +20.0 +- {100 * vs['saturation']['ci']:.1f} | +40.0 +- " in "\n".join(table)
+    assert not any(line.startswith("| dycoke |") for line in table)
+
+
 def test_figures_give_each_method_its_own_colour_and_write_png_svg_pdf(tmp_path):
     from vlm_prune.eval.plots import METHOD_COLOURS, method_style, write_sweep
 
