@@ -9,11 +9,13 @@ t_1..t_T. Which sign means "relevant" depends on the embedding space, not on the
   against CLIP text embeddings. Nothing trains these to point along the words they show, and
   the official CDPruner code ranks by the NEGATED cosine (Theia-4869/CDPruner@ed9c12d,
   llava/model/llava_arch.py ``encode_images``: ``relevance = (-relevance).mean(dim=-1)``).
-  Measured on the project's synthetic models (BENCHMARKS.md, "Instruction relevance sign"),
-  the negated cosine is the one that finds the answer: CDPruner keeps 97.3% at 11% of the
-  tokens negated vs 70.3% with the plain cosine, and KeyScore's relevance term recalls the
-  answer frames far above chance negated and at or below chance plain. So
-  ``relevance = -cos`` (:data:`IN_MODEL_NEGATED`).
+  Measured on the shipped synthetic task-family models (BENCHMARKS.md, "Instruction relevance
+  sign", 2026-12-03: every bench seed, paired 95% intervals over the same samples): on the video
+  models the negated cosine is the one that finds the answer - CDPruner keeps 61.3% at 25% of
+  the tokens negated vs 33.0% with the plain cosine (+28.3 +- 5.4 points), KeyScore's relevance
+  term recalls 82% of the answer frames negated vs 10% plain (chance 16%); on the image models
+  the sign makes no resolved difference (CDPruner -4.2 to +3.5 points at 25 / 11 / 5%, every
+  interval across zero). So ``relevance = -cos`` (:data:`IN_MODEL_NEGATED`), as the official code.
 - A contrastively trained image-text encoder's pooled embeddings (CLIP / SigLIP
   ``get_image_features`` / ``get_text_features``, KeyScore's ``encoder=``): trained so that
   matching pairs have a high cosine, so ``relevance = +cos`` (the KeyScore paper's S_sem).
