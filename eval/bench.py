@@ -527,7 +527,7 @@ def _matched_tables(model: str, entries: list[dict[str, Any]]) -> list[str]:
         lines += ["", f"Matched {label}, {model}: accuracy % interpolated at each target (- = not reached):", "",
                   "| method | " + " | ".join(targets) + " |", "|" + "---|" * (len(targets) + 1)]
         lines += ["| " + " | ".join([m] + [_pct(e["accuracy"][m]) for e in mine]) + " |" for m in methods]
-        if axis == "layer_avg_fraction":
+        if axis != "flops_ratio":  # at matched FLOPs the vision-stage rows repeat the layer-avg ones
             lines += _reference_table(model, label, mine)
         lines += ["", f"Best method per task family at matched {label}, {model} (paired difference, % points +- 95% CI):", "",
                   "| family | target | best | accuracy % | vs runner-up | vs saturation | vs random |", "|---|---|---|---|---|---|---|"]
