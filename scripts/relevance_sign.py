@@ -7,7 +7,7 @@ Every figure is pooled over the shipped seeds the bench uses (``bench.seeds_and_
 seed asked the task families it answers, on the same test samples), with the paired 95% interval
 of (-cos) - (+cos) over the same samples / clips.
 
-    python scripts/relevance_sign.py                # about 10 minutes on one CPU thread
+    python scripts/relevance_sign.py                # 15-25 minutes on one thread of the shared 2-core machine
     python scripts/relevance_sign.py --limit 60     # a smoke run
 """
 from __future__ import annotations
