@@ -12,7 +12,10 @@ the same run (median of ``--repeats`` prefill forwards, pruned and unpruned inte
 The matched view (:mod:`vlm_prune.eval.bench_stats`) interpolates every method at 25%, 11% and 5% of
 the visual tokens (final and layer-averaged) and at the FLOPs of pruning that many before the LLM,
 and names the best method per task family with paired 95% intervals against the runner-up, the
-saturation baseline and random. Combinations a model does not support are listed as skipped rows.
+saturation baseline and random; every method also gets its paired difference to each reference row
+the run has (saturation, QuoTA, KeyScore, DivPrune: ``bench_stats.REFERENCES``). Every registered
+method runs unless ``--methods`` names some (``saturation`` for the baseline). Combinations a model
+does not support are listed as skipped rows.
 
 Writes ``bench.json``, ``bench.md`` and the figure ``bench.png`` (with ``.svg`` and ``.pdf``) under
 ``--out``. ``--speed`` times randomly initialised models of real shapes instead
