@@ -51,6 +51,9 @@ def test_quick_bench_has_a_row_per_applicable_method(quick):
     table = (out / "bench.md").read_text()
     assert "| synthetic-video | quota+pact | 0.25 |" in table and "asvit - method 'asvit' works in the 'vit' stage" in table
     assert "Matched layer-avg tokens, synthetic-image" in table and "Best method per task family" in table
+    for refs, model in (("saturation, divprune", "synthetic-image"), ("saturation, quota, keyscore, divprune", "synthetic-video")):
+        for axis in ("final tokens", "layer-avg tokens"):
+            assert f"Every method against {refs} at matched {axis}, {model}" in table
     assert (out / "bench.png").read_bytes()[:8] == PNG_MAGIC
     assert (out / "bench.svg").read_text().lstrip().startswith("<?xml") and (out / "bench.pdf").read_bytes()[:4] == b"%PDF"
 
