@@ -27,6 +27,7 @@ ARCHITECTURES = {
     "Qwen2VLForConditionalGeneration": "VlmPruneQwen2VLForConditionalGeneration",
     "Qwen2_5_VLForConditionalGeneration": "VlmPruneQwen2_5_VLForConditionalGeneration",
     "LlavaOnevisionForConditionalGeneration": "VlmPruneLlavaOnevisionForConditionalGeneration",
+    "Qwen3VLForConditionalGeneration": "VlmPruneQwen3VLForConditionalGeneration",
 }
 #: the plugin's model class -> its module in vlm_prune.vllm
 MODULES = {
@@ -34,9 +35,12 @@ MODULES = {
     "VlmPruneQwen2VLForConditionalGeneration": "qwen2_vl",
     "VlmPruneQwen2_5_VLForConditionalGeneration": "qwen2_vl",
     "VlmPruneLlavaOnevisionForConditionalGeneration": "onevision",
+    "VlmPruneQwen3VLForConditionalGeneration": "qwen3_vl",
 }
 #: checkpoints whose language model has M-RoPE of its own (no mrope_section override)
-NATIVE_MROPE = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration")
+NATIVE_MROPE = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration", "Qwen3VLForConditionalGeneration")
+#: Qwen3-VL: a timestamp and start / end tokens around every temporal slice of a video
+QWEN3 = ("Qwen3VLForConditionalGeneration",)
 #: VisionZip on a LLaVA-OneVision image request (its video runs VisionZip)
 ONEVISION_VISIONZIP_REFUSAL = (
     "visionzip runs on LLaVA-OneVision video only, as in wrap(): OneVision's anyres image tiles have no per-token "
@@ -49,6 +53,14 @@ REFUSALS = {
         "adapter does not provide for this input: VisionZip runs on LLaVA-1.5 images and LLaVA-OneVision videos "
         "(not OneVision's anyres image tiles, not Qwen2-VL's tower, which has no CLS token); use divprune, cdpruner, "
         "pool or random"))],
+    "keyscore": [(QWEN3, (
+        "keyscore chooses a video's slices from the tower's features, but on Qwen3-VL vLLM's processor has already "
+        "written each slice's tokens between that slice's timestamp and start / end tokens, so the count per slice "
+        "is fixed before the choice; use uniform (its slices follow from the budget) or a vision-stage method, or "
+        "keyscore with vlm_prune.wrap() on the Hugging Face model"))],
+    "quota": [(QWEN3, (
+        "quota is refused on Qwen3-VL, as wrap() refuses it: it packs resized frames into the video's first slots, "
+        "which on Qwen3-VL lie behind other slices' timestamps; use uniform or a vision-stage method"))],
 }
 #: families whose vLLM support is not written yet, with what it needs
 PLANNED: dict[str, str] = {}
@@ -267,6 +279,8 @@ def _refusal(arch: str | None, name: str, spec: dict[str, Any]) -> str | None:
             return (f"frames method 'quota' chooses video frames; vlm_prune.vllm runs the frames methods on the video "
                     f"of {', '.join(VIDEO_ARCHITECTURES)}, not of {checkpoint} (use a vision-stage method there: "
                     f"{', '.join(SUPPORTED)})")
+        if checkpoint in QWEN3:
+            return refusal(checkpoint, name)
         if "quota" in spec or spec["keep"] == 1.0 or spec["budget"] is not None:
             return None  # a budget alone: the processor refuses it where the video has more tokens (no scores)
     return refusal(checkpoint, name)

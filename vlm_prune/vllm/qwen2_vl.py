@@ -54,6 +54,7 @@ from vlm_prune.adapters.qwen2_vl import unpatchify
 from vlm_prune.methods.base import Method, VisionContext, item_generator
 from vlm_prune.vllm.config import refusal
 from vlm_prune.vllm.frames import (
+    QUOTA_REFUSAL,
     frames_plan,
     frames_slots,
     is_frames,
@@ -93,9 +94,9 @@ def _without_spec(kwargs: Mapping[str, object]) -> dict[str, object]:
 
 
 def _check(method: Method, arch: str) -> Method:
-    if method.name == "quota":  # per request (quota_request); frames_slots refuses a request without scores
-        return method
     reason = refusal(arch, method.name)
+    if method.name == "quota" and reason == QUOTA_REFUSAL:  # per request (quota_request); frames_slots refuses
+        return method                                       # a request without scores
     if reason:
         raise ValueError(reason)
     return method
@@ -132,20 +133,25 @@ class _PrunedProcessor:
         merge = self.info.get_hf_config().vision_config.spatial_merge_size
         updates = super()._get_prompt_updates(mm_items, _without_spec(hf_processor_mm_kwargs), out_mm_kwargs)
 
-        def pruned(item_idx: int, modality: str, full: Any) -> list[int]:
-            ids = full(item_idx)
+        def pruned(item_idx: int, modality: str, full: Any) -> Any:
             t, h, w = (int(x) for x in out_mm_kwargs[modality][item_idx][f"{modality}_grid_thw"].data)
-            if is_frames(method):  # a frames method keeps whole slices of a video, leaves images alone
-                if modality == "image":
-                    return ids
-                if quota_phase(spec) == "score":  # QuoTA's pass 1: each slice's map fitted into score_grid
-                    return ids[:1] * (t * _score_rows((h // merge, w // merge), spec))
-                return ids[:1] * frames_slots(method, t, len(ids) // t, spec, grid=(h // merge, w // merge))
-            return ids[:1] * (t * method.n_keep(len(ids) // t, 1))
+            return self._slots(modality, full(item_idx), t, (h // merge, w // merge), method, spec)
 
         return [PromptReplacement(modality=u.modality, target=u.target,
                                   replacement=partial(pruned, modality=u.modality, full=u.replacement))
                 for u in updates]
+
+    def _slots(self, modality: str, ids: Any, t: int, grid: tuple[int, int], method: Method,
+               spec: dict[str, Any]) -> Any:
+        """An item's replacement: its unpruned placeholder ids ``ids`` (t slices of a rows x cols
+        ``grid``) cut to the method's slots."""
+        if is_frames(method):  # a frames method keeps whole slices of a video, leaves images alone
+            if modality == "image":
+                return ids
+            if quota_phase(spec) == "score":  # QuoTA's pass 1: each slice's map fitted into score_grid
+                return ids[:1] * (t * _score_rows(grid, spec))
+            return ids[:1] * frames_slots(method, t, len(ids) // t, spec, grid=grid)
+        return ids[:1] * (t * method.n_keep(len(ids) // t, 1))
 
     def apply(self, inputs: Any, timing_ctx: Any) -> Any:
         spec = spec_of(self.info.get_hf_config(), inputs.hf_processor_mm_kwargs)
@@ -248,7 +254,7 @@ class _PrunedQwen(OffsetChannels):
         if is_frames(method):  # whole slices of a video (images untouched, as wrap(frames=...))
             idx, feats = torch.arange(t * n, device=features.device), features
             if video:
-                plan = frames_plan(method, features.reshape(t, n, -1), (rows, cols), text_features=text,
+                plan = frames_plan(method, self._scored(features).reshape(t, n, -1), (rows, cols), text_features=text,
                                    pixels=pixels, spec=spec)
                 red = plan.reduction
                 idx = red.indices.to(features.device)
@@ -266,23 +272,38 @@ class _PrunedQwen(OffsetChannels):
         with torch.no_grad():
             for s in range(0 if is_frames(method) else t):
                 frame = features[s * n : (s + 1) * n]
-                ctx = VisionContext(features=frame, n_keep=method.n_keep(n, 1), grid=(rows, cols), text_embeds=text,
-                                    generator=gen, image_index=b)
+                ctx = VisionContext(features=self._scored(frame), n_keep=method.n_keep(n, 1), grid=(rows, cols),
+                                    text_embeds=text, generator=gen, image_index=b)
+                state = gen.get_state()
                 red = method.reduce_image(ctx)
                 if red.sizes is not None:
                     raise ValueError(f"method {method.name!r} merges tokens with sizes (proportional attention), which "
                                      "vLLM's attention cannot weight; use a method that keeps or replaces tokens")
                 idx = red.indices.to(features.device)
-                feats = frame[idx] if red.features is None else red.features.to(features.dtype)
+                feats = frame[idx] if red.features is None else self._rewritten(method, frame, ctx, red, state)
                 order = torch.argsort(idx)
                 kept.append(feats[order])
                 index.append(idx[order] + s * n)
         idx = torch.cat(index)
         t_pos = idx // n
-        if t_factor != 1.0:  # Qwen2.5-VL videos: a slice's position is its time in tokens_per_second units
+        if video and self.slice_origins:  # every slice at its own origin (Qwen3-VL: its timestamp before it)
+            t_pos = torch.zeros_like(t_pos)
+        elif t_factor != 1.0:  # Qwen2.5-VL videos: a slice's position is its time in tokens_per_second units
             t_pos = (t_pos.double() * t_factor).long()
         offsets = torch.stack([t_pos, (idx % n) // cols, idx % cols])
         return torch.cat([torch.cat(kept), encode_positions(offsets, features.dtype)], dim=1)
+
+    #: each temporal slice of a video has its own M-RoPE origin (the slots' positions start there)
+    slice_origins = False
+
+    def _scored(self, features: torch.Tensor) -> torch.Tensor:
+        """The channels of an item's encoder output that the method reads (all of them here)."""
+        return features
+
+    def _rewritten(self, method: Method, frame: torch.Tensor, ctx: VisionContext, red: Any,
+                   state: torch.Tensor) -> torch.Tensor:
+        """The features of a frame that ``red`` rewrote (pool's averages), all channels."""
+        return red.features.to(frame.dtype)
 
     # ---- positions: kept tokens at their original (t, h, w) positions -----------------------
     def get_mrope_input_positions(self, input_tokens: list[int], mm_features: list[MultiModalFeatureSpec]

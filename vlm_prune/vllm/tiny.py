@@ -293,3 +293,77 @@ def write_onevision(folder: str | Path, shape: OnevisionShape = OnevisionShape()
     )
     proc.save_pretrained(folder)
     return folder
+
+
+# ---- Qwen3-VL -------------------------------------------------------------------------------------
+#: Qwen3-VL's processor writes "<t seconds>" before every temporal slice of a video: words for the
+#: timestamps of a 2 fps video (slices of two frames: 0.25 s, 1.25 s, ... printed with one decimal)
+QWEN3_TIMESTAMPS = tuple(f"<{t + 0.25:.1f}" for t in range(8)) + ("seconds>",)
+
+
+@dataclass(frozen=True)
+class Qwen3Shape(QwenShape):
+    """Sizes of a Qwen3-VL-layout model (ViT with learned position embeddings, a 2 x 2 merger and
+    DeepStack mergers after ``deepstack`` tower blocks, + Qwen3 with interleaved M-RoPE)."""
+
+    vision_layers: int = 3
+    deepstack: tuple[int, ...] = (0, 1)  # tower blocks whose features are added after decoder layers 0, 1
+
+
+def build_qwen3_tokenizer(shape: Qwen3Shape):
+    """Qwen2-VL's word-level tokenizer plus the timestamp words (:data:`QWEN3_TIMESTAMPS`)."""
+    names = {i: tok for tok, i in qwen_token_ids(shape).items()}
+    names.update({shape.vocab - 3: "user", shape.vocab - 2: "assistant", shape.vocab - 1: ":"})
+    first = shape.vocab - 7 - len(QWEN3_TIMESTAMPS)
+    names.update({first + i: word for i, word in enumerate(QWEN3_TIMESTAMPS)})
+    return word_tokenizer(shape.vocab, names, QWEN_CHAT_TEMPLATE,
+                          {"image_token": "<|image_pad|>", "video_token": "<|video_pad|>"}, added=QWEN_SPECIAL)
+
+
+def build_qwen3_model(shape: Qwen3Shape, seed: int = 0):
+    """A randomly initialised ``Qwen3VLForConditionalGeneration`` of ``shape`` (float32, eval)."""
+    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+
+    torch.manual_seed(seed)
+    vision = dict(depth=shape.vision_layers, hidden_size=shape.vision_hidden, intermediate_size=2 * shape.vision_hidden,
+                  num_heads=shape.vision_heads, out_hidden_size=shape.hidden, patch_size=shape.patch,
+                  temporal_patch_size=2, spatial_merge_size=2, num_position_embeddings=64,
+                  deepstack_visual_indexes=list(shape.deepstack))
+    head_dim = shape.hidden // shape.heads
+    half = head_dim // 2
+    a = half * 3 // 8
+    text = dict(text_config(shape), head_dim=head_dim, tie_word_embeddings=False,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [half - 2 * a, a, a],
+                                 "mrope_interleaved": True})
+    ids = qwen_token_ids(shape)
+    cfg = Qwen3VLConfig(text_config=text, vision_config=vision, image_token_id=ids["<|image_pad|>"],
+                        video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
+                        vision_end_token_id=ids["<|vision_end|>"], pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                        tie_word_embeddings=False)
+    model = Qwen3VLForConditionalGeneration(cfg).eval()
+    with torch.no_grad():
+        for merger in model.model.visual.deepstack_merger_list:  # DeepStack features must matter too
+            for p in merger.parameters():
+                p.mul_(4.0)
+    return sharpen(model, model.model.visual.merger)
+
+
+def write_qwen3_vl(folder: str | Path, shape: Qwen3Shape = Qwen3Shape(), seed: int = 0) -> Path:
+    """Save a random Qwen3-VL model with tokenizer and processor (Qwen3-VL's processor classes) to ``folder``."""
+    from transformers import Qwen2VLImageProcessor, Qwen3VLProcessor, Qwen3VLVideoProcessor
+
+    folder = Path(folder)
+    build_qwen3_model(shape, seed).save_pretrained(folder)
+    unit = shape.patch * 2
+    sizes = dict(size={"shortest_edge": unit * unit, "longest_edge": 64 * unit * unit}, patch_size=shape.patch,
+                 temporal_patch_size=2, merge_size=2)
+    # the video processor budgets the pixels of all frames together: room for 16 frames of 32 x 48 px
+    video = dict(sizes, size={"shortest_edge": unit * unit, "longest_edge": 1024 * unit * unit})
+    # images normalised as videos (mean = std = 0.5, as Qwen3-VL's checkpoints): vLLM 0.32 normalises both
+    # on the device with the image processor's values (mm_device_do_normalize)
+    half = {"image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5]}
+    proc = Qwen3VLProcessor(image_processor=Qwen2VLImageProcessor(**sizes, **half),
+                            video_processor=Qwen3VLVideoProcessor(**video, cap_pixels_per_frame=False),
+                            tokenizer=build_qwen3_tokenizer(shape), chat_template=QWEN_CHAT_TEMPLATE)
+    proc.save_pretrained(folder)
+    return folder

@@ -1,0 +1,144 @@
+"""vlm_prune inside vLLM on Qwen3-VL (issue 29): one vLLM engine on a tiny random checkpoint
+(``vlm_prune.vllm.tiny.write_qwen3_vl``: DeepStack features from tower blocks 0 and 1, timestamps
+between a video's slices), each request with its own method and budget. The answers must equal
+``wrap()``'s on the Hugging Face model, and the kept tokens must sit at their original M-RoPE
+positions, their DeepStack features following them (a dropped token leaves every DeepStack layer).
+
+Needs vLLM: CI runs this module in the vLLM environment (.ci/run); elsewhere it is skipped.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM is installed only in the vLLM test environment (.ci/run builds it)")
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from test_vllm_qwen import (  # noqa: E402  (the same prompts, media, requests and HF reference as Qwen2-VL)
+    ENGINE_ARGS,
+    PROMPTS,
+    _case_id,
+    _media,
+    image_positions,
+    run_hf,
+    run_vllm,
+    vllm_request,
+)
+
+import vlm_prune.vllm as vp  # noqa: E402
+from vlm_prune.vllm.tiny import write_qwen3_vl  # noqa: E402
+
+pytestmark = pytest.mark.timeout(900)
+#: 8 frames: 4 temporal slices of 4 x 6 merged tokens, each behind its own "<t seconds>" text
+FRAMES = 8
+CASES = [("image", "random", {"keep": 0.5}), ("image", "random", {"budget": 3}), ("image", "pool", {"keep": 0.25}),
+         ("image", "divprune", {"keep": 0.5}), ("image", "divprune", {"budget": 5}), ("image", "cdpruner", {"keep": 0.5}),
+         ("video", "random", {"keep": 0.5}), ("video", "pool", {"keep": 0.25}), ("video", "divprune", {"budget": 5}),
+         ("video", "cdpruner", {"keep": 0.5}),
+         # frames method: whole slices (their timestamps stay), below one slice part of the middle one
+         ("video", "uniform", {"keep": 0.5}), ("video", "uniform", {"budget": 10})]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return write_qwen3_vl(tmp_path_factory.mktemp("qwen3") / "tiny", seed=0)
+
+
+@pytest.fixture(scope="module")
+def llm(checkpoint):
+    engine = vp.LLM(str(checkpoint), "random", keep=1.0, **ENGINE_ARGS)
+    yield engine
+    del engine
+
+
+@pytest.fixture(scope="module")
+def hf(checkpoint):
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    torch.set_num_threads(1)
+    model = AutoModelForImageTextToText.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    model.set_attn_implementation("sdpa")
+    return model, AutoProcessor.from_pretrained(checkpoint)
+
+
+@pytest.mark.parametrize("kind", ["image", "video"])
+def test_keep_all_equals_unwrapped_hf(llm, hf, kind):
+    tokens, logprobs = run_vllm(llm, kind, None, FRAMES)
+    ref_tokens, ref_logprobs, _ = run_hf(hf, kind, None, FRAMES)
+    assert tokens == ref_tokens
+    np.testing.assert_allclose(logprobs, ref_logprobs, atol=2e-4)
+
+
+@pytest.mark.timeout(600)
+def test_keep_all_equals_plain_vllm(checkpoint, llm, tmp_path):
+    """The plugin with nothing pruned is vLLM's own Qwen3-VL, bit for bit, on the image and the video
+    prompts (its position layout with timestamps, DeepStack, the offset channels stripped); vLLM's
+    engine runs in a child process."""
+    import json
+    import subprocess
+    import sys
+
+    from test_vllm_engine import Child
+
+    out = tmp_path / "result.json"
+    code = "import sys; sys.path.insert(0, sys.argv[1]); import test_vllm_qwen as t; t.plain_vllm_main(*sys.argv[2:])"
+    child = Child([sys.executable, "-c", code, os.path.dirname(__file__), str(checkpoint), str(out)], tmp_path / "log")
+    try:
+        child.proc.wait(500)
+    except subprocess.TimeoutExpired:
+        raise AssertionError(f"the engine did not answer in 500 s:\n{child.log_tail()}") from None
+    finally:
+        child.stop()
+    assert child.proc.returncode == 0, f"the engine failed ({child.proc.returncode}):\n{child.log_tail()}"
+    plain = json.loads(out.read_text())
+    assert plain["class"] == "Qwen3VLForConditionalGeneration"
+    for kind in PROMPTS:
+        tokens, logprobs = plain[kind]
+        ref_tokens, ref_logprobs = run_vllm(llm, kind, None)
+        assert tokens == ref_tokens
+        np.testing.assert_array_equal(logprobs, ref_logprobs)
+
+
+@pytest.mark.parametrize("kind,method,budget", CASES, ids=[_case_id(*c) for c in CASES])
+def test_method_equals_wrapped_hf(llm, hf, kind, method, budget):
+    """Same greedy tokens and log-probabilities as wrap(same method, same budget) on Qwen3-VL, and the
+    same kept tokens at the same (t, h, w) positions (the original ones; a video slice's own origin)."""
+    ref_tokens, ref_logprobs, ref_kept = run_hf(hf, kind, method, FRAMES, **budget)
+    tokens, logprobs = run_vllm(llm, kind, method, FRAMES, **budget)
+    assert tokens == ref_tokens
+    np.testing.assert_allclose(logprobs, ref_logprobs, atol=2e-4)
+    from vllm import SamplingParams
+
+    for i, (prompt, media) in enumerate(zip(PROMPTS[kind], _media(kind, FRAMES))):
+        llm.generate(vllm_request(prompt, media, method, **budget), SamplingParams(temperature=0.0, max_tokens=1),
+                     use_tqdm=False)
+        assert image_positions(llm) == ref_kept[i]
+
+
+def test_deepstack_follows_the_kept_tokens(llm, hf):
+    """Dropping the DeepStack features changes the answer (so the equalities above see them), and the
+    plugin's pruned answer differs from one whose DeepStack rows do not follow the kept tokens."""
+    model, _ = hf
+    tokens, logprobs = run_vllm(llm, "image", "divprune", FRAMES, keep=0.5)
+    saved = [p.detach().clone() for p in model.model.visual.deepstack_merger_list.parameters()]
+    try:
+        with torch.no_grad():
+            for p in model.model.visual.deepstack_merger_list.parameters():
+                p.zero_()
+        _, zero_logprobs, _ = run_hf(hf, "image", "divprune", FRAMES, keep=0.5)
+    finally:
+        with torch.no_grad():
+            for p, s in zip(model.model.visual.deepstack_merger_list.parameters(), saved):
+                p.copy_(s)
+    assert np.abs(np.array(logprobs) - np.array(zero_logprobs)).max() > 1e-2
+
+
+def test_refusals_per_request(llm):
+    with pytest.raises(ValueError, match="visionzip needs the vision tower's attention"):
+        run_vllm(llm, "image", "visionzip", keep=0.5)
+    with pytest.raises(ValueError, match="keyscore chooses a video's slices from the tower's features"):
+        run_vllm(llm, "video", "keyscore", keep=0.5)
+    with pytest.raises(ValueError, match="quota is refused on Qwen3-VL"):
+        run_vllm(llm, "video", "quota", keep=0.5)
