@@ -31,7 +31,10 @@ STEPS = 6
 PROMPTS = ["<s> user : <image> w5 w6 w7 w8 assistant :", "<s> user : w9 <image> w10 w11 w12 w13 w14 assistant :"]
 CASES = [("random", {"keep": 0.5}), ("random", {"budget": 3}), ("pool", {"keep": 0.25}), ("divprune", {"keep": 0.5}),
          ("divprune", {"budget": 2}), ("cdpruner", {"keep": 0.5}), ("cdpruner", {"budget": 5}),
-         ("visionzip", {"keep": 0.5}), ("visionzip", {"budget": 6})]
+         ("visionzip", {"keep": 0.5}), ("visionzip", {"budget": 6}),
+         # issue 30: the tower's CLS attention (as VisionZip's), the official shorter sequence by default
+         ("fastervlm", {"keep": 0.5}), ("fastervlm", {"budget": 3}), ("vispruner", {"keep": 0.5}),
+         ("vispruner", {"budget": 6})]
 
 
 def _images() -> list[Image.Image]:

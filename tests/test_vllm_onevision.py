@@ -46,7 +46,8 @@ VISION_CASES = [("random", {"keep": 0.5}), ("pool", {"keep": 0.25}), ("divprune"
 # (CDPruner at keep 0.5 is not in the list: on this random image its greedy DPP picks among near-ties late in the
 # selection, and 1e-6 of noise on the features already changes up to 12 of its 96 picks in the HF model alone)
 FRAMES_CASES = [("uniform", {"keep": 0.5}), ("uniform", {"budget": 40}), ("uniform", {"budget": 10}),
-                ("keyscore", {"keep": 0.5}), ("keyscore", {"budget": 10})]
+                ("keyscore", {"keep": 0.5}), ("keyscore", {"budget": 10}), ("vidcom2", {"keep": 0.25}),
+                ("vidcom2", {"budget": 50})]
 
 
 def _clip() -> np.ndarray | None:
@@ -221,6 +222,19 @@ def test_frames_method_equals_wrapped_hf(llm, hf, method, budget):
     assert encoded == (whole if whole >= 1 else FRAMES)
 
 
+#: issue 30: the methods that rank by the tower's attention, as VisionZip on video (SigLIP: mean attention received)
+TOWER_CASES = [("fastervlm", {}, {"keep": 0.5}), ("fastervlm", {"positions": "keep"}, {"budget": 6}),
+               ("vispruner", {}, {"keep": 0.5}), ("vispruner", {"important_ratio": 0.25}, {"budget": 6})]
+
+
+@pytest.mark.parametrize("name,knobs,budget", TOWER_CASES, ids=["fastervlm-keep0.5", "fastervlm-positions-keep-budget6",
+                                                                 "vispruner-keep0.5", "vispruner-ratio0.25-budget6"])
+def test_tower_attention_methods_video_equal_wrapped_hf(llm, hf, name, knobs, budget):
+    """FasterVLM and VisPruner on video (wrap() runs them on OneVision video only, as VisionZip): the
+    same tokens, log-probabilities and kept rows (renumbered by default, the official shorter sequence)."""
+    check_equal(llm, hf, make_method(name, **knobs), budget, prompts=[PROMPTS[1]])
+
+
 VISIONZIP_CASES = [({}, {"keep": 0.5}), ({}, {"budget": 6}), ({"positions": "keep"}, {"keep": 0.5})]
 
 
@@ -273,10 +287,11 @@ def test_refusals(llm, checkpoint):
         llm.generate({"prompt": PROMPTS[1][0], "multi_modal_data": _media("video"),
                       "mm_processor_kwargs": vp.request_kwargs("quota", keep=0.5)},
                      SamplingParams(max_tokens=1), use_tqdm=False)
-    with pytest.raises(ValueError, match="anyres image tiles have no per-token tower row"):
-        llm.generate({"prompt": PROMPTS[0][0], "multi_modal_data": _media("image"),
-                      "mm_processor_kwargs": vp.request_kwargs("visionzip", keep=0.5)},
-                     SamplingParams(max_tokens=1), use_tqdm=False)
+    for name in ("visionzip", "fastervlm", "vispruner"):
+        with pytest.raises(ValueError, match=f"{name} runs on LLaVA-OneVision video only.*anyres image tiles"):
+            llm.generate({"prompt": PROMPTS[0][0], "multi_modal_data": _media("image"),
+                          "mm_processor_kwargs": vp.request_kwargs(name, keep=0.5)},
+                         SamplingParams(max_tokens=1), use_tqdm=False)
     tokens, _ = run_vllm(llm, "divprune", {"keep": 0.5}, prompts=[PROMPTS[0]])  # the engine serves on
     assert len(tokens[0]) == STEPS
 

@@ -54,13 +54,16 @@ CASES = [("image", "random", {"keep": 0.5}), ("image", "random", {"budget": 3}),
          ("video", "divprune", {"budget": 5}), ("video", "cdpruner", {"keep": 0.5}),
          # frames methods: whole slices of the video (below one slice, part of one), the image left alone
          ("video", "uniform", {"keep": 0.5}), ("video", "uniform", {"budget": 10}), ("video", "keyscore", {"keep": 0.5}),
-         ("video", "keyscore", {"budget": 48})]
+         ("video", "keyscore", {"budget": 48}),
+         # issue 31: VidCom2 (the budget's tokens spread over the slices by their uniqueness, each at its slot)
+         ("video", "vidcom2", {"keep": 0.5}), ("video", "vidcom2", {"budget": 30})]
 #: keyscore's in-model default ranks STACFP's proposals (OpenCV, scikit-learn); "all" slices without them
 KEYSCORE = {} if all(importlib.util.find_spec(m) is not None for m in ("cv2", "sklearn")) else {"proposals": "all"}
 #: Qwen2.5-VL shares every line of the plugin with Qwen2-VL; its engine checks keep-all and one method
 #: of each kind (selection, replacement) against its own tower (window attention) and processor class,
 #: and a video, whose temporal positions step by second_per_grid_ts * tokens_per_second on 2.5
-CASES_25 = [("image", "divprune", {"keep": 0.5}), ("image", "pool", {"keep": 0.25}), ("video", "divprune", {"budget": 5})]
+CASES_25 = [("image", "divprune", {"keep": 0.5}), ("image", "pool", {"keep": 0.25}), ("video", "divprune", {"budget": 5}),
+            ("video", "vidcom2", {"keep": 0.5})]
 
 
 def _media(kind: str, frames: int = 8) -> list[dict]:
@@ -272,8 +275,9 @@ def test_method_equals_wrapped_hf(arch, llm, hf, kind, method, budget):
 
 
 def test_visionzip_and_bare_quota_are_refused_per_request(llm):
-    with pytest.raises(ValueError, match="visionzip needs the vision tower's attention"):
-        run_vllm(llm, "image", "visionzip", keep=0.5)
+    for name in ("visionzip", "fastervlm", "vispruner"):
+        with pytest.raises(ValueError, match=f"{name} needs the vision tower's attention"):
+            run_vllm(llm, "image", name, keep=0.5)
     with pytest.raises(ValueError, match="through vlm_prune.vllm.quota_request"):  # no scores: no pass 1
         run_vllm(llm, "video", "quota", keep=0.5)
 

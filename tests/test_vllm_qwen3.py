@@ -136,8 +136,11 @@ def test_deepstack_follows_the_kept_tokens(llm, hf):
 
 
 def test_refusals_per_request(llm):
-    with pytest.raises(ValueError, match="visionzip needs the vision tower's attention"):
-        run_vllm(llm, "image", "visionzip", keep=0.5)
+    for name in ("visionzip", "fastervlm", "vispruner"):
+        with pytest.raises(ValueError, match=f"{name} needs the vision tower's attention"):
+            run_vllm(llm, "image", name, keep=0.5)
+    with pytest.raises(ValueError, match="vidcom2 gives each slice of a video its own share"):
+        run_vllm(llm, "video", "vidcom2", keep=0.5)
     with pytest.raises(ValueError, match="keyscore chooses a video's slices from the tower's features"):
         run_vllm(llm, "video", "keyscore", keep=0.5)
     with pytest.raises(ValueError, match="quota is refused on Qwen3-VL"):

@@ -41,18 +41,27 @@ MODULES = {
 NATIVE_MROPE = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration", "Qwen3VLForConditionalGeneration")
 #: Qwen3-VL: a timestamp and start / end tokens around every temporal slice of a video
 QWEN3 = ("Qwen3VLForConditionalGeneration",)
-#: VisionZip on a LLaVA-OneVision image request (its video runs VisionZip)
+#: VisionZip (FasterVLM, VisPruner) on a LLaVA-OneVision image request (its video runs them)
 ONEVISION_VISIONZIP_REFUSAL = (
-    "visionzip runs on LLaVA-OneVision video only, as in wrap(): OneVision's anyres image tiles have no per-token "
+    "{name} runs on LLaVA-OneVision video only, as in wrap(): OneVision's anyres image tiles have no per-token "
     "tower row; use divprune, cdpruner, pool or random for requests with images"
+)
+#: vision methods that read the tower's feature-layer attention (VisionContext.tower_attention)
+TOWER_METHODS = ("visionzip", "fastervlm", "vispruner")
+TOWER_REFUSAL = (
+    "{name} needs the vision tower's attention and keys (VisionContext.tower_attention), which this model's "
+    "adapter does not provide for this input: {title} runs on LLaVA-1.5 images and LLaVA-OneVision videos "
+    "(not OneVision's anyres image tiles, not Qwen2-VL's tower, which has no CLS token); use divprune, cdpruner, "
+    "pool or random"
 )
 #: method -> [(checkpoint classes that cannot run it, the reason)]
 REFUSALS = {
-    "visionzip": [(NATIVE_MROPE, (
-        "visionzip needs the vision tower's attention and keys (VisionContext.tower_attention), which this model's "
-        "adapter does not provide for this input: VisionZip runs on LLaVA-1.5 images and LLaVA-OneVision videos "
-        "(not OneVision's anyres image tiles, not Qwen2-VL's tower, which has no CLS token); use divprune, cdpruner, "
-        "pool or random"))],
+    **{name: [(NATIVE_MROPE, TOWER_REFUSAL.format(name=name, title=title))]
+       for name, title in zip(TOWER_METHODS, ("VisionZip", "FasterVLM", "VisPruner"))},
+    "vidcom2": [(QWEN3, (
+        "vidcom2 gives each slice of a video its own share of the budget from the tower's features, but on Qwen3-VL "
+        "vLLM's processor has already written each slice's tokens between that slice's timestamp and start / end "
+        "tokens; use uniform or a vision-stage method there, or vidcom2 with vlm_prune.wrap()"))],
     "keyscore": [(QWEN3, (
         "keyscore chooses a video's slices from the tower's features, but on Qwen3-VL vLLM's processor has already "
         "written each slice's tokens between that slice's timestamp and start / end tokens, so the count per slice "
@@ -65,9 +74,9 @@ REFUSALS = {
 #: families whose vLLM support is not written yet, with what it needs
 PLANNED: dict[str, str] = {}
 #: methods that run in vLLM (vision stage, a fixed count per image)
-SUPPORTED = ("random", "pool", "divprune", "cdpruner", "visionzip")
+SUPPORTED = ("random", "pool", "divprune", "cdpruner", "visionzip", "fastervlm", "vispruner")
 #: frames methods that run in vLLM (video models; a count per video fixed by the budget): vllm/frames.py
-FRAMES_SUPPORTED = ("uniform", "keyscore")
+FRAMES_SUPPORTED = ("uniform", "keyscore", "vidcom2")
 #: checkpoint classes that take video (the frames methods need one)
 VIDEO_ARCHITECTURES = ("LlavaOnevisionForConditionalGeneration",) + NATIVE_MROPE
 

@@ -32,8 +32,10 @@ import torch
 
 from vlm_prune.methods.base import FramesContext, FramesPlan, Method, Reduction
 
-#: frames methods whose kept count is fixed by the budget (the plugin serves them in one pass)
-FRAMES_SUPPORTED = ("uniform", "keyscore")
+from vlm_prune.vllm.config import FRAMES_SUPPORTED  # (frames methods whose kept count the budget fixes: one pass)
+
+#: frames methods that keep exactly the video budget's tokens (spread over the frames by their features)
+EXACT_TOTAL = ("vidcom2",)
 #: the spec's key for QuoTA's passes: {"phase": "score", "grid": [r, c]} or {"scores": [p_t, ...]}
 QUOTA_KEY = "quota"
 
@@ -88,6 +90,8 @@ def frames_slots(method: Method, frames: int, per_frame: int, spec: dict[str, An
                           torch.tensor(scores, dtype=torch.float32), method.variant, method.weight_scale,
                           method.weight_power, slots=frames * per_frame)
         return plan.reduction.indices.numel()
+    if method.name in EXACT_TOTAL:
+        return min(n_total, frames * per_frame)
     whole = min(frames, n_total // per_frame)
     return whole * per_frame if whole >= 1 else n_total
 

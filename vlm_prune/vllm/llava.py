@@ -45,7 +45,7 @@ from vllm.multimodal.processing import PromptReplacement, PromptUpdate
 
 from vlm_prune.methods.base import Method, VisionContext, item_generator
 from vlm_prune.methods.visionzip import TowerFeatures
-from vlm_prune.vllm.config import SpecError, method_of, validate_spec
+from vlm_prune.vllm.config import TOWER_METHODS, SpecError, method_of, validate_spec
 
 #: extra embedding channels carrying each kept token's position offset (base-64 digits: exact in
 #: bfloat16 too, up to 64**3 positions)
@@ -128,7 +128,7 @@ def tag_items(out: Any, spec: dict[str, Any], method: Method, suffix: list[int],
     prompt, the spec, and ``more(modality, rank)`` (named ints); key each item's cache entry by what
     else its method reads."""
     prompt = list(out["prompt_token_ids"])
-    ranges = [(r.offset, r.length) for rs in out["mm_placeholders"].values() for r in rs]
+    ranges = [(r.offset, _embeds_end(r)) for rs in out["mm_placeholders"].values() for r in rs]
     query = question_ids(prompt, ranges, suffix)
     packed = spec_bytes(spec)
     kwargs, hashes = out["mm_kwargs"], out["mm_hashes"]
@@ -148,6 +148,14 @@ def tag_items(out: Any, spec: dict[str, Any], method: Method, suffix: list[int],
             if extra:
                 hashes[modality][rank] = keyed_hash(hashes[modality][rank], extra)
     return out
+
+
+def _embeds_end(r: Any) -> int:
+    """Length of a placeholder range up to its last embedding row (Qwen3-VL: a video's range ends
+    with its last slice's end token, text as wrap() reads it)."""
+    if r.is_embed is None or not bool(r.is_embed.any()):
+        return r.length
+    return int(torch.nonzero(r.is_embed)[-1]) + 1
 
 
 def keyed_hash(mm_hash: str, extra: dict[str, Any]) -> str:
@@ -325,7 +333,7 @@ class VlmPruneLlavaForConditionalGeneration(OffsetChannels, LlavaForConditionalG
         if query is not None:
             text = self.language_model.model.embed_tokens(query.reshape(-1).to(features.device).long())
         tower_attention = None
-        if method.name == "visionzip":
+        if method.name in TOWER_METHODS:
             feature_input = self._feature_input[b]
 
             def tower_attention() -> tuple:
@@ -356,8 +364,8 @@ class VlmPruneLlavaForConditionalGeneration(OffsetChannels, LlavaForConditionalG
         layer = self.vision_tower.vision_model.encoder.layers[-1]
         attn = layer.self_attn
         if getattr(attn, "tp_size", 1) > 1:  # this rank holds only its share of the heads
-            raise ValueError("visionzip under tensor parallelism needs the whole vision tower on every rank: "
-                             "start vLLM with mm_encoder_tp_mode='data' (--mm-encoder-tp-mode data)")
+            raise ValueError("visionzip, fastervlm and vispruner under tensor parallelism need the whole vision tower "
+                             "on every rank: start vLLM with mm_encoder_tp_mode='data' (--mm-encoder-tp-mode data)")
         with torch.no_grad():
             x = layer.layer_norm1(row[None])
             qkv, _ = attn.qkv_proj(x)

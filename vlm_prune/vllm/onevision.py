@@ -48,7 +48,7 @@ from vllm.multimodal.parse import ImageProcessorItems, VideoProcessorItems
 from vllm.multimodal.processing import PromptReplacement, PromptUpdate
 
 from vlm_prune.methods.base import Method, Reduction, VisionContext, item_generator
-from vlm_prune.vllm.config import ONEVISION_VISIONZIP_REFUSAL
+from vlm_prune.vllm.config import ONEVISION_VISIONZIP_REFUSAL, TOWER_METHODS
 from vlm_prune.vllm.frames import (
     frames_reduction,
     frames_slots,
@@ -103,10 +103,10 @@ class PrunedOnevisionProcessingInfo(LlavaOnevisionProcessingInfo):
         m = self.method(mm_kwargs)
         if is_frames(m):
             return n  # a frames method leaves images alone (as wrap(frames=...))
-        if m.name == "visionzip":
+        if m.name in TOWER_METHODS:
             if mm_kwargs is None:  # vLLM's profiling asks for the most tokens an image can take
                 return n
-            raise ValueError(ONEVISION_VISIONZIP_REFUSAL)
+            raise ValueError(ONEVISION_VISIONZIP_REFUSAL.format(name=m.name))
         newlines = self.image_newlines(image_width=image_width, image_height=image_height)
         return vision_slots(m, n - newlines) + newlines
 
@@ -344,7 +344,7 @@ class VlmPruneLlavaOnevisionForConditionalGeneration(OffsetChannels, LlavaOnevis
         parts = []
         for f in range(t):
             tower = None
-            if method.name == "visionzip":
+            if method.name in TOWER_METHODS:
                 tower = (lambda row=first_frame + f: self._frame_attention(row))
             ctx = VisionContext(features=feats[f * n:(f + 1) * n], n_keep=method.n_keep(n, 1), grid=self.frame_grid,
                                 text_embeds=text, tower_attention=tower, generator=gen)
@@ -365,8 +365,8 @@ class VlmPruneLlavaOnevisionForConditionalGeneration(OffsetChannels, LlavaOnevis
         layer = self.vision_tower.vision_model.encoder.layers[-1]
         attn = layer.self_attn
         if getattr(attn, "tp_size", 1) > 1:  # this rank holds only its share of the heads
-            raise ValueError("visionzip under tensor parallelism needs the whole vision tower on every rank: "
-                             "start vLLM with mm_encoder_tp_mode='data' (--mm-encoder-tp-mode data)")
+            raise ValueError("visionzip, fastervlm and vispruner under tensor parallelism need the whole vision tower "
+                             "on every rank: start vLLM with mm_encoder_tp_mode='data' (--mm-encoder-tp-mode data)")
         x = layer.layer_norm1(self._feature_input[row][None])
         qkv, _ = attn.qkv_proj(x)
         h, d = attn.num_heads_per_partition, attn.head_dim
