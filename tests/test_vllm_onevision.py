@@ -46,8 +46,11 @@ VISION_CASES = [("random", {"keep": 0.5}), ("pool", {"keep": 0.25}), ("divprune"
 # (CDPruner at keep 0.5 is not in the list: on this random image its greedy DPP picks among near-ties late in the
 # selection, and 1e-6 of noise on the features already changes up to 12 of its 96 picks in the HF model alone)
 FRAMES_CASES = [("uniform", {"keep": 0.5}), ("uniform", {"budget": 40}), ("uniform", {"budget": 10}),
-                ("keyscore", {"keep": 0.5}), ("keyscore", {"budget": 10}), ("vidcom2", {"keep": 0.25}),
-                ("vidcom2", {"budget": 50})]
+                ("keyscore", {"keep": 0.5}), ("keyscore", {"budget": 10}),
+                # issue 31: the budget's tokens over the frames (vidcom2: by uniqueness; fastvid, holitom: SigLIP's
+                # attention, merging the rest into anchors / static windows), each at its own slot
+                ("vidcom2", {"keep": 0.25}), ("vidcom2", {"budget": 50}), ("fastvid", {"keep": 0.25}),
+                ("fastvid", {"budget": 30}), ("holitom", {"keep": 0.25}), ("holitom", {"budget": 30})]
 
 
 def _clip() -> np.ndarray | None:

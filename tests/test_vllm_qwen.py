@@ -278,6 +278,9 @@ def test_visionzip_and_bare_quota_are_refused_per_request(llm):
     for name in ("visionzip", "fastervlm", "vispruner"):
         with pytest.raises(ValueError, match=f"{name} needs the vision tower's attention"):
             run_vllm(llm, "image", name, keep=0.5)
+    for name in ("fastvid", "holitom"):
+        with pytest.raises(ValueError, match=f"{name} ranks a video's tokens by the attention"):
+            run_vllm(llm, "video", name, keep=0.5)
     with pytest.raises(ValueError, match="through vlm_prune.vllm.quota_request"):  # no scores: no pass 1
         run_vllm(llm, "video", "quota", keep=0.5)
 

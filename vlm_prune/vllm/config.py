@@ -58,6 +58,10 @@ TOWER_REFUSAL = (
 REFUSALS = {
     **{name: [(NATIVE_MROPE, TOWER_REFUSAL.format(name=name, title=title))]
        for name, title in zip(TOWER_METHODS, ("VisionZip", "FasterVLM", "VisPruner"))},
+    **{name: [(NATIVE_MROPE, (
+        f"{name} ranks a video's tokens by the attention they receive in the vision tower's feature layer, which "
+        "vlm_prune reads on LLaVA-OneVision only (Qwen's tower is not tapped; wrap() refuses it too); use vidcom2, "
+        "uniform or a vision-stage method on this model"))] for name in ("fastvid", "holitom")},
     "vidcom2": [(QWEN3, (
         "vidcom2 gives each slice of a video its own share of the budget from the tower's features, but on Qwen3-VL "
         "vLLM's processor has already written each slice's tokens between that slice's timestamp and start / end "
@@ -76,7 +80,7 @@ PLANNED: dict[str, str] = {}
 #: methods that run in vLLM (vision stage, a fixed count per image)
 SUPPORTED = ("random", "pool", "divprune", "cdpruner", "visionzip", "fastervlm", "vispruner")
 #: frames methods that run in vLLM (video models; a count per video fixed by the budget): vllm/frames.py
-FRAMES_SUPPORTED = ("uniform", "keyscore", "vidcom2")
+FRAMES_SUPPORTED = ("uniform", "keyscore", "vidcom2", "fastvid", "holitom")
 #: checkpoint classes that take video (the frames methods need one)
 VIDEO_ARCHITECTURES = ("LlavaOnevisionForConditionalGeneration",) + NATIVE_MROPE
 

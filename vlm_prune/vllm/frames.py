@@ -35,7 +35,7 @@ from vlm_prune.methods.base import FramesContext, FramesPlan, Method, Reduction
 from vlm_prune.vllm.config import FRAMES_SUPPORTED  # (frames methods whose kept count the budget fixes: one pass)
 
 #: frames methods that keep exactly the video budget's tokens (spread over the frames by their features)
-EXACT_TOTAL = ("vidcom2",)
+EXACT_TOTAL = ("vidcom2", "fastvid", "holitom")
 #: the spec's key for QuoTA's passes: {"phase": "score", "grid": [r, c]} or {"scores": [p_t, ...]}
 QUOTA_KEY = "quota"
 
@@ -109,19 +109,20 @@ def uniform_frames(method: Method, frames: int, per_frame: int) -> list[int] | N
 def frames_reduction(method: Method, features: torch.Tensor, grid: tuple[int, int], *,
                      text_features: torch.Tensor | None = None, pixels: torch.Tensor | None = None,
                      spec: dict[str, Any] | None = None, unpooled: torch.Tensor | None = None,
-                     unpooled_grid: tuple[int, int] | None = None) -> Reduction:
+                     unpooled_grid: tuple[int, int] | None = None, tower_attention: Any = None) -> Reduction:
     """:func:`frames_plan`'s reduction."""
     return frames_plan(method, features, grid, text_features=text_features, pixels=pixels, spec=spec,
-                       unpooled=unpooled, unpooled_grid=unpooled_grid).reduction
+                       unpooled=unpooled, unpooled_grid=unpooled_grid, tower_attention=tower_attention).reduction
 
 
 def frames_plan(method: Method, features: torch.Tensor, grid: tuple[int, int], *,
                 text_features: torch.Tensor | None = None, pixels: torch.Tensor | None = None,
                 spec: dict[str, Any] | None = None, unpooled: torch.Tensor | None = None,
-                unpooled_grid: tuple[int, int] | None = None) -> FramesPlan:
+                unpooled_grid: tuple[int, int] | None = None, tower_attention: Any = None) -> FramesPlan:
     """The method's reduction of one video's [T, N, D] frame maps (indices into its T * N rows),
     from the same FramesContext wrap() builds (features, grid, the video budget, the question's
-    input embeddings, the processor's pixels); its size must equal :func:`frames_slots`.
+    input embeddings, the processor's pixels; ``tower_attention(frame)``: the tower's (attention, keys)
+    of a frame for FastVID / HoliTom); its size must equal :func:`frames_slots`.
     QuoTA: ``quota_plan`` with the scores of pass 1 on the unpooled maps [T, M, D] (v1/v2/v3/v5) or
     the frame maps (v4), as QuoTA.allocate."""
     t, n, _ = features.shape
@@ -135,7 +136,8 @@ def frames_plan(method: Method, features: torch.Tensor, grid: tuple[int, int], *
             plan = quota_plan(feats, g, n_total, scores, method.variant, method.weight_scale, method.weight_power,
                               slots=t * n)
         else:
-            ctx = FramesContext(features=features, grid=grid, n_total=n_total, text_features=text_features, pixels=pixels)
+            ctx = FramesContext(features=features, grid=grid, n_total=n_total, text_features=text_features, pixels=pixels,
+                                tower_attention=tower_attention)
             plan = method.allocate(ctx)
     red = plan.reduction
     want = frames_slots(method, t, n, spec, unpooled_grid, grid)

@@ -338,8 +338,12 @@ class VlmPruneLlavaOnevisionForConditionalGeneration(OffsetChannels, LlavaOnevis
             if method.name == "uniform" and feats.shape[0] != full:  # the processor decoded only the kept frames
                 return torch.ones(feats.shape[0], dtype=torch.bool, device=feats.device), feats
             unpooled = None if self._unpooled is None else self._unpooled[first_frame:first_frame + t]
+            tower = None
+            if getattr(method, "wants_tower_attention", False):  # FastVID, HoliTom: SigLIP's attention per frame
+                tower = (lambda f: self._frame_attention(first_frame + f))
             red = frames_reduction(method, feats[:body].reshape(t, n, -1), self.frame_grid, text_features=text,
-                                   pixels=pixels, spec=spec, unpooled=unpooled, unpooled_grid=self.tower_grid)
+                                   pixels=pixels, spec=spec, unpooled=unpooled, unpooled_grid=self.tower_grid,
+                                   tower_attention=tower)
             return _scatter(feats, rows, red, always=tail)
         parts = []
         for f in range(t):
