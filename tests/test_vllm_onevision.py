@@ -50,7 +50,8 @@ FRAMES_CASES = [("uniform", {"keep": 0.5}), ("uniform", {"budget": 40}), ("unifo
                 # issue 31: the budget's tokens over the frames (vidcom2: by uniqueness; fastvid, holitom: SigLIP's
                 # attention, merging the rest into anchors / static windows), each at its own slot
                 ("vidcom2", {"keep": 0.25}), ("vidcom2", {"budget": 50}), ("fastvid", {"keep": 0.25}),
-                ("fastvid", {"budget": 30}), ("holitom", {"keep": 0.25}), ("holitom", {"budget": 30})]
+                ("fastvid", {"budget": 30}), ("holitom", {"keep": 0.25}), ("holitom", {"budget": 30}),
+                ("dycoke", {"keep": 0.5})]  # DyCoke's temporal merging: counts from the budget and the shape alone
 
 
 def _clip() -> np.ndarray | None:

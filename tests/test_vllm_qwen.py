@@ -56,7 +56,7 @@ CASES = [("image", "random", {"keep": 0.5}), ("image", "random", {"budget": 3}),
          ("video", "uniform", {"keep": 0.5}), ("video", "uniform", {"budget": 10}), ("video", "keyscore", {"keep": 0.5}),
          ("video", "keyscore", {"budget": 48}),
          # issue 31: VidCom2 (the budget's tokens spread over the slices by their uniqueness, each at its slot)
-         ("video", "vidcom2", {"keep": 0.5}), ("video", "vidcom2", {"budget": 30})]
+         ("video", "vidcom2", {"keep": 0.5}), ("video", "vidcom2", {"budget": 30}), ("video", "dycoke", {"keep": 0.5})]
 #: keyscore's in-model default ranks STACFP's proposals (OpenCV, scikit-learn); "all" slices without them
 KEYSCORE = {} if all(importlib.util.find_spec(m) is not None for m in ("cv2", "sklearn")) else {"proposals": "all"}
 #: Qwen2.5-VL shares every line of the plugin with Qwen2-VL; its engine checks keep-all and one method

@@ -38,7 +38,9 @@ CASES = [("image", "random", {"keep": 0.5}), ("image", "random", {"budget": 3}),
          ("video", "random", {"keep": 0.5}), ("video", "pool", {"keep": 0.25}), ("video", "divprune", {"budget": 5}),
          ("video", "cdpruner", {"keep": 0.5}),
          # frames method: whole slices (their timestamps stay), below one slice part of the middle one
-         ("video", "uniform", {"keep": 0.5}), ("video", "uniform", {"budget": 10})]
+         ("video", "uniform", {"keep": 0.5}), ("video", "uniform", {"budget": 10}),
+         # DyCoke: pivot slices whole, compared slices share the rest (counts from the budget and shape alone)
+         ("video", "dycoke", {"keep": 0.5}), ("video", "dycoke", {"keep": 0.8})]
 
 
 @pytest.fixture(scope="module")

@@ -80,7 +80,7 @@ PLANNED: dict[str, str] = {}
 #: methods that run in vLLM (vision stage, a fixed count per image)
 SUPPORTED = ("random", "pool", "divprune", "cdpruner", "visionzip", "fastervlm", "vispruner")
 #: frames methods that run in vLLM (video models; a count per video fixed by the budget): vllm/frames.py
-FRAMES_SUPPORTED = ("uniform", "keyscore", "vidcom2", "fastvid", "holitom")
+FRAMES_SUPPORTED = ("uniform", "keyscore", "vidcom2", "fastvid", "holitom", "dycoke")
 #: checkpoint classes that take video (the frames methods need one)
 VIDEO_ARCHITECTURES = ("LlavaOnevisionForConditionalGeneration",) + NATIVE_MROPE
 

@@ -36,6 +36,9 @@ from vlm_prune.vllm.config import FRAMES_SUPPORTED  # (frames methods whose kept
 
 #: frames methods that keep exactly the video budget's tokens (spread over the frames by their features)
 EXACT_TOTAL = ("vidcom2", "fastvid", "holitom")
+#: frames methods whose count per frame follows from the budget and the video's shape alone (DyCoke: its
+#: pivot frames whole, the compared frames share the rest): the processor runs their plan on zero features
+SHAPE_COUNTED = ("dycoke",)
 #: the spec's key for QuoTA's passes: {"phase": "score", "grid": [r, c]} or {"scores": [p_t, ...]}
 QUOTA_KEY = "quota"
 
@@ -92,6 +95,9 @@ def frames_slots(method: Method, frames: int, per_frame: int, spec: dict[str, An
         return plan.reduction.indices.numel()
     if method.name in EXACT_TOTAL:
         return min(n_total, frames * per_frame)
+    if method.name in SHAPE_COUNTED:
+        ctx = FramesContext(features=torch.zeros(frames, per_frame, 1), grid=grid, n_total=n_total)
+        return method.allocate(ctx).reduction.indices.numel()
     whole = min(frames, n_total // per_frame)
     return whole * per_frame if whole >= 1 else n_total
 

@@ -53,7 +53,7 @@ DEEPSTACK_REFUSAL = (
 
 def slice_counts(method: Method, t: int, n: int, grid: tuple[int, int]) -> list[int]:
     """Slots of each of a video's ``t`` slices of ``n`` tokens: the vision method's ``n_keep(n)`` each,
-    or the tokens of each slice a feature-free frames plan (uniform) keeps."""
+    or the tokens of each slice a frames plan whose counts need no features (uniform, dycoke) keeps."""
     if not is_frames(method):
         return [method.n_keep(n, 1)] * t
     kept = frames_plan(method, torch.zeros(t, n, 1), grid).reduction.indices
