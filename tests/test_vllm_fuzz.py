@@ -148,11 +148,12 @@ def make_cases(models: dict[str, str], n: int, seed: int = SEED) -> list[Case]:
         model = models[arch]
         if arch == "llava":
             parts, kind = _content(rng, rng.choice(["image", "image", "two", "none"]), ((32, 32), (64, 48), (20, 90)))
-            vision = ["random", "pool", "divprune", "cdpruner", "visionzip"]
+            vision = ["random", "pool", "divprune", "cdpruner", "visionzip", "fastervlm", "vispruner"]
         else:
             parts, kind = _content(rng, rng.choice(["image", "video", "video", "both", "none"]))
-            vision = ["random", "pool", "divprune", "cdpruner"] + (["visionzip"] if kind == "video" else [])
-            vision += ["uniform", "keyscore"] if kind in ("video", "both") else []
+            vision = ["random", "pool", "divprune", "cdpruner"]
+            vision += ["visionzip", "fastervlm", "vispruner"] if kind == "video" else []
+            vision += ["uniform", "keyscore", "vidcom2", "fastvid", "holitom", "dycoke"] if kind in ("video", "both") else []
         roll = rng.random()
         if roll < 0.5:  # valid: the engine's method, or a request's own
             spec = None if rng.random() < 0.15 else _spec(rng, vision)
@@ -170,10 +171,11 @@ def make_cases(models: dict[str, str], n: int, seed: int = SEED) -> list[Case]:
                 video = _content(rng, "video")[0]
                 cases.append(Case(models["llava"], _body(rng, models["llava"], video, None), False, "video",
                                   "llava video"))
-            elif choice == "visionzip_image":
-                spec = {"method": "visionzip", "keep": 0.5}
+            elif choice == "visionzip_image":  # (or FasterVLM / VisPruner: the same tower-attention refusal)
+                name = rng.choice(["visionzip", "fastervlm", "vispruner"])
+                spec = {"method": name, "keep": 0.5}
                 cases.append(Case(models["onevision"], _body(rng, models["onevision"], _content(rng, "image")[0], spec),
-                                  False, "visionzip runs on LLaVA-OneVision video only", "onevision visionzip image"))
+                                  False, f"{name} runs on LLaVA-OneVision video only", f"onevision {name} image"))
             else:
                 spec = {"method": "quota", "keep": 0.5}
                 cases.append(Case(models["onevision"], _body(rng, models["onevision"], _content(rng, "video")[0], spec),

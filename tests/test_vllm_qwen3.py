@@ -120,8 +120,9 @@ def test_method_equals_wrapped_hf(llm, hf, kind, method, budget):
 
 
 def test_deepstack_follows_the_kept_tokens(llm, hf):
-    """Dropping the DeepStack features changes the answer (so the equalities above see them), and the
-    plugin's pruned answer differs from one whose DeepStack rows do not follow the kept tokens."""
+    """The DeepStack features matter on this checkpoint: the pruned answer of wrap() with the DeepStack
+    mergers zeroed is far from the plugin's, so the equalities above (wrap()'s DeepStack rows follow the
+    kept tokens) also check that the plugin's DeepStack rows follow them."""
     model, _ = hf
     tokens, logprobs = run_vllm(llm, "image", "divprune", FRAMES, keep=0.5)
     saved = [p.detach().clone() for p in model.model.visual.deepstack_merger_list.parameters()]
