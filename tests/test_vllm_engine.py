@@ -30,6 +30,7 @@ ENGINE_ARGS = {"enforce_eager": True, "dtype": "float32", "max_model_len": 256, 
 STEPS = 6
 PROMPTS = ["<s> user : <image> w5 w6 w7 w8 assistant :", "<s> user : w9 <image> w10 w11 w12 w13 w14 assistant :"]
 CASES = [("random", {"keep": 0.5}), ("random", {"budget": 3}), ("pool", {"keep": 0.25}), ("divprune", {"keep": 0.5}),
+         ("pool", {"budget": 15}),  # pool keeps exactly 15 (row bands of 4 and 3 cells; 12 before main's pool_cells, a dead engine)
          ("divprune", {"budget": 2}), ("cdpruner", {"keep": 0.5}), ("cdpruner", {"budget": 5}),
          ("visionzip", {"keep": 0.5}), ("visionzip", {"budget": 6}),
          # issue 30: the tower's CLS attention (as VisionZip's), the official shorter sequence by default

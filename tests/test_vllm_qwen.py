@@ -49,6 +49,7 @@ def meta(frames: int) -> dict:
     return {"fps": 2.0, "total_num_frames": frames, "frames_indices": list(range(frames)), "duration": frames / 2,
             "video_backend": "opencv", "do_sample_frames": False}
 CASES = [("image", "random", {"keep": 0.5}), ("image", "random", {"budget": 3}), ("image", "pool", {"keep": 0.25}),
+         ("image", "pool", {"budget": 5}),  # 5 cells, not a product grid
          ("image", "divprune", {"keep": 0.5}), ("image", "divprune", {"budget": 5}), ("image", "cdpruner", {"keep": 0.5}),
          ("image", "cdpruner", {"budget": 6}), ("video", "random", {"keep": 0.5}), ("video", "pool", {"keep": 0.25}),
          ("video", "divprune", {"budget": 5}), ("video", "cdpruner", {"keep": 0.5}),
@@ -107,14 +108,19 @@ def llm(arch):
     del engine
 
 
-@pytest.fixture(scope="module")
-def hf(arch):
+def load_hf(folder) -> tuple:
+    """(model, processor) of a checkpoint folder: float32, SDPA, eval."""
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
     torch.set_num_threads(1)
-    model = AutoModelForImageTextToText.from_pretrained(arch[0], dtype=torch.float32).eval()
+    model = AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32).eval()
     model.set_attn_implementation("sdpa")
-    return model, AutoProcessor.from_pretrained(arch[0])
+    return model, AutoProcessor.from_pretrained(folder)
+
+
+@pytest.fixture(scope="module")
+def hf(arch):
+    return load_hf(arch[0])
 
 
 def run_vllm(llm, kind: str, method, frames: int = 8, **budget):
@@ -223,14 +229,10 @@ def plain_vllm_main(model: str, out: str) -> None:
     llm.llm_engine.engine_core.shutdown()
 
 
-@pytest.mark.timeout(600)
-def test_keep_all_equals_plain_vllm(arch, llm, tmp_path):
-    """The plugin with nothing pruned is vLLM's own Qwen2-VL, bit for bit, on the image and the video
-    prompts (its position layout, the offset channels stripped). vLLM's engine runs in a child process
-    (a second engine in this one would share its global state)."""
-    if arch[1]:
-        pytest.skip("one architecture: Qwen2.5-VL runs the same plugin code (its keep-all equals HF above)")
-    import json
+def check_plain_vllm(folder, llm, tmp_path, served: str) -> None:
+    """The plugin's engine ``llm`` (nothing pruned) gives vLLM's own class ``served`` on ``folder`` bit for
+    bit on the image and the video prompts; vLLM's engine runs in a child process (a second engine in
+    this one would share its global state)."""
     import subprocess
     import sys
 
@@ -238,7 +240,7 @@ def test_keep_all_equals_plain_vllm(arch, llm, tmp_path):
 
     out = tmp_path / "result.json"
     code = "import sys; sys.path.insert(0, sys.argv[1]); import test_vllm_qwen as t; t.plain_vllm_main(*sys.argv[2:])"
-    child = Child([sys.executable, "-c", code, os.path.dirname(__file__), str(arch[0]), str(out)], tmp_path / "log")
+    child = Child([sys.executable, "-c", code, os.path.dirname(__file__), str(folder), str(out)], tmp_path / "log")
     try:
         child.proc.wait(500)
     except subprocess.TimeoutExpired:
@@ -247,12 +249,21 @@ def test_keep_all_equals_plain_vllm(arch, llm, tmp_path):
         child.stop()
     assert child.proc.returncode == 0, f"the engine failed ({child.proc.returncode}):\n{child.log_tail()}"
     plain = json.loads(out.read_text())
-    assert plain["class"] == "Qwen2VLForConditionalGeneration"
+    assert plain["class"] == served
     for kind in PROMPTS:
         tokens, logprobs = plain[kind]
         ref_tokens, ref_logprobs = run_vllm(llm, kind, None)
         assert tokens == ref_tokens
         np.testing.assert_array_equal(logprobs, ref_logprobs)
+
+
+@pytest.mark.timeout(600)
+def test_keep_all_equals_plain_vllm(arch, llm, tmp_path):
+    """The plugin with nothing pruned is vLLM's own Qwen2-VL, bit for bit, on the image and the video
+    prompts (its position layout, the offset channels stripped)."""
+    if arch[1]:
+        pytest.skip("one architecture: Qwen2.5-VL runs the same plugin code (its keep-all equals HF above)")
+    check_plain_vllm(arch[0], llm, tmp_path, "Qwen2VLForConditionalGeneration")
 
 
 @pytest.mark.parametrize("kind,method,budget", CASES, ids=[_case_id(*c) for c in CASES])

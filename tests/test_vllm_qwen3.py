@@ -8,8 +8,6 @@ Needs vLLM: CI runs this module in the vLLM environment (.ci/run); elsewhere it 
 """
 from __future__ import annotations
 
-import os
-
 import pytest
 
 pytest.importorskip("vllm", reason="vLLM is installed only in the vLLM test environment (.ci/run builds it)")
@@ -21,7 +19,9 @@ from test_vllm_qwen import (  # noqa: E402  (the same prompts, media, requests a
     PROMPTS,
     _case_id,
     _media,
+    check_plain_vllm,
     image_positions,
+    load_hf,
     run_hf,
     run_vllm,
     vllm_request,
@@ -34,6 +34,7 @@ pytestmark = pytest.mark.timeout(900)
 #: 8 frames: 4 temporal slices of 4 x 6 merged tokens, each behind its own "<t seconds>" text
 FRAMES = 8
 CASES = [("image", "random", {"keep": 0.5}), ("image", "random", {"budget": 3}), ("image", "pool", {"keep": 0.25}),
+         ("image", "pool", {"budget": 5}), ("video", "pool", {"budget": 7}),  # budgets that are no product grid
          ("image", "divprune", {"keep": 0.5}), ("image", "divprune", {"budget": 5}), ("image", "cdpruner", {"keep": 0.5}),
          ("video", "random", {"keep": 0.5}), ("video", "pool", {"keep": 0.25}), ("video", "divprune", {"budget": 5}),
          ("video", "cdpruner", {"keep": 0.5}),
@@ -57,12 +58,7 @@ def llm(checkpoint):
 
 @pytest.fixture(scope="module")
 def hf(checkpoint):
-    from transformers import AutoModelForImageTextToText, AutoProcessor
-
-    torch.set_num_threads(1)
-    model = AutoModelForImageTextToText.from_pretrained(checkpoint, dtype=torch.float32).eval()
-    model.set_attn_implementation("sdpa")
-    return model, AutoProcessor.from_pretrained(checkpoint)
+    return load_hf(checkpoint)
 
 
 @pytest.mark.parametrize("kind", ["image", "video"])
@@ -76,31 +72,8 @@ def test_keep_all_equals_unwrapped_hf(llm, hf, kind):
 @pytest.mark.timeout(600)
 def test_keep_all_equals_plain_vllm(checkpoint, llm, tmp_path):
     """The plugin with nothing pruned is vLLM's own Qwen3-VL, bit for bit, on the image and the video
-    prompts (its position layout with timestamps, DeepStack, the offset channels stripped); vLLM's
-    engine runs in a child process."""
-    import json
-    import subprocess
-    import sys
-
-    from test_vllm_engine import Child
-
-    out = tmp_path / "result.json"
-    code = "import sys; sys.path.insert(0, sys.argv[1]); import test_vllm_qwen as t; t.plain_vllm_main(*sys.argv[2:])"
-    child = Child([sys.executable, "-c", code, os.path.dirname(__file__), str(checkpoint), str(out)], tmp_path / "log")
-    try:
-        child.proc.wait(500)
-    except subprocess.TimeoutExpired:
-        raise AssertionError(f"the engine did not answer in 500 s:\n{child.log_tail()}") from None
-    finally:
-        child.stop()
-    assert child.proc.returncode == 0, f"the engine failed ({child.proc.returncode}):\n{child.log_tail()}"
-    plain = json.loads(out.read_text())
-    assert plain["class"] == "Qwen3VLForConditionalGeneration"
-    for kind in PROMPTS:
-        tokens, logprobs = plain[kind]
-        ref_tokens, ref_logprobs = run_vllm(llm, kind, None)
-        assert tokens == ref_tokens
-        np.testing.assert_array_equal(logprobs, ref_logprobs)
+    prompts (its position layout with timestamps, DeepStack, the offset channels stripped)."""
+    check_plain_vllm(checkpoint, llm, tmp_path, "Qwen3VLForConditionalGeneration")
 
 
 @pytest.mark.parametrize("kind,method,budget", CASES, ids=[_case_id(*c) for c in CASES])
@@ -124,7 +97,7 @@ def test_deepstack_follows_the_kept_tokens(llm, hf):
     mergers zeroed is far from the plugin's, so the equalities above (wrap()'s DeepStack rows follow the
     kept tokens) also check that the plugin's DeepStack rows follow them."""
     model, _ = hf
-    tokens, logprobs = run_vllm(llm, "image", "divprune", FRAMES, keep=0.5)
+    _, logprobs = run_vllm(llm, "image", "divprune", FRAMES, keep=0.5)
     saved = [p.detach().clone() for p in model.model.visual.deepstack_merger_list.parameters()]
     try:
         with torch.no_grad():

@@ -1,4 +1,5 @@
-"""Frames-stage methods (``uniform``, ``keyscore``) inside vLLM, for any video model of the plugin.
+"""Frames-stage methods (``uniform``, ``keyscore``, ``vidcom2``, ``fastvid``, ``holitom``, ``dycoke``; ``quota``
+in two passes) inside vLLM, for any video model of the plugin.
 
 vLLM fixes a video's placeholder count when it processes the prompt, before the tower runs. The
 frames methods that choose WHICH frames to keep from the video's features, but keep a count fixed
@@ -11,6 +12,9 @@ by the budget alone, fit that as the vision methods do (docs/vllm.md, "Frames me
   [T, N, D] frame maps (the model's features, as ``wrap()`` hands them), checked against the slots.
 - :func:`uniform_frames` (processor): uniform needs no features, so the plugin decodes only the
   kept frames (the tower never sees the others); :func:`uniform_frames` names them.
+- vidcom2, fastvid, holitom keep exactly ``n_total`` tokens (:data:`EXACT_TOTAL`), spread over the
+  frames by their features; dycoke's counts follow from the budget and the shape (:data:`SHAPE_COUNTED`:
+  its plan on zero features counts them).
 
 QuoTA's count depends on its frame scores (each frame's share of the budget truncated, maps capped),
 which the unpruned model computes from the video, so it runs as a two-pass request through the same
@@ -31,8 +35,9 @@ import numpy as np
 import torch
 
 from vlm_prune.methods.base import FramesContext, FramesPlan, Method, Reduction
-
-from vlm_prune.vllm.config import FRAMES_SUPPORTED  # (frames methods whose kept count the budget fixes: one pass)
+from vlm_prune.vllm.config import (
+    FRAMES_SUPPORTED,  # (the frames methods served in one pass)
+)
 
 #: frames methods that keep exactly the video budget's tokens (spread over the frames by their features)
 EXACT_TOTAL = ("vidcom2", "fastvid", "holitom")

@@ -271,7 +271,8 @@ class OffsetChannels:
     PrunedLlavaMultiModalProcessor, info=PrunedLlavaProcessingInfo, dummy_inputs=LlavaDummyInputsBuilder
 )
 class VlmPruneLlavaForConditionalGeneration(OffsetChannels, LlavaForConditionalGeneration, SupportsMRoPE):
-    """vLLM's LLaVA-1.5 with a vlm_prune vision-stage method (random, pool, divprune, cdpruner, visionzip)."""
+    """vLLM's LLaVA-1.5 with a vlm_prune vision-stage method (random, pool, divprune, cdpruner, visionzip,
+    fastervlm, vispruner)."""
 
     hf_to_vllm_mapper = WeightsMapper(
         # the CLIP tower in every naming: hub (vision_tower.vision_model.*), transformers 5

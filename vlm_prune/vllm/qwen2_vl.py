@@ -354,7 +354,8 @@ class PrunedQwen2VLMultiModalProcessor(_PrunedProcessor, Qwen2VLMultiModalProces
     PrunedQwen2VLMultiModalProcessor, info=PrunedQwen2VLProcessingInfo, dummy_inputs=Qwen2VLDummyInputsBuilder
 )
 class VlmPruneQwen2VLForConditionalGeneration(_PrunedQwen, Qwen2VLForConditionalGeneration):
-    """vLLM's Qwen2-VL with a vlm_prune method (random, pool, divprune, cdpruner; video: uniform, keyscore, quota)."""
+    """vLLM's Qwen2-VL with a vlm_prune method (random, pool, divprune, cdpruner; video: uniform, keyscore, vidcom2,
+    dycoke, quota)."""
 
 
 class PrunedQwen2_5_VLProcessingInfo(_PrunedInfo, Qwen2_5_VLProcessingInfo):
@@ -369,4 +370,5 @@ class PrunedQwen2_5_VLMultiModalProcessor(_PrunedProcessor, Qwen2_5_VLMultiModal
     PrunedQwen2_5_VLMultiModalProcessor, info=PrunedQwen2_5_VLProcessingInfo, dummy_inputs=Qwen2_5_VLDummyInputsBuilder
 )
 class VlmPruneQwen2_5_VLForConditionalGeneration(_PrunedQwen, Qwen2_5_VLForConditionalGeneration):
-    """vLLM's Qwen2.5-VL with a vlm_prune method (random, pool, divprune, cdpruner; video: uniform, keyscore, quota)."""
+    """vLLM's Qwen2.5-VL with a vlm_prune method (random, pool, divprune, cdpruner; video: uniform, keyscore,
+    vidcom2, dycoke, quota)."""

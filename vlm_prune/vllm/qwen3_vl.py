@@ -41,7 +41,12 @@ from vllm.multimodal.processing import PromptUpdateDetails
 
 from vlm_prune.methods.base import Method, VisionContext
 from vlm_prune.vllm.frames import frames_plan, is_frames
-from vlm_prune.vllm.qwen2_vl import _PrunedInfo, _PrunedProcessor, _PrunedQwen, _without_spec
+from vlm_prune.vllm.qwen2_vl import (
+    _PrunedInfo,
+    _PrunedProcessor,
+    _PrunedQwen,
+    _without_spec,
+)
 
 #: why a method that rewrites features cannot run when its replay on a DeepStack map chooses other tokens
 DEEPSTACK_REFUSAL = (
@@ -157,4 +162,4 @@ class _PrunedQwen3(_PrunedQwen):
     PrunedQwen3VLMultiModalProcessor, info=PrunedQwen3VLProcessingInfo, dummy_inputs=Qwen3VLDummyInputsBuilder
 )
 class VlmPruneQwen3VLForConditionalGeneration(_PrunedQwen3, Qwen3VLForConditionalGeneration):
-    """vLLM's Qwen3-VL with a vlm_prune method (random, pool, divprune, cdpruner; video: uniform)."""
+    """vLLM's Qwen3-VL with a vlm_prune method (random, pool, divprune, cdpruner; video: uniform, dycoke)."""
