@@ -181,6 +181,25 @@ def build_qwen_tokenizer(shape: QwenShape):
                           {"image_token": "<|image_pad|>", "video_token": "<|video_pad|>"}, added=QWEN_SPECIAL)
 
 
+def qwen_config(config_class: type, shape: QwenShape, vision: dict, head_dim: int | None = None,
+                mrope_interleaved: bool = False):
+    """A Qwen-VL config of ``shape``: its decoder (M-RoPE sections 3/8, 3/8 of the half-dim for h, w),
+    the ``vision`` tower and the special token ids."""
+    half = shape.hidden // shape.heads // 2
+    a = half * 3 // 8
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [half - 2 * a, a, a]}
+    if mrope_interleaved:
+        rope["mrope_interleaved"] = True
+    text = dict(text_config(shape), tie_word_embeddings=False, rope_parameters=rope)
+    if head_dim is not None:
+        text["head_dim"] = head_dim
+    ids = qwen_token_ids(shape)
+    return config_class(text_config=text, vision_config=vision, image_token_id=ids["<|image_pad|>"],
+                        video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
+                        vision_end_token_id=ids["<|vision_end|>"], pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                        tie_word_embeddings=False)
+
+
 def build_qwen_model(shape: QwenShape, seed: int = 0):
     """A randomly initialised ``Qwen2VLForConditionalGeneration`` (or 2.5) of ``shape`` (float32, eval)."""
     torch.manual_seed(seed)
@@ -197,16 +216,7 @@ def build_qwen_model(shape: QwenShape, seed: int = 0):
         vision = dict(depth=shape.vision_layers, embed_dim=shape.vision_hidden, hidden_size=shape.hidden,
                       num_heads=shape.vision_heads, mlp_ratio=2, patch_size=shape.patch, temporal_patch_size=2,
                       spatial_merge_size=2)
-    half = shape.hidden // shape.heads // 2
-    a = half * 3 // 8
-    text = dict(text_config(shape), tie_word_embeddings=False,
-                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [half - 2 * a, a, a]})
-    ids = qwen_token_ids(shape)
-    cfg = Config(text_config=text, vision_config=vision, image_token_id=ids["<|image_pad|>"],
-                 video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
-                 vision_end_token_id=ids["<|vision_end|>"], pad_token_id=0, bos_token_id=1, eos_token_id=2,
-                 tie_word_embeddings=False)
-    model = Model(cfg).eval()
+    model = Model(qwen_config(Config, shape, vision)).eval()
     return sharpen(model, model.model.visual.merger)
 
 
@@ -329,17 +339,7 @@ def build_qwen3_model(shape: Qwen3Shape, seed: int = 0):
                   num_heads=shape.vision_heads, out_hidden_size=shape.hidden, patch_size=shape.patch,
                   temporal_patch_size=2, spatial_merge_size=2, num_position_embeddings=64,
                   deepstack_visual_indexes=list(shape.deepstack))
-    head_dim = shape.hidden // shape.heads
-    half = head_dim // 2
-    a = half * 3 // 8
-    text = dict(text_config(shape), head_dim=head_dim, tie_word_embeddings=False,
-                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [half - 2 * a, a, a],
-                                 "mrope_interleaved": True})
-    ids = qwen_token_ids(shape)
-    cfg = Qwen3VLConfig(text_config=text, vision_config=vision, image_token_id=ids["<|image_pad|>"],
-                        video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
-                        vision_end_token_id=ids["<|vision_end|>"], pad_token_id=0, bos_token_id=1, eos_token_id=2,
-                        tie_word_embeddings=False)
+    cfg = qwen_config(Qwen3VLConfig, shape, vision, head_dim=shape.hidden // shape.heads, mrope_interleaved=True)
     model = Qwen3VLForConditionalGeneration(cfg).eval()
     with torch.no_grad():
         for merger in model.model.visual.deepstack_merger_list:  # DeepStack features must matter too
