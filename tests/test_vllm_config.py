@@ -101,6 +101,7 @@ def test_serve_command_line(checkpoint, capsys):
 LLAVA = "LlavaForConditionalGeneration"
 ONEVISION = "LlavaOnevisionForConditionalGeneration"
 QWEN = "Qwen2VLForConditionalGeneration"
+QWEN3 = "Qwen3VLForConditionalGeneration"
 
 
 def _spec(**over) -> str:
@@ -133,6 +134,13 @@ def _spec(**over) -> str:
     (_spec(method="divprun"), None, "vlm_prune.method", "Did you mean 'divprune'"),
     (_spec(method="fastv"), None, "vlm_prune", "paged KV cache"),
     (_spec(method="visionzip"), QWEN, "vlm_prune.method", "visionzip needs the vision tower's attention"),
+    # issues 29-31: the methods added to the plugin, where they cannot run
+    (_spec(method="dycoke", knobs={"decode_pruning": True}), ONEVISION, "vlm_prune",
+     "dycoke's decode-time KV pruning (decode_pruning=True) changes which cached keys each decode step attends to"),
+    (_spec(method="fastvid"), QWEN, "vlm_prune.method", "fastvid ranks a video's tokens by the attention they receive"),
+    (_spec(method="vidcom2"), LLAVA, "vlm_prune.method", "frames method 'vidcom2' chooses video frames"),
+    (_spec(method="keyscore"), QWEN3, "vlm_prune.method", "keyscore chooses a video's slices from the tower's features"),
+    (_spec(method="fastervlm"), QWEN3, "vlm_prune.method", "fastervlm needs the vision tower's attention"),
     (_spec(keep=-1), None, "vlm_prune", "keep must be a fraction in (0, 1], got -1"),
     (_spec(keep="abc"), None, "vlm_prune", "keep must be a fraction"),
     (_spec(keep=None, budget=0), None, "vlm_prune", "budget must be a whole number of tokens >= 1, got 0"),

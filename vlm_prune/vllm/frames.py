@@ -64,6 +64,11 @@ def check_frames_method(method: Method) -> None:
         return
     if method.name not in FRAMES_SUPPORTED:
         raise ValueError(f"frames method {method.name!r} is not wired into vLLM; supported: {', '.join(FRAMES_SUPPORTED)}")
+    if getattr(method, "decode_kv", False):
+        raise ValueError(f"{method.name}'s decode-time KV pruning (decode_pruning=True) changes which cached keys each "
+                         "decode step attends to, which vLLM's paged attention (every key of a request in every step) "
+                         f"cannot follow; in vLLM use {method.name} with decode_pruning=False (its frames stage), or "
+                         "vlm_prune.wrap() on the Hugging Face model")
     if method.name == "keyscore" and getattr(method, "_encoder", None) is not None:
         raise ValueError("keyscore with a custom encoder is not served by vlm_prune.vllm (the encoder object cannot "
                          "travel to vLLM's processes); use its default in-model embeddings (encoder=None)")
