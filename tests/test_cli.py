@@ -362,3 +362,41 @@ def test_methods_lists_the_model_families_wrap_accepts(capsys):
                                  "glm4v", "qwen3_5"}
     assert listed["tome"] == {"llava", "llava_next", "llava_next_video", "timm_vit"}
     assert "qwen3_vl" not in listed["quota"] and "glm4v" not in listed["quota"] and "qwen3_5" not in listed["fastv"]
+
+
+def test_methods_table_is_the_readmes_and_says_why_for_every_refusal(capsys):
+    """`vlm-prune methods --table` is the README's method x family table verbatim, and every cell
+    is wrap()'s rule: "yes" where Method.refusal accepts, else a footnote matching its message."""
+    import re
+    from pathlib import Path
+
+    from vlm_prune.adapters import FAMILY_STAGES
+    from vlm_prune.cli import main
+    from vlm_prune.registry import available_methods, method_class
+
+    assert main(["methods", "--table"]) == 0
+    table = capsys.readouterr().out
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    assert table in readme, "README's method x family table is stale: paste `vlm-prune methods --table` there"
+    notes = dict(re.findall(r"^- (R\d+): `(.*)`$", table, flags=re.M))
+    rows = {r[0].strip("` "): [c.strip() for c in r[1:]] for r in
+            (line.strip("|").split("|") for line in table.splitlines() if line.startswith("| `"))}
+    assert set(rows) == set(available_methods())
+    for name, cells in rows.items():
+        for family, cell in zip(FAMILY_STAGES, cells):
+            why = method_class(name).refusal(family, FAMILY_STAGES[family])
+            if why is None:
+                assert cell in ("yes", "yes*"), (name, family)
+                continue
+            pattern = re.escape(notes[cell]).replace("METHOD", re.escape(name)).replace("FAMILY", re.escape(family))
+            assert re.fullmatch(pattern.replace(re.escape("it offers: ..."), "it offers: [^)]*"), why), (name, family, why)
+
+
+def test_the_generate_matrix_runs_every_registered_method_but_keyscore():
+    """The README's table says M covers every "yes" cell: the matrix's methods are the registry's
+    (KeyScore's STACFP clustering is too slow for it: tests/test_frames_keyscore.py, test_qwen3_families.py)."""
+    from test_generate_matrix import METHODS
+
+    from vlm_prune.registry import available_methods
+
+    assert set(available_methods()) - set(METHODS) == {"keyscore"}

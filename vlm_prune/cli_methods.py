@@ -36,16 +36,56 @@ def summary(name: str) -> str:
     return getattr(cls, "summary", None) or ONE_LINE.get(cls.name) or (cls.__doc__ or "").strip().split("\n")[0]
 
 
+def works_with_table() -> str:
+    """Markdown: every registered method x every adapter family, from the one rule wrap() applies
+    (``Method.refusal`` on ``FAMILY_STAGES``): "yes" where wrap() accepts the method ("yes*": with a
+    limit inside the family, listed below the table), else a footnote whose text is wrap()'s message
+    (method and family written as METHOD and FAMILY, the stages a family offers as "...")."""
+    import re
+
+    from vlm_prune.adapters import FAMILY_STAGES
+    from vlm_prune.registry import available_methods, method_class
+
+    families = list(FAMILY_STAGES)
+    reasons: dict[str, str] = {}
+    limits: list[str] = []
+    rows = ["| method | " + " | ".join(f"`{f}`" for f in families) + " |", "|---|" + "---|" * len(families)]
+    for name in available_methods():
+        cls = method_class(name)
+        cells = []
+        for family in families:
+            why = cls.refusal(family, FAMILY_STAGES[family])
+            if why is None:
+                note = cls.family_notes.get(family)
+                cells.append("yes*" if note else "yes")
+                if note:
+                    limits.append(f"- `{name}` on `{family}`: {note}")
+                continue
+            template = why.replace(f"the {family} adapter", "the FAMILY adapter").replace(f"'{family}' adapter", "'FAMILY' adapter")
+            template = re.sub(r"it offers: [^)]*", "it offers: ...", template.replace(f"'{name}'", "'METHOD'"))
+            cells.append(reasons.setdefault(template, f"R{len(reasons) + 1}"))
+        rows.append(f"| `{name}` | " + " | ".join(cells) + " |")
+    notes = [f"- {key}: `{template}`" for template, key in reasons.items()]
+    return "\n".join(rows + [""] + notes + ([""] + limits if limits else [])) + "\n"
+
+
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("methods", description=(
         "List the registered pruning methods: name, stage (frames / vision / vit / llm), what each does in "
         "one line, its paper, its knobs and the model families wrap() accepts it on (the families are "
         "vlm_prune.adapters.FAMILY_STAGES). Use the names with vlm_prune.wrap(model, NAME, keep=...) or --methods."))
+    p.add_argument("--table", action="store_true",
+                   help="print instead the method x model-family table (Markdown) of what wrap() accepts, "
+                        "with wrap()'s message for every refusal (the README's table)")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     from vlm_prune.registry import describe_methods
+
+    if args.table:
+        print(works_with_table(), end="")
+        return 0
 
     for m in describe_methods():
         print(f"{m['name']:11s} {m['stage']:7s} {summary(m['name'])}")
