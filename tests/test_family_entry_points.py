@@ -122,6 +122,7 @@ def test_processor_video_kwargs_carry_the_frames_times():
 
 @pytest.mark.parametrize("checkpoint", FAMILIES, indirect=True)
 def test_lmms_plugin_answers_image_and_video_documents(checkpoint, tmp_path):
+    pytest.importorskip("lmms_eval", reason="lmms-eval is not installed (pip install 'vlm-prune[lmms]')")
     from lmms_eval.api.instance import Instance
     from PIL import Image
 
