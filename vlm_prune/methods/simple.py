@@ -67,14 +67,15 @@ class Pool(VisionMethod):
             return Reduction(torch.tensor(idx, device=feats.device), pooled.to(feats.dtype))
         rows, cols = ctx.grid
         bands = pool_cells(rows, cols, ctx.n_keep)
+        band_rows = _windows(rows, len(bands))
         grid = feats.t().reshape(1, d, rows, cols).float()
         if len(set(bands)) == 1:  # an r x c grid: torch's adaptive pooling
             pooled = F.adaptive_avg_pool2d(grid, (len(bands), bands[0]))[0].reshape(d, -1).t()
         else:  # each row band pooled to its own cell count
             pooled = torch.cat([F.adaptive_avg_pool2d(grid[:, :, r0:r1], (1, cells))[0].reshape(d, -1).t()
-                                for (r0, r1), cells in zip(_windows(rows, len(bands)), bands)])
+                                for (r0, r1), cells in zip(band_rows, bands)])
         idx = [((r0 + r1 - 1) // 2) * cols + (c0 + c1 - 1) // 2
-               for (r0, r1), cells in zip(_windows(rows, len(bands)), bands) for c0, c1 in _windows(cols, cells)]
+               for (r0, r1), cells in zip(band_rows, bands) for c0, c1 in _windows(cols, cells)]
         return Reduction(torch.tensor(idx, device=feats.device), pooled.to(feats.dtype))
 
 

@@ -74,12 +74,6 @@ from vlm_prune.vllm.llava import (
 FULL_KEY = "vlm_prune_full"
 
 
-def vision_slots(method: Method, n: int) -> int:
-    """Tokens a vision method keeps of one image / frame of n tokens (every method, pool included,
-    keeps exactly its count)."""
-    return method.n_keep(n, 1)
-
-
 class PrunedOnevisionProcessingInfo(LlavaOnevisionProcessingInfo):
     """Each image / video gets the count of placeholder slots ``wrap()`` keeps for it."""
 
@@ -108,7 +102,7 @@ class PrunedOnevisionProcessingInfo(LlavaOnevisionProcessingInfo):
                 return n
             raise ValueError(ONEVISION_VISIONZIP_REFUSAL.format(name=m.name))
         newlines = self.image_newlines(image_width=image_width, image_height=image_height)
-        return vision_slots(m, n - newlines) + newlines
+        return m.n_keep(n - newlines, 1) + newlines
 
     def frame_grid(self) -> tuple[int, int]:
         side = math.isqrt(self._get_num_frame_tokens(image_width=0, image_height=0))
@@ -127,7 +121,7 @@ class PrunedOnevisionProcessingInfo(LlavaOnevisionProcessingInfo):
             return score_rows(self.frame_grid(), spec) * num_frames + 1
         if is_frames(m):
             return frames_slots(m, num_frames, per_frame, spec, self.tower_grid()) + 1
-        return vision_slots(m, per_frame) * num_frames + 1
+        return m.n_keep(per_frame, 1) * num_frames + 1
 
 
 class PrunedOnevisionMultiModalProcessor(LlavaOnevisionMultiModalProcessor):
