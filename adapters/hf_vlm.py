@@ -168,6 +168,7 @@ class HFVLMAdapter(Adapter):
             self.lm_spec(), self.state, lambda: lm.config._attn_implementation,
             pending=lambda: None if (r := self.request) is None else r.pending, bypassed=self._bypass.get,
         )
+        self.decoder.check_depth()
         self.patches.set(lm, "forward", self.decoder.forward)
         inner_forward = self.patches.original(self.inner, "forward")
 

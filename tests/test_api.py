@@ -45,6 +45,26 @@ def test_bad_arguments_name_the_fix(llava, kwargs, message):
     assert not hasattr(llava, "vlm_prune")
 
 
+@pytest.mark.parametrize("method, message", [
+    (vlm_prune.methods.FastV(layer=6), "FastV layer K=6 but the model has only 6 decoder layers; pass layer= below 6"),
+    ("pact", None),
+    (vlm_prune.methods.PACT(layer=7), "PACT layer L=7 but the model has only 6 decoder layers; pass layer= below 6"),
+    (vlm_prune.methods.PyramidDrop(layers=(2, 6)), "PyramidDrop drops before layers [2, 6], but the model has only 6 "
+                                                   "decoder layers; pass layers= below 6"),
+])
+def test_a_layer_beyond_the_model_is_refused_at_wrap_time(llava, method, message):
+    """An llm-stage layer the language model does not have fails wrap() (not the first call), with
+    the method's message, and leaves the model as it was; a layer inside it wraps."""
+    forward = llava.model.language_model.forward
+    if message is None:  # PACT's default L=4 lies inside the 6 layers
+        vlm_prune.unwrap(vlm_prune.wrap(llava, method, keep=0.5))
+        return
+    with pytest.raises(ValueError) as err:
+        vlm_prune.wrap(llava, method, keep=0.5)
+    assert message in str(err.value)
+    assert not hasattr(llava, "vlm_prune") and llava.model.language_model.forward == forward
+
+
 def test_wrap_twice_and_unwrap_unwrapped(llava):
     vlm_prune.wrap(llava, "random", keep=0.5)
     try:

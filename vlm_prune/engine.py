@@ -245,6 +245,15 @@ class PrunedDecoder:
             return []
         return sorted(set(m.prune_layers(len(self.spec.layers))))
 
+    def check_depth(self) -> None:
+        """Refuse, at wrap time, an llm-stage or decode-time method whose layers lie beyond this
+        language model's depth (the methods' own checks, which would otherwise first fail at the call)."""
+        n = len(self.spec.layers)
+        self.prune_points()
+        if (m := self.decode_method) is not None:
+            m.decode_final_rows_from(n)
+            m.decode_step_layer(n)
+
     def project_qk(self, layer_idx: int) -> Callable[..., tuple[torch.Tensor, ...]]:
         """The q/k the attention of ``layer_idx`` computes for given hidden states (GQA repeated).
 

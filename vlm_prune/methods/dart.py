@@ -118,7 +118,8 @@ class DART(LLMMethod):
 
     def prune_layers(self, num_layers: int) -> list[int]:
         if self.layer >= num_layers:
-            raise ValueError(f"DART layer K={self.layer} but the model has only {num_layers} decoder layers")
+            raise ValueError(f"DART layer K={self.layer} but the model has only {num_layers} decoder layers; "
+                             f"pass layer= below {num_layers}")
         return [self.layer]
 
     def select(self, ctx: LayerContext) -> list[Reduction]:

@@ -66,7 +66,8 @@ class FastV(LLMMethod):
 
     def prune_layers(self, num_layers: int) -> list[int]:
         if self.layer >= num_layers:
-            raise ValueError(f"FastV layer K={self.layer} but the model has only {num_layers} decoder layers")
+            raise ValueError(f"FastV layer K={self.layer} but the model has only {num_layers} decoder layers; "
+                             f"pass layer= below {num_layers}")
         return [self.layer]
 
     def scores(self, ctx: LayerContext) -> torch.Tensor:

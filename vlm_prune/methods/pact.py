@@ -109,7 +109,8 @@ class PACT(LLMMethod):
 
     def prune_layers(self, num_layers: int) -> list[int]:
         if self.layer >= num_layers:
-            raise ValueError(f"PACT layer L={self.layer} but the model has only {num_layers} decoder layers")
+            raise ValueError(f"PACT layer L={self.layer} but the model has only {num_layers} decoder layers; "
+                             f"pass layer= below {num_layers}")
         return [self.layer]
 
     def settings(self, family: str | None) -> tuple[float, float]:

@@ -75,7 +75,8 @@ class PyramidDrop(LLMMethod):
     def prune_layers(self, num_layers: int) -> list[int]:
         layers = self.layers if self.layers is not None else scaled_layers(num_layers)
         if layers[-1] > num_layers - 1:
-            raise ValueError(f"PyramidDrop drops before layers {layers}, but the model has only {num_layers} decoder layers")
+            raise ValueError(f"PyramidDrop drops before layers {layers}, but the model has only {num_layers} decoder "
+                             f"layers; pass layers= below {num_layers}")
         self._layers = list(layers)
         return self._layers
 
