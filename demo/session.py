@@ -835,7 +835,7 @@ class Session:
         into = merged_into(col.stats)
         if into is None:
             col.merge_note = (f"no merge picture for {col.name}: it only keeps or drops tokens "
-                              "(the merging methods are pact, tome and visionzip)")
+                              "(no stage recorded which tokens merged into which)")
         elif into.size != n_tokens:
             col.merge_note = f"merges of {col.name} not drawn: they cover {into.size} tokens, the picture {n_tokens}"
             return None
