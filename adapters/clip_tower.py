@@ -30,6 +30,7 @@ import torch
 from vlm_prune.adapters.base import PerThread
 from vlm_prune.adapters.hf_vlm import HFVLMAdapter, source_of
 from vlm_prune.adapters.patching import Patcher
+from vlm_prune.adapters.vision_towers import cls_row_attention
 from vlm_prune.methods.base import Reduction
 from vlm_prune.vit_blocks import AttentionResult, ViTMethod, ViTRun, weighted_softmax
 
@@ -44,9 +45,11 @@ class CLIPLayerOps:
     """
 
     def __init__(self, layer: torch.nn.Module, index: int, depth: int, forward: Callable[..., torch.Tensor],
-                 kwargs: dict[str, Any]) -> None:
+                 kwargs: dict[str, Any], following: torch.nn.Module | None = None) -> None:
         attn = layer.self_attn
         self.layer = layer
+        #: the encoder layer after this one (None after the tower's last)
+        self.following = following
         self.index = index
         self.depth = depth
         self.num_heads = attn.num_heads
@@ -88,6 +91,18 @@ class CLIPLayerOps:
 
     def mlp(self, x: torch.Tensor) -> torch.Tensor:
         return self.layer.mlp(self.layer.layer_norm2(x))
+
+    def cls_attention(self, x: torch.Tensor, bias: torch.Tensor | None = None, following: bool = False
+                      ) -> torch.Tensor | None:
+        """[B, N - 1] float32: the attention the [CLS] token (row 0) pays each other token of x [B, N, D]
+        in this layer (``following``: in the layer after it, None when there is none), averaged over
+        heads, computed on the side; ``bias`` [B, N] is added to the logits (-inf: padded keys)."""
+        layer = self.following if following else self.layer
+        if layer is None:
+            return None
+        with torch.no_grad():
+            probs, _ = cls_row_attention(layer, x, bias)
+        return probs[:, :, 1:].mean(1)
 
 
 class CLIPTowerStage:
@@ -173,7 +188,9 @@ class CLIPTowerStage:
                 )
             if index == 0 or self.run is None:
                 self.run = ViTRun(n_prefix=1, n_tokens=hidden_states.shape[1], target=self.row_target)
-            ops = CLIPLayerOps(layer, index, self.depth, functools.partial(original, attention_mask=None, **kwargs), kwargs)
+            following = self.layers[index + 1] if index + 1 < len(self.layers) else None
+            ops = CLIPLayerOps(layer, index, self.depth, functools.partial(original, attention_mask=None, **kwargs), kwargs,
+                               following)
             return self.method.block_forward(ops, hidden_states, self.run)
 
         return forward
@@ -201,6 +218,34 @@ class CLIPTowerStage:
         sizes = run.sizes[:, skip:].to(device) if run.sizes is not None else None
         return slots, sizes
 
+    def real_rows(self, run: ViTRun, rows: int, device: torch.device | str) -> torch.Tensor:
+        """[rows, k] bool: the feature tokens of every tower row that are not padding (rows of one
+        batch that ended with different token counts, MustDrop's merge, are padded to the longest)."""
+        skip = 1 if self.drop_cls else 0
+        if run.pad is None:
+            return torch.ones(rows, run.token_slots(rows, device).shape[1] - skip, dtype=torch.bool, device=device)
+        return run.pad[:, skip:].to(device)
+
+    def protected(self, out: Any) -> list[torch.Tensor] | None:
+        """Per image of an encoder output, [n_features] long over its placeholders: the rank of the token
+        at each slot among those the llm stage must keep (:attr:`ViTRun.protected`), -1 elsewhere; None
+        when the method protects nothing."""
+        run = self.run_of(out)
+        if run.protected is None:
+            return None
+        images = out.last_hidden_state.shape[0]
+        device = run.protected.device
+        skip = 1 if self.drop_cls else 0
+        slots, _ = self.survivors(run, images, device)
+        real = self.real_rows(run, images, device)
+        ranks = run.protected[:, skip:]
+        tables = []
+        for j in (source_of(out, i) for i in range(len(out.pooler_output))):
+            table = torch.full((self.n_features(run),), -1, dtype=torch.long, device=device)
+            table[slots[j][real[j]]] = ranks[j][real[j]]
+            tables.append(table)
+        return tables
+
     def merged_into(self, run: ViTRun, rows: int, device: torch.device | str) -> torch.Tensor | None:
         """[rows, n_features]: for each feature token of every tower row, the slot (as in
         :meth:`survivors`) of the surviving token it was merged into (ToMe); None without merges."""
@@ -227,7 +272,9 @@ class CLIPTowerStage:
         images = out.last_hidden_state.shape[0]
         slots, sizes = self.survivors(run, images, feats[0].device)
         src = [source_of(out, i) for i in range(len(feats))]  # the tower row of each (repeated) image
-        reds = [Reduction(slots[j], f, sizes[j] if sizes is not None else None) for j, f in zip(src, feats)]
+        real = self.real_rows(run, images, feats[0].device)
+        reds = [Reduction(slots[j][real[j]], f[real[j]], sizes[j][real[j]] if sizes is not None else None)
+                for j, f in zip(src, feats)]
         n = self.n_features(run)
         record = self.record(run, [n] * len(feats), [int(r.indices.numel()) for r in reds])
         merged = self.merged_into(run, images, feats[0].device)

@@ -859,6 +859,15 @@ class HFVLMAdapter(Adapter):
         sizes[mask] = torch.cat(size_list).to(sizes.device)
         pending.keep, pending.sizes = keep, sizes
 
+    def _commit_protected(self, modality: str, tables: list[torch.Tensor]) -> None:
+        """Hand the engine each item's protected ranks over its placeholders (``Pending.protected``)."""
+        pending = self.request.pending
+        mask = self.request.masks[modality]
+        protected = pending.protected.clone() if pending.protected is not None else \
+            torch.full(mask.shape, -1, dtype=torch.long, device=mask.device)
+        protected[mask] = torch.cat(tables).to(protected.device)
+        pending.protected = protected
+
     def _commit_groups(self, modality: str, group_list: list[torch.Tensor], group_keep: list[int]) -> None:
         """Hand the frames stage's token groups (FramesPlan.groups) of this modality's rows to the engine."""
         pending = self.request.pending

@@ -77,5 +77,10 @@ class LlavaAdapter(CLIPTowerAdapter):
             keep_list.append(keep)
             size_list.append(sizes)
         self._commit_vision(modality, keep_list, size_list)
+        protected = self.tower_stage.protected(out)
+        if protected is not None:  # MustDrop's key set: rows its llm stage keeps
+            self._commit_protected(modality, protected)
+        if getattr(self.tower_stage.method, "renumber_positions", False):
+            self.request.pending.renumber = True  # the official code feeds the LLM the shorter sequence
         self.request.pending.records.append(record)
         return self.rebuild(modality, out, feats)

@@ -48,15 +48,10 @@ class FeatureLayerTap:
     def attention_of(self, row: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(attention [N], keys [N, d]) of one tower row [T, D] of the feature layer's input."""
         with torch.no_grad():
-            x = self.layer.layer_norm1(row[None])
-            attn = self.layer.self_attn
-            h, d = attn.num_heads, attn.head_dim
-            q = attn.q_proj(x).view(1, -1, h, d).transpose(1, 2)
-            k = attn.k_proj(x).view(1, -1, h, d).transpose(1, 2)
-            scale = getattr(attn, "scale", d**-0.5)
             if self.has_cls:
-                probs = torch.softmax((q[:, :, :1] @ k.transpose(-1, -2)).float() * scale, dim=-1)
-                return probs[0, :, 0, 1:].mean(0), k[0, :, 1:].mean(0)
+                probs, k = cls_row_attention(self.layer, row[None])
+                return probs[0, :, 1:].mean(0), k[0, :, 1:].mean(0)
+            q, k, scale = _query_keys(self.layer, row[None])
             probs = torch.softmax((q @ k.transpose(-1, -2)).float() * scale, dim=-1)
             return probs[0].mean(0).mean(0), k[0].mean(0)
 
@@ -67,6 +62,28 @@ class FeatureLayerTap:
         with torch.no_grad():
             out = self.layer(row[None], None)
         return (out[0] if isinstance(out, tuple) else out)[0]
+
+
+def _query_keys(layer: torch.nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """(q [B, H, N, d], k [B, H, N, d], scale) of a CLIP / SigLIP encoder layer on its input x [B, N, D]."""
+    h = layer.layer_norm1(x)
+    attn = layer.self_attn
+    heads, d = attn.num_heads, attn.head_dim
+    q = attn.q_proj(h).view(x.shape[0], -1, heads, d).transpose(1, 2)
+    k = attn.k_proj(h).view(x.shape[0], -1, heads, d).transpose(1, 2)
+    return q, k, getattr(attn, "scale", d**-0.5)
+
+
+def cls_row_attention(layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(probs [B, H, N], keys [B, H, N, d]): the float32 softmax attention row of the [CLS] query
+    (token 0) over all N tokens of x [B, N, D] in encoder ``layer``, per head; ``bias`` [B, N] is
+    added to the logits (-inf masks padded keys)."""
+    q, k, scale = _query_keys(layer, x)
+    logits = (q[:, :, :1] @ k.transpose(-1, -2)).float() * scale
+    if bias is not None:
+        logits = logits + bias[:, None, None, :].float()
+    return torch.softmax(logits, dim=-1)[:, :, 0], k
 
 
 def pool_grid(values: torch.Tensor, grid: tuple[int, int], out: tuple[int, int]) -> torch.Tensor:

@@ -166,7 +166,10 @@ def _attach(model: torch.nn.Module, state: WrapState) -> torch.nn.Module:
     """Check ``state``'s methods against the model, patch it and set ``model.vlm_prune``."""
     from vlm_prune.adapters import find_adapter
 
-    adapter = find_adapter(model)(model, state)
+    adapter_cls = find_adapter(model)
+    family = getattr(adapter_cls, "family", "")
+    state.methods = {s: m for s, m in state.methods.items() if m.skipped_on(family) is None}
+    adapter = adapter_cls(model, state)
     adapter.check_methods()
     for m in state.methods.values():
         m.check_model(adapter)

@@ -98,6 +98,10 @@ class Pending:
     #: in the llm stage (FramesPlan.groups / group_keep, ids unique within the request)
     groups: torch.Tensor | None = None
     group_keep: list[int] | None = None
+    #: [B, S] long: for each row that an llm-stage method must keep, its rank among them (MustDrop's
+    #: key set, ranked by the vision tower's [CLS] attention), -1 elsewhere; handed to the method as
+    #: ``extras["protected"]`` of its rows
+    protected: torch.Tensor | None = None
 
 
 @dataclass
@@ -330,6 +334,8 @@ class PrunedDecoder:
             extras["frame_slots"] = follow(pending.frame_slots)
         if pending is not None and pending.groups is not None:  # the frames stage's groups
             extras["groups"], extras["group_keep"] = follow(pending.groups), pending.group_keep
+        if pending is not None and pending.protected is not None:  # rows the method must keep (MustDrop's key set)
+            extras["protected"] = follow(pending.protected)
         if first is not None:  # the rows entering layer 0 (methods with needs_input_rows)
             extras.update(input_hidden=first.hidden, input_visual=first.visual & first.valid, input_text=first.text,
                           input_origin=first.origin)

@@ -106,6 +106,11 @@ class ViTRun:
     members: [B, N0] for each block-0 input token, the index among the current tokens of the
         token it is now part of (ToMe's merges composed over the blocks); None = not merged.
     policy: [B, N] soft keep mask while calibrating AS-ViT; None = all kept.
+    pad: [B, N] bool, False for padding rows when the rows of a batch hold different token counts
+        (MustDrop's per-image window merge); None = no padding. Blocks mask padded keys.
+    protected: [B, N] long, for each current token its rank among the tokens a later stage must
+        keep (MustDrop's key set by the tower's [CLS] attention, 0 = most attended), -1 for the
+        others; None = none protected.
     target: patch tokens each row should end with, set by the adapter when a row is not a whole
         image (LLaVA-NeXT's anyres tiles share an image's budget); None = the method's
         ``n_keep(n_patches)`` (keep / budget per row).
@@ -119,6 +124,8 @@ class ViTRun:
     slots: torch.Tensor | None = None
     members: torch.Tensor | None = None
     policy: torch.Tensor | None = None
+    pad: torch.Tensor | None = None
+    protected: torch.Tensor | None = None
     target: int | None = None
     tokens: list[int] = field(default_factory=list)
     flops: list[torch.Tensor | float] = field(default_factory=list)

@@ -200,7 +200,9 @@ class LayerContext:
         (q, k, k_rope), q and k without RoPE and the keys with it, from one projection.
     extras: "family", "prune_before", "origin" (each row's input index), "images" (per sample),
         "final_norm" (the language model's last norm); "groups" [B, S] and "group_keep" when the
-        frames stage grouped its tokens (:attr:`FramesPlan.groups`); for a method with ``needs_previous_hidden``
+        frames stage grouped its tokens (:attr:`FramesPlan.groups`); "protected" [B, S] long when a
+        ViT stage marked rows the method must keep (MustDrop's key set: each row's rank, -1 for the
+        others); for a method with ``needs_previous_hidden``
         also "previous_hidden" (the same rows entering layer ``layer - 1``) and
         "previous_project_qk" (that layer's ``project_qk``); "prefill_memo", a dict the method may
         keep state in across the layers of one prefill (new for every prefill); "frame_slots" [B, S]
@@ -380,6 +382,11 @@ class Method:
     def check_model(self, adapter: Any) -> None:
         """Raise ValueError at wrap time when this model does not meet the method's further needs
         (its family has passed :meth:`refusal` already: ``Adapter.check_methods``)."""
+
+    def skipped_on(self, family: str) -> str | None:
+        """Why wrap() leaves this method out of the pipeline on a model of adapter ``family`` (a
+        companion stage the family cannot host, while the method's other stages run), or None."""
+        return None
 
     def companions(self, others: dict[str, "Method"]) -> list["Method"]:
         """The methods this one runs in other stages (one per stage), added to the pipeline by
