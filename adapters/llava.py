@@ -20,6 +20,12 @@ def layer_qk(layer: torch.nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, tor
         return layer.self_attn.q_proj(h)[0], layer.self_attn.k_proj(h)[0]
 
 
+def key_slots(ranks: torch.Tensor) -> torch.Tensor:
+    """The slots of a protected-rank table [n] (-1: not protected), by rank (the stats' ``key_set``)."""
+    slots = torch.nonzero(ranks >= 0).squeeze(1)
+    return slots[torch.argsort(ranks[slots])]
+
+
 class LlavaAdapter(CLIPTowerAdapter):
     """576 visual tokens per 336px image on a 24 x 24 grid (CLS dropped by the 'default' strategy).
 
@@ -80,6 +86,7 @@ class LlavaAdapter(CLIPTowerAdapter):
         protected = self.tower_stage.protected(out)
         if protected is not None:  # MustDrop's key set: rows its llm stage keeps
             self._commit_protected(modality, protected)
+            record["key_set"] = [key_slots(t).tolist() for t in protected]
         if getattr(self.tower_stage.method, "renumber_positions", False):
             self.request.pending.renumber = True  # the official code feeds the LLM the shorter sequence
         self.request.pending.records.append(record)

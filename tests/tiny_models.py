@@ -29,14 +29,15 @@ def _llama(**kw):
     return LlamaConfig(**base)
 
 
-def tiny_llava(attn: str = "sdpa", seed: int = 0, tower_layers: int = 2):
-    """tower_layers: CLIP layers (the feature layer is the second to last: ViT-stage methods need 3)."""
+def tiny_llava(attn: str = "sdpa", seed: int = 0, tower_layers: int = 2, image_size: int = 32):
+    """tower_layers: CLIP layers (the feature layer is the second to last: ViT-stage methods need 3);
+    image_size: pixels per side (patch 8: 32 -> a 4 x 4 grid of 16 tokens, 48 -> 6 x 6)."""
     from transformers import CLIPVisionConfig, LlavaConfig, LlavaForConditionalGeneration
 
     torch.manual_seed(seed)
     cfg = LlavaConfig(
         vision_config=CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=tower_layers,
-                                       num_attention_heads=2, image_size=32, patch_size=8),
+                                       num_attention_heads=2, image_size=image_size, patch_size=8),
         text_config=_llama(),
         image_token_id=IMAGE_TOKEN,
         vision_feature_layer=-2,
@@ -48,7 +49,7 @@ def tiny_llava(attn: str = "sdpa", seed: int = 0, tower_layers: int = 2):
     return model
 
 
-def llava_inputs(batch: int = 2, n_img_tokens: int = 16, pad: str = "left", seed: int = 1):
+def llava_inputs(batch: int = 2, n_img_tokens: int = 16, pad: str = "left", seed: int = 1, image_size: int = 32):
     """input_ids with one image each, different prompt lengths, padded; pixel values."""
     g = torch.Generator().manual_seed(seed)
     seqs = []
@@ -66,7 +67,7 @@ def llava_inputs(batch: int = 2, n_img_tokens: int = 16, pad: str = "left", seed
         else:
             ids[b, : len(s)] = torch.tensor(s)
             mask[b, : len(s)] = 1
-    pixels = torch.randn(batch, 3, 32, 32, generator=g)
+    pixels = torch.randn(batch, 3, image_size, image_size, generator=g)
     return {"input_ids": ids, "attention_mask": mask, "pixel_values": pixels}
 
 
