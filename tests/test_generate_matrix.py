@@ -35,7 +35,7 @@ from vlm_prune.frames.fastvid import FastVID
 from vlm_prune.frames.holitom import HoliTom
 from vlm_prune.frames.prunevid import PruneVid
 from vlm_prune.frames.quota import QuoTA
-from vlm_prune.methods import PACT, SparseVLM
+from vlm_prune.methods import PACT, MustDrop, SparseVLM
 from vlm_prune.methods.framefusion import FrameFusion
 from vlm_prune.registry import method_stages
 
@@ -106,6 +106,8 @@ def _method(name: str, keep: float):
         return PACT(cutoff=0.0)
     if name == "framefusion":  # every slot similar enough: the first merge reaches the target (one merging layer)
         return FrameFusion(similarity=-1.0)
+    if name == "mustdrop" and keep < 1.0:  # every 2 x 2 window similar enough: on LLaVA-1.5 the tower merges the two
+        return MustDrop(merge_thr=-1.0, window=2)  # the budget allows (16 -> 10), the LLM stages drop to 8, then decoding
     if name == "sparsevlm" and keep < 1.0:  # staged drops only: the masked reference cannot move recycled rows after the kept
         return SparseVLM(recycle=0.0)  # ones (their decoding: tests/test_fidelity_sparsevlm.py)
     return name
@@ -365,7 +367,7 @@ def vision_reference(model, inp: dict, rec: dict):
         target[:, i, k - len(r):] = pos[:, i, r]
         if sizes is not None:
             bias[i, k - len(r):] = torch.log(sizes[i, r])
-    method = rec["methods"].get("vision")
+    method = rec["methods"].get("vision") or rec["methods"].get("vit")
     if getattr(method, "renumber_positions", False) and "frames" not in rec["methods"]:
         target = renumber(target, mask.bool())
     n = len(language_model_of(model).layers)
@@ -447,6 +449,25 @@ def llm_reference(model, inp: dict, rec: dict):
     return dict(inp), HookedReference(model, s, positions=pos, hidden=hidden, bias=bias, layer_positions=layer_pos,
                                       replace=replace, inject=inject if rec["inject"] is not None and replace else None,
                                       decode_hidden=decode_hidden, decode_positions=decode_pos)
+
+
+def staged_reference(model, inp: dict, rec: dict):
+    """ViT stage, then an in-LLM method at several layers with a decode stage (MustDrop's three
+    stages): the vision reference's shorter input of the rows the tower kept, then the llm reference
+    on it (each layer's dropped rows hidden, positions renumbered, decode rows limited) with the
+    recorded selections moved to the short input's columns."""
+    first = min(rec["selects"], key=lambda t: t[0])[1]
+    ref, hooks = vision_reference(model, inp, {**rec, "rows": first})
+    b, k = ref["attention_mask"].shape
+    col = torch.full((b, inp["input_ids"].shape[1]), -1, dtype=torch.long)  # input row -> short column
+    for i in range(b):
+        r = first[i][first[i] >= 0]
+        col[i, r] = torch.arange(k - r.numel(), k)
+    selects = [(layer, torch.where(origin >= 0, col.gather(1, origin.clamp(min=0)), -1), reds)
+               for layer, origin, reds in rec["selects"]]
+    short = {"input_ids": torch.zeros(b, k, dtype=torch.long), "attention_mask": ref["attention_mask"]}
+    _, staged = llm_reference(model, short, {**rec, "selects": selects, "pos": hooks.positions})
+    return ref, staged
 
 
 def pipeline_reference(model, inp: dict, rec: dict):
@@ -560,8 +581,9 @@ def test_every_path_when_pruning_equals_its_reference(adapter, method):
             _assert_refusals(model, inp)
     finally:
         vlm_prune.unwrap(model)
-    two_stage = in_llm and ("frames" in state.methods or "vision" in state.methods)
-    build = pipeline_reference if two_stage else llm_reference if in_llm else vision_reference
+    two_stage = in_llm and ("frames" in state.methods or "vision" in state.methods or "vit" in state.methods)
+    build = (staged_reference if "vit" in state.methods else pipeline_reference) if two_stage else \
+        llm_reference if in_llm else vision_reference
     (ref_inp, hooks), (ref_inp1, hooks1) = build(model, inp, rec), build(model, inp1, rec1)
     s, s1 = inp["input_ids"].shape[1], inp1["input_ids"].shape[1]
     answer = first[:, s:]

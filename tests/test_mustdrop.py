@@ -177,6 +177,9 @@ def test_decode_stage_restricts_the_cache_segments_per_sample():
     ("global_thr", -1.0, "global_thr must be a number >= 0"),
     ("layers", [2, 1], "distinct increasing"),
     ("decode", "yes", "decode must be True or False"),
+    ("vision", 1, "vision must be True or False"),
+    ("window", 1, "window is the side of the merged tiles"),
+    ("key_ratio", 1.5, "key_ratio must be a fraction"),
 ])
 def test_refusals(knob, value, message):
     with pytest.raises(ValueError, match=message):
@@ -408,3 +411,60 @@ def test_padded_tower_rows_equal_each_image_alone(attn):
         assert torch.equal(one.sequences[0, alone["input_ids"].shape[1]:], both.sequences[b, inp["input_ids"].shape[1]:])
         for step in range(3):
             torch.testing.assert_close(one.scores[step][0], both.scores[step][b], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_keep_one_is_the_unwrapped_model_and_unwrap_restores_it(attn):
+    """keep=1.0 with every window similar enough to merge: nothing merges (the budget allows no merge),
+    prefill logits and a 10-step greedy generate equal the unwrapped model's, bit for bit; after a
+    merging run, unwrap restores the model exactly."""
+    model = T.tiny_llava(attn=attn, tower_layers=3, image_size=48)
+    inp = T.llava_inputs(batch=2, n_img_tokens=36, image_size=48)
+
+    def run():
+        with torch.no_grad():
+            return model(**inp).logits, model.generate(**inp, max_new_tokens=10, min_new_tokens=10, do_sample=False)
+
+    ref_logits, ref_gen = run()
+    vlm_prune.wrap(model, MustDrop(merge_thr=-1.0), keep=1.0)
+    try:
+        logits, gen = run()
+        stats = model.vlm_prune.last_stats
+    finally:
+        vlm_prune.unwrap(model)
+    valid = inp["attention_mask"].bool()
+    assert torch.equal(logits[valid], ref_logits[valid]) and torch.equal(gen, ref_gen)
+    assert [s["stage"] for s in stats["stages"]][:2] == ["vit", "llm"] and stats["visual_tokens_out"] == [36, 36]
+    vlm_prune.wrap(model, MustDrop(merge_thr=-1.0))  # merges all four windows: 36 -> 4
+    try:
+        merged, _ = run()
+        assert model.vlm_prune.last_stats["stages"][0]["tokens_out"] == [4, 4]
+    finally:
+        vlm_prune.unwrap(model)
+    after_logits, after_gen = run()
+    assert torch.equal(after_logits, ref_logits) and torch.equal(after_gen, ref_gen)
+    assert not torch.allclose(merged[:, -1], ref_logits[:, -1])
+
+
+def test_the_vision_stage_runs_on_llava_only_and_can_be_turned_off():
+    """On a family without the tower stage (LLaVA-NeXT: anyres tiles) MustDrop runs its llm stages only,
+    as ``vlm-prune methods`` notes; vision=False and another image method leave the tower alone."""
+    from vlm_prune.cli_methods import works_with_table
+
+    next_model = T.tiny_llava_next()
+    vlm_prune.wrap(next_model, "mustdrop")
+    try:
+        assert set(next_model.vlm_prune.methods) == {"llm"}
+    finally:
+        vlm_prune.unwrap(next_model)
+    model = T.tiny_llava()
+    for method, stages in ((MustDrop(), {"vit", "llm"}), (MustDrop(vision=False), {"llm"}),
+                           (["pool", MustDrop()], {"vision", "llm"})):
+        vlm_prune.wrap(model, method, keep=0.5)
+        try:
+            assert set(model.vlm_prune.methods) == stages
+        finally:
+            vlm_prune.unwrap(model)
+    table = works_with_table()
+    assert "- `mustdrop` on `llava_next`: prefill and decoding stages only" in table
+    assert "`mustdrop` on `llava`:" not in table
