@@ -468,3 +468,22 @@ def test_the_vision_stage_runs_on_llava_only_and_can_be_turned_off():
     table = works_with_table()
     assert "- `mustdrop` on `llava_next`: prefill and decoding stages only" in table
     assert "`mustdrop` on `llava`:" not in table
+
+
+def test_positions_keep_places_each_tower_token_at_its_own_patch():
+    """positions="keep": an unmerged patch stays at its slot, a merged window sits at its last patch (the
+    official merge target), in spatial order with the original position ids; the kept sets are the same."""
+    model = tower_model()
+    inp = T.llava_inputs(batch=1, n_img_tokens=36, image_size=48)
+    sims = window_sims(model, inp["pixel_values"][0]).sort(descending=True).values
+    threshold = float((sims[1] + sims[2]) / 2)
+    _, groups, keys = official_tower(model, inp["pixel_values"][0], threshold)
+    records = {}
+    for positions in ("renumber", "keep"):
+        _, stats = run_wrapped(model, inp, MustDrop(merge_thr=threshold, positions=positions, global_thr=1.0,
+                                                    individual_thr=0.0), steps=1)
+        records[positions] = stats["stages"][0]
+    into = records["keep"]["merged_into"][0]
+    assert sorted({max(g) for g in groups}) == sorted(set(into)) and all(into[p] == max(g) for g in groups for p in g)
+    assert records["keep"]["key_set"][0] == [max(groups[k]) for k in keys]
+    assert records["renumber"]["key_set"][0] == keys

@@ -122,8 +122,9 @@ class MustDropTower(ViTMethod):
         if run.pad is not None:
             bias = torch.zeros(run.pad.shape, dtype=x.dtype, device=x.device).masked_fill(~run.pad, -math.inf)
         last = ops.index == ops.depth - 1
-        if last and ops.following is None:  # the feature layer is the tower's last: its own [CLS] attention
-            self._key_set(run, ops.cls_attention(x, bias), x)
+        merges_here = ops.index == o.merge_layer
+        if last and ops.following is None and not merges_here:  # the feature layer is the tower's last:
+            self._key_set(run, ops.cls_attention(x, bias), x)  # its [CLS] attention over its input
         if bias is None:
             x = ops.forward(x)
         else:
@@ -133,8 +134,9 @@ class MustDropTower(ViTMethod):
             x = self._merge(x, run)
             if run.pad is not None:
                 bias = torch.zeros(run.pad.shape, dtype=x.dtype, device=x.device).masked_fill(~run.pad, -math.inf)
-        if last and ops.following is not None:  # the last layer's [CLS] attention over its input
-            self._key_set(run, ops.cls_attention(x, bias, following=True), x)
+        if last and (ops.following is not None or merges_here):  # the next layer's [CLS] attention over its input
+            # (a one-layer tower: the merging layer's own, over the merged tokens)
+            self._key_set(run, ops.cls_attention(x, bias, following=ops.following is not None), x)
         return x
 
     def _merge(self, x: torch.Tensor, run: ViTRun) -> torch.Tensor:
