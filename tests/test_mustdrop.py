@@ -192,7 +192,6 @@ def test_layers_past_the_model_are_refused(model):
     assert not hasattr(model, "vlm_prune")
 
 
-
 # ---- the vision-encoding stage (official clip_encoder.py / local_merge.py) ------------------------
 
 def official_conditional_pooling(h: torch.Tensor, threshold: float, ws: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
