@@ -29,6 +29,7 @@ ARCHITECTURES = {
     "LlavaOnevisionForConditionalGeneration": "VlmPruneLlavaOnevisionForConditionalGeneration",
     "Qwen3VLForConditionalGeneration": "VlmPruneQwen3VLForConditionalGeneration",
     "Gemma3ForConditionalGeneration": "VlmPruneGemma3ForConditionalGeneration",
+    "Mistral3ForConditionalGeneration": "VlmPruneMistral3ForConditionalGeneration",
 }
 #: the plugin's model class -> its module in vlm_prune.vllm
 MODULES = {
@@ -38,6 +39,7 @@ MODULES = {
     "VlmPruneLlavaOnevisionForConditionalGeneration": "onevision",
     "VlmPruneQwen3VLForConditionalGeneration": "qwen3_vl",
     "VlmPruneGemma3ForConditionalGeneration": "gemma3",
+    "VlmPruneMistral3ForConditionalGeneration": "mistral3",
 }
 #: checkpoints whose language model has M-RoPE of its own (no mrope_section override)
 NATIVE_MROPE = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration", "Qwen3VLForConditionalGeneration")
@@ -46,7 +48,9 @@ QWEN3 = ("Qwen3VLForConditionalGeneration",)
 #: checkpoints whose vision methods are those wrap()'s adapter allows (the registry's families): a method
 #: wrap() refuses there is refused in vLLM with that reason
 WRAP_FAMILIES = {"Gemma3ForConditionalGeneration": (
-    "gemma3", "Gemma 3", "its SigLIP tower has no CLS token and vlm_prune does not tap its attention")}
+    "gemma3", "Gemma 3", "its SigLIP tower has no CLS token and vlm_prune does not tap its attention"),
+    "Mistral3ForConditionalGeneration": (
+        "mistral3", "Mistral 3", "its Pixtral tower has no CLS token and packs the images into one sequence")}
 #: checkpoints with one rotary table per layer type (Gemma 3: sliding-window and global layers)
 ROPE_PER_LAYER_TYPE = ("Gemma3ForConditionalGeneration",)
 #: VisionZip (FasterVLM, VisPruner) on a LLaVA-OneVision image request (its video runs them)

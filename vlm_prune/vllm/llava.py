@@ -172,6 +172,17 @@ def reduce_item(method: Method, features: torch.Tensor, grid: tuple[int, int] | 
     ``grid``, the question's embeddings ``text``, the generator of the spec's seed and the image's
     ``rank`` in its prompt): the kept features in slot order, followed by each one's offset from its
     slot (:func:`encode_offsets`; zero where the method renumbers positions, as ``wrap()``)."""
+    idx, kept = reduced(method, features, grid, text, spec, rank, index, tower_attention)
+    offsets = idx - torch.arange(idx.numel(), device=idx.device)
+    if getattr(method, "renumber_positions", False):  # the official code's shorter sequence (wrap() too)
+        offsets = torch.zeros_like(offsets)
+    return torch.cat([kept, encode_offsets(offsets, kept.dtype)], dim=1)
+
+
+def reduced(method: Method, features: torch.Tensor, grid: tuple[int, int] | None, text: torch.Tensor | None,
+            spec: dict[str, Any], rank: torch.Tensor | None, index: int, tower_attention: Any = None
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(kept indices, their features) of :func:`reduce_item`."""
     gen = item_generator(int(spec.get("seed", 0)), int(rank.reshape(-1)[0]) if rank is not None else 0)
     ctx = VisionContext(features=features, n_keep=method.n_keep(features.shape[0], 1), grid=grid, text_embeds=text,
                         tower_attention=tower_attention, generator=gen, image_index=index)
@@ -181,11 +192,7 @@ def reduce_item(method: Method, features: torch.Tensor, grid: tuple[int, int] | 
         raise ValueError(f"method {method.name!r} merges tokens with sizes (proportional attention), which "
                          "vLLM's attention cannot weight; use a method that keeps or replaces tokens")
     idx = red.indices.to(features.device)
-    kept = features[idx] if red.features is None else red.features.to(features.dtype)
-    offsets = idx - torch.arange(idx.numel(), device=idx.device)
-    if getattr(method, "renumber_positions", False):  # the official code's shorter sequence (wrap() too)
-        offsets = torch.zeros_like(offsets)
-    return torch.cat([kept, encode_offsets(offsets, kept.dtype)], dim=1)
+    return idx, features[idx] if red.features is None else red.features.to(features.dtype)
 
 
 class PrunedLlavaProcessingInfo(LlavaProcessingInfo):

@@ -454,3 +454,56 @@ def write_gemma3(folder: str | Path, shape: Gemma3Shape = Gemma3Shape(), seed: i
                            image_seq_length=shape.tokens, chat_template=chat_template("<start_of_image>"))
     proc.save_pretrained(folder)
     return folder
+
+
+# ---- Mistral 3 ------------------------------------------------------------------------------------
+#: Pixtral's image tokens: a row of [IMG] per 2 x 2 merged patches, [IMG_BREAK] ending a row, [IMG_END] the image
+MISTRAL3_SPECIAL = ("[IMG]", "[IMG_BREAK]", "[IMG_END]")
+
+
+@dataclass(frozen=True)
+class Mistral3Shape(LlavaShape):
+    """Sizes of a Mistral 3-layout model (Pixtral tower at the image's own resolution, a 2 x 2 patch merger,
+    + Mistral): ``patch`` px patches, so an image of H x W px (at most ``image_size`` a side) gives
+    (H / 2 patch) x (W / 2 patch) tokens."""
+
+    patch: int = 4
+    image_size: int = 64
+
+
+def build_mistral3_tokenizer(shape: Mistral3Shape):
+    """Word-level tokenizer with Pixtral's image tokens as added special tokens."""
+    names = {shape.vocab - 6 + i: tok for i, tok in enumerate(MISTRAL3_SPECIAL + ("user", "assistant", ":"))}
+    return word_tokenizer(shape.vocab, names, chat_template("[IMG]"), {"image_token": "[IMG]"}, added=MISTRAL3_SPECIAL)
+
+
+def build_mistral3_model(shape: Mistral3Shape, seed: int = 0):
+    """A randomly initialised ``Mistral3ForConditionalGeneration`` of ``shape`` (float32, eval)."""
+    from transformers import Mistral3Config, Mistral3ForConditionalGeneration, MistralConfig, PixtralVisionConfig
+
+    torch.manual_seed(seed)
+    text = MistralConfig(**text_config(shape), head_dim=shape.hidden // shape.heads, sliding_window=None,
+                         tie_word_embeddings=False)
+    vision = PixtralVisionConfig(hidden_size=shape.vision_hidden, intermediate_size=shape.vision_intermediate,
+                                 num_hidden_layers=shape.vision_layers, num_attention_heads=shape.vision_heads,
+                                 head_dim=shape.vision_hidden // shape.vision_heads, image_size=shape.image_size,
+                                 patch_size=shape.patch)
+    cfg = Mistral3Config(vision_config=vision, text_config=text, image_token_index=shape.vocab - 6,
+                         spatial_merge_size=2, vision_feature_layer=-1, tie_word_embeddings=False)
+    model = Mistral3ForConditionalGeneration(cfg).eval()
+    return sharpen(model, model.model.multi_modal_projector)
+
+
+def write_mistral3(folder: str | Path, shape: Mistral3Shape = Mistral3Shape(), seed: int = 0) -> Path:
+    """Save a random Mistral 3-layout model of ``shape`` with tokenizer and processor to ``folder``."""
+    from transformers import PixtralImageProcessor, PixtralProcessor
+
+    folder = Path(folder)
+    build_mistral3_model(shape, seed).save_pretrained(folder)
+    proc = PixtralProcessor(image_processor=PixtralImageProcessor(size={"longest_edge": shape.image_size},
+                                                                  patch_size=shape.patch),
+                            tokenizer=build_mistral3_tokenizer(shape), patch_size=shape.patch, spatial_merge_size=2,
+                            image_token="[IMG]", image_break_token="[IMG_BREAK]", image_end_token="[IMG_END]",
+                            chat_template=chat_template("[IMG]"))
+    proc.save_pretrained(folder)
+    return folder
