@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -55,6 +57,20 @@ def _images() -> list[list[Image.Image]]:
     rng = np.random.RandomState(0)
     pics = [Image.fromarray((rng.rand(32, 32, 3) * 255).astype("uint8")) for _ in range(3)]
     return [pics[:1], pics[1:]]
+
+
+@dataclass(frozen=True)
+class Family:
+    """What the shared helpers need of a family's test: its prompts, their images, vLLM's own class, and the
+    tokens whose rows wrap() reports as an image's (its visual tokens; Mistral 3: and the row breaks)."""
+
+    prompts: list[str]
+    images: Callable[[], list[list[Image.Image]]]
+    served: str
+    rows: tuple[str, ...]
+
+
+GEMMA3 = Family(PROMPTS, _images, "Gemma3ForConditionalGeneration", ("<image_soft_token>",))
 
 
 def _method(name: str, knobs: dict):
@@ -101,26 +117,28 @@ def answers(outs) -> tuple[list, list, list]:
     return [list(o.prompt_token_ids) for o in outs], tokens, logprobs
 
 
-def run_vllm(llm, method=None, knobs: dict | None = None, **budget) -> tuple[list, list, list]:
+def run_vllm(llm, method=None, knobs: dict | None = None, fam: Family = GEMMA3, **budget) -> tuple[list, list, list]:
     from vllm import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=STEPS, min_tokens=STEPS, logprobs=0)
-    reqs = [request(p, im, method, knobs, **budget) for p, im in zip(PROMPTS, _images())]
+    reqs = [request(p, im, method, knobs, **budget) for p, im in zip(fam.prompts, fam.images())]
     return answers(llm.generate(reqs, params, use_tqdm=False))
 
 
-def run_hf(hf, method=None, knobs: dict | None = None, bidirectional: bool = False, **budget):
-    """Prompt ids, greedy tokens, log-probabilities and the positions of the kept image rows of the
-    (wrapped) HF model; causal unless ``bidirectional`` (then with the processor's token_type_ids)."""
+def run_hf(hf, method=None, knobs: dict | None = None, bidirectional: bool = False, fam: Family = GEMMA3, **budget):
+    """Prompt ids, greedy tokens, log-probabilities and the positions of the kept image rows (``fam.rows``)
+    of the (wrapped) HF model; Gemma 3 causal unless ``bidirectional`` (then with the processor's
+    token_type_ids)."""
     model, proc = hf
     if method is not None:
         vlm_prune.wrap(model, _method(method, knobs or {}), processor=proc, **budget)
     try:
         ids, tokens, logprobs, kept = [], [], [], []
-        for prompt, images in zip(PROMPTS, _images()):
+        image_rows = set(proc.tokenizer.convert_tokens_to_ids(list(fam.rows)))
+        for prompt, images in zip(fam.prompts, fam.images()):
             inputs = proc(images=images, text=prompt, return_tensors="pt")
             if not bidirectional:
-                inputs.pop("token_type_ids")
+                inputs.pop("token_type_ids", None)
             with torch.no_grad():
                 out = model.generate(**inputs, max_new_tokens=STEPS, min_new_tokens=STEPS, do_sample=False,
                                      output_logits=True, return_dict_in_generate=True)
@@ -131,9 +149,8 @@ def run_hf(hf, method=None, knobs: dict | None = None, bidirectional: bool = Fal
             logprobs.append([torch.log_softmax(s[0].float(), -1)[t].item() for s, t in zip(out.logits, new)])
             if method is not None:
                 rows = [int(r) for r in model.vlm_prune.last_rows[0] if r >= 0]
-                image = model.config.image_token_index
                 renumber = method in RENUMBERS and not knobs
-                kept.append([i if renumber else r for i, r in enumerate(rows) if ids[-1][r] == image])
+                kept.append([i if renumber else r for i, r in enumerate(rows) if ids[-1][r] in image_rows])
         return ids, tokens, logprobs, kept
     finally:
         if method is not None:
@@ -164,31 +181,45 @@ def test_cpu_build_attends_causally(llm, hf):
     assert np.abs(np.array(logprobs) - np.array(bidirectional)).max() > 1e-2
 
 
-def plain_vllm_main(model: str, out: str) -> None:
-    """The child of :func:`test_keep_all_equals_plain_vllm`: vLLM's own class on ``model``."""
+def plain_vllm_main(model: str, out: str, module: str) -> None:
+    """The child of :func:`check_plain_vllm`: vLLM's own class on ``model``, the prompts of test ``module``."""
+    import importlib
+
     import vllm
 
+    fam = importlib.import_module(module).FAMILY
     llm = vllm.LLM(model=model, **ENGINE_ARGS)
     served = type(llm.apply_model(lambda m: m)[0]).__name__
     with open(out, "w") as f:
-        json.dump({"class": served, "answers": run_vllm(llm)}, f)
+        json.dump({"class": served, "answers": run_vllm(llm, fam=fam)}, f)
     llm.llm_engine.engine_core.shutdown()
+
+
+FAMILY = GEMMA3
 
 
 @pytest.mark.timeout(600)
 def test_keep_all_equals_plain_vllm(checkpoint, llm, tmp_path):
     """The plugin with nothing pruned is vLLM's own Gemma 3 bit for bit (its rotary tables per layer type,
-    the image markup, the offset channels stripped); vLLM's engine runs in a child process (a second engine
-    in this one would share its global state)."""
+    the image markup, the offset channels stripped)."""
+    check_plain_vllm(checkpoint, llm, tmp_path, "test_vllm_gemma3")
+
+
+def check_plain_vllm(checkpoint, llm, tmp_path, module: str) -> None:
+    """The plugin's engine ``llm`` (nothing pruned) answers test ``module``'s prompts as vLLM's own class
+    does on ``checkpoint``, bit for bit, with the same prompt ids; vLLM's engine runs in a child process
+    (a second engine in this one would share its global state)."""
+    import importlib
     import subprocess
     import sys
 
     from test_vllm_engine import Child
 
+    fam = importlib.import_module(module).FAMILY
     out = tmp_path / "result.json"
-    code = ("import sys; sys.path.insert(0, sys.argv[1]); import test_vllm_gemma3 as t; "
-            "t.plain_vllm_main(*sys.argv[2:])")
-    child = Child([sys.executable, "-c", code, os.path.dirname(__file__), str(checkpoint), str(out)], tmp_path / "log")
+    code = "import sys; sys.path.insert(0, sys.argv[1]); import test_vllm_gemma3 as t; t.plain_vllm_main(*sys.argv[2:])"
+    child = Child([sys.executable, "-c", code, os.path.dirname(__file__), str(checkpoint), str(out), module],
+                  tmp_path / "log")
     try:
         child.proc.wait(500)
     except subprocess.TimeoutExpired:
@@ -197,9 +228,9 @@ def test_keep_all_equals_plain_vllm(checkpoint, llm, tmp_path):
         child.stop()
     assert child.proc.returncode == 0, f"the engine failed ({child.proc.returncode}):\n{child.log_tail()}"
     plain = json.loads(out.read_text())
-    assert plain["class"] == "Gemma3ForConditionalGeneration"
+    assert plain["class"] == fam.served
     ids, tokens, logprobs = plain["answers"]
-    ref_ids, ref_tokens, ref_logprobs = run_vllm(llm)
+    ref_ids, ref_tokens, ref_logprobs = run_vllm(llm, fam=fam)
     assert ids == ref_ids
     assert tokens == ref_tokens
     np.testing.assert_array_equal(logprobs, ref_logprobs)
@@ -225,21 +256,25 @@ def test_method_equals_wrapped_hf(llm, hf, method, knobs, budget):
         assert image_positions(llm) == ref_kept[i]
 
 
-def vp_count(method: str, knobs: dict, budget: dict) -> int:
-    """The soft tokens wrap() keeps of an image's 16 (the README's budget: visual tokens per image)."""
+def vp_count(method: str, knobs: dict, budget: dict, n: int = 16) -> int:
+    """The visual tokens wrap() keeps of an image's ``n`` (the README's budget: visual tokens per image)."""
     from vlm_prune.vllm.config import method_of, method_spec
 
-    return method_of(method_spec(_method(method, knobs), **budget)).n_keep(16, 1)
+    return method_of(method_spec(_method(method, knobs), **budget)).n_keep(n, 1)
 
 
 def test_mixed_batch_equals_each_alone(llm):
     """Requests with different methods and budgets in one batch get the answers each gets alone."""
+    check_mixed_batch(llm, GEMMA3)
+
+
+def check_mixed_batch(llm, fam: Family) -> None:
     from vllm import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=STEPS, min_tokens=STEPS, logprobs=0)
     mix = [("divprune", {}, {"keep": 0.5}), ("pool", {}, {"budget": 4}), ("random", {}, {"budget": 3}),
            (None, None, {}), ("cdpruner", {}, {"keep": 0.25}), ("divprune", {"positions": "keep"}, {"budget": 2})]
-    reqs = [request(PROMPTS[i % 2], _images()[i % 2], m, k, **b) for i, (m, k, b) in enumerate(mix)]
+    reqs = [request(fam.prompts[i % 2], fam.images()[i % 2], m, k, **b) for i, (m, k, b) in enumerate(mix)]
     together = answers(llm.generate(reqs, params, use_tqdm=False))
     alone = [answers(llm.generate([r], params, use_tqdm=False)) for r in reqs]
     for j, single in enumerate(alone):
@@ -248,29 +283,32 @@ def test_mixed_batch_equals_each_alone(llm):
     assert len({len(ids) for ids in together[0]}) > 2  # the budgets made different prompts
 
 
-@pytest.mark.parametrize("name,message", [
-    ("visionzip", "method 'visionzip' runs on the llava, llava_onevision models, not on Gemma 3"),
-    ("fastervlm", "method 'fastervlm' runs on the llava, llava_onevision models, not on Gemma 3"),
-    ("vispruner", "method 'vispruner' runs on the llava, llava_onevision models, not on Gemma 3"),
-    ("uniform", "frames method 'uniform' chooses video frames"),
-    ("keyscore", "frames method 'keyscore' chooses video frames"),
-    ("quota", "frames method 'quota' chooses video frames"),
-    ("fastv", "prunes inside the language model"),
-    ("tome", "acts in the 'vit' stage"),
-])
+def refusals(title: str) -> list[tuple[str, str]]:
+    """(method, the reason's words) of the methods an image-only family cannot run in vLLM."""
+    return [*((name, f"method '{name}' runs on the llava, llava_onevision models, not on {title}")
+              for name in ("visionzip", "fastervlm", "vispruner")),
+            *((name, f"frames method '{name}' chooses video frames") for name in ("uniform", "keyscore", "quota")),
+            ("fastv", "prunes inside the language model"), ("tome", "acts in the 'vit' stage")]
+
+
+@pytest.mark.parametrize("name,message", refusals("Gemma 3"))
 def test_refusals_per_request(llm, checkpoint, name, message):
     """Methods vLLM cannot run on Gemma 3 are refused per request (the server's HTTP 400), by
     validate_spec for the model, and for the engine before vLLM starts."""
+    check_refusal(llm, checkpoint, GEMMA3, name, message)
+
+
+def check_refusal(llm, checkpoint, fam: Family, name: str, message: str) -> None:
     with pytest.raises(ValueError, match=message):
-        run_vllm(llm, name, keep=0.5)
+        run_vllm(llm, name, fam=fam, keep=0.5)
     with pytest.raises(SpecError, match=message):
-        validate_spec({"method": name, "keep": 0.5}, "Gemma3ForConditionalGeneration")
+        validate_spec({"method": name, "keep": 0.5}, fam.served)
     engine = "QuoTA's token count per video follows its frame scores" if name == "quota" else message
     with pytest.raises(ValueError, match=engine):  # (quota: never an engine's method, on any model)
         vp.engine_kwargs(str(checkpoint), name, keep=0.5)
     if name == "visionzip":  # the reason names what runs instead
         with pytest.raises(SpecError, match="use random, pool, divprune, cdpruner"):
-            validate_spec({"method": name, "keep": 0.5}, "Gemma3ForConditionalGeneration")
+            validate_spec({"method": name, "keep": 0.5}, fam.served)
 
 
 def test_pan_and_scan_is_refused(llm):

@@ -51,8 +51,10 @@ WRAP_FAMILIES = {"Gemma3ForConditionalGeneration": (
     "gemma3", "Gemma 3", "its SigLIP tower has no CLS token and vlm_prune does not tap its attention"),
     "Mistral3ForConditionalGeneration": (
         "mistral3", "Mistral 3", "its Pixtral tower has no CLS token and packs the images into one sequence")}
-#: checkpoints with one rotary table per layer type (Gemma 3: sliding-window and global layers)
-ROPE_PER_LAYER_TYPE = ("Gemma3ForConditionalGeneration",)
+#: checkpoints whose rotary tables are read with transformers' config class (old checkpoints spell them
+#: rope_scaling / rope_local_base_freq; Gemma 3 has one per layer type) and whose plugin runs the language
+#: model on one position row with vLLM's own rotary embeddings
+ROPE_FROM_CONFIG = ("Gemma3ForConditionalGeneration", "Mistral3ForConditionalGeneration")
 #: VisionZip (FasterVLM, VisPruner) on a LLaVA-OneVision image request (its video runs them)
 ONEVISION_VISIONZIP_REFUSAL = (
     "{name} runs on LLaVA-OneVision video only, as in wrap(): OneVision's anyres image tiles have no per-token "
@@ -413,13 +415,15 @@ def hf_overrides(model: str | Path, spec: dict[str, Any]) -> dict[str, Any]:
         raise ValueError(reason)
     spec = validate_spec(spec, arch, field="the engine's spec (hf_overrides['vlm_prune'])")
     overrides = {"architectures": [ARCHITECTURES[arch]], "vlm_prune": spec}
-    if arch in ROPE_PER_LAYER_TYPE:  # transformers' reading of the rotary tables (old checkpoints: rope_scaling)
+    if arch in ROPE_FROM_CONFIG:  # transformers' reading of the rotary tables (old checkpoints: rope_scaling)
         from transformers import AutoConfig
 
         text = AutoConfig.from_pretrained(model).get_text_config()
-        overrides["text_config"] = {"rope_parameters": {
-            kind: mrope_rope_parameters({**text.to_dict(), "rope_parameters": params})
-            for kind, params in text.rope_parameters.items()}}
+        params = dict(text.rope_parameters or {})
+        nested = bool(params) and all(isinstance(v, dict) for v in params.values())  # one table per layer type
+        tables = params if nested else {None: params}
+        rope = {kind: mrope_rope_parameters({**text.to_dict(), "rope_parameters": table}) for kind, table in tables.items()}
+        overrides["text_config"] = {"rope_parameters": rope if nested else rope[None]}
     elif arch not in NATIVE_MROPE:  # one position row per token that the plugin can set
         text = cfg.get("text_config") or {}
         text.setdefault("hidden_size", 4096)

@@ -34,7 +34,6 @@ from typing import Any
 
 import torch
 from vllm.config import VllmConfig
-from vllm.model_executor.layers.rotary_embedding import get_rope
 from vllm.model_executor.models.gemma3_mm import (
     Gemma3DummyInputsBuilder,
     Gemma3ForConditionalGeneration,
@@ -52,11 +51,13 @@ from vlm_prune.vllm.llava import (
     QUERY_KEY,
     RANK_KEY,
     SPEC_KEY,
+    FirstPositionRow,
     OffsetChannels,
-    _embeds_end,
-    VlmPruneLlavaForConditionalGeneration,
     PrunedLlavaMultiModalProcessor,
+    VlmPruneLlavaForConditionalGeneration,
+    _embeds_end,
     method_of,
+    plain_rotary,
     reduce_item,
     spec_from,
     spec_of,
@@ -119,25 +120,10 @@ class PrunedGemma3MultiModalProcessor(Gemma3MultiModalProcessor):
         return tag_items(super().apply(inputs, timing_ctx), spec, method, self._template_suffix())
 
 
-class _FirstPositionRow:
-    """Hands the language model one position row of the runner's three (equal) ones: Gemma 3's rotary
-    embeddings are vLLM's own 1-D ones. Put it after OffsetChannels in the bases."""
-
-    def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor, intermediate_tensors: Any = None,
-                inputs_embeds: torch.Tensor | None = None, **kwargs: object) -> Any:
-        if positions.dim() == 2:
-            positions = positions[0]
-        return super().forward(input_ids, positions, intermediate_tensors, inputs_embeds=inputs_embeds, **kwargs)
-
-
-def _without_mrope(params: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in params.items() if k != "mrope_section"}
-
-
 @MULTIMODAL_REGISTRY.register_processor(
     PrunedGemma3MultiModalProcessor, info=PrunedGemma3ProcessingInfo, dummy_inputs=Gemma3DummyInputsBuilder
 )
-class VlmPruneGemma3ForConditionalGeneration(OffsetChannels, _FirstPositionRow, Gemma3ForConditionalGeneration,
+class VlmPruneGemma3ForConditionalGeneration(OffsetChannels, FirstPositionRow, Gemma3ForConditionalGeneration,
                                              SupportsMRoPE):
     """vLLM's Gemma 3 with a vlm_prune vision-stage method (random, pool, divprune, cdpruner)."""
 
@@ -158,13 +144,8 @@ class VlmPruneGemma3ForConditionalGeneration(OffsetChannels, _FirstPositionRow, 
             raise ValueError("vlm_prune.vllm runs the method after the vision tower, which vLLM's encoder CUDA graphs "
                              "skip: turn off compilation_config.cudagraph_mm_encoder")
         _check(method_of(spec_of(self.config)), self.config.architectures[0])
-        text = self.config.text_config
-        for i, layer in enumerate(self.language_model.model.layers):  # the rotary embeddings of vLLM's own Gemma 3
-            attn = getattr(layer, "self_attn", None)
-            if attn is not None:  # (None: a pipeline-parallel placeholder)
-                attn.rotary_emb = get_rope(attn.head_dim, max_position=text.max_position_embeddings,
-                                           rope_parameters=_without_mrope(text.rope_parameters[text.layer_types[i]]),
-                                           is_neox_style=True)
+        text = self.config.text_config  # the rotary embeddings of vLLM's own Gemma 3, one table per layer type
+        plain_rotary(self.language_model.model.layers, lambda i: text.rope_parameters[text.layer_types[i]])
         self.n_image = self.config.mm_tokens_per_image
         side = int(round(self.n_image ** 0.5))
         self.grid = (side, side) if side * side == self.n_image else None

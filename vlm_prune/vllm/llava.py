@@ -297,6 +297,33 @@ class OffsetChannels:
         return super().forward(input_ids, positions, intermediate_tensors, inputs_embeds=inputs_embeds, **kwargs)
 
 
+class FirstPositionRow:
+    """Hands the language model one position row of the runner's three (equal) ones, so that it rotates by
+    vLLM's own 1-D rotary embeddings (:func:`plain_rotary`): bit for bit vLLM's own model, and right for
+    rotary kinds that take no M-RoPE sections (Gemma 3's linear scaling) or read positions themselves
+    (Mistral's Llama-4 attention scaling). Put it after OffsetChannels in the bases."""
+
+    def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor, intermediate_tensors: Any = None,
+                inputs_embeds: torch.Tensor | None = None, **kwargs: object) -> Any:
+        if positions.dim() == 2:
+            positions = positions[0]
+        return super().forward(input_ids, positions, intermediate_tensors, inputs_embeds=inputs_embeds, **kwargs)
+
+
+def plain_rotary(layers: Any, params: Any) -> None:
+    """Give every decoder layer's attention in ``layers`` the rotary embedding vLLM's own model builds, from
+    ``params(i)`` (layer i's rope_parameters) without the ``mrope_section`` the plugin's config adds."""
+    from vllm.model_executor.layers.rotary_embedding import get_rope
+
+    for i, layer in enumerate(layers):
+        attn = getattr(layer, "self_attn", None)
+        if attn is None:  # a pipeline-parallel placeholder
+            continue
+        old = attn.rotary_emb
+        attn.rotary_emb = get_rope(old.head_size, max_position=old.max_position_embeddings, is_neox_style=old.is_neox_style,
+                                   rope_parameters={k: v for k, v in params(i).items() if k != "mrope_section"})
+
+
 @MULTIMODAL_REGISTRY.register_processor(
     PrunedLlavaMultiModalProcessor, info=PrunedLlavaProcessingInfo, dummy_inputs=LlavaDummyInputsBuilder
 )

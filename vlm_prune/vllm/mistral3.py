@@ -42,12 +42,14 @@ from vlm_prune.vllm.llava import (
     QUERY_KEY,
     RANK_KEY,
     SPEC_KEY,
+    FirstPositionRow,
     OffsetChannels,
     PrunedLlavaMultiModalProcessor,
     VlmPruneLlavaForConditionalGeneration,
     _embeds_end,
     encode_offsets,
     method_of,
+    plain_rotary,
     reduced,
     spec_from,
     spec_of,
@@ -127,13 +129,16 @@ class PrunedMistral3MultiModalProcessor(Mistral3MultiModalProcessor):
 @MULTIMODAL_REGISTRY.register_processor(
     PrunedMistral3MultiModalProcessor, info=PrunedMistral3ProcessingInfo, dummy_inputs=Mistral3DummyInputsBuilder
 )
-class VlmPruneMistral3ForConditionalGeneration(OffsetChannels, Mistral3ForConditionalGeneration, SupportsMRoPE):
+class VlmPruneMistral3ForConditionalGeneration(OffsetChannels, FirstPositionRow, Mistral3ForConditionalGeneration,
+                                               SupportsMRoPE):
     """vLLM's Mistral 3 with a vlm_prune vision-stage method (random, pool, divprune, cdpruner)."""
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
         super().__init__(vllm_config=vllm_config, prefix=prefix)
         _check(method_of(spec_of(self.config)), self.config.architectures[0])
         self.step = self.config.vision_config.patch_size * self.config.spatial_merge_size
+        text = self.config.text_config  # vLLM's own rotary embeddings on one position row (as Gemma 3)
+        plain_rotary(self.language_model.model.layers, lambda i: text.rope_parameters)
 
     # ---- encoder: the method picks what fills the slots, the breaks take theirs -------------
     def _parse_and_validate_image_input(self, **kwargs: object) -> Any:
