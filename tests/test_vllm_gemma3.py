@@ -37,6 +37,8 @@ from vlm_prune.vllm.config import SpecError, validate_spec  # noqa: E402
 from vlm_prune.vllm.gemma3 import PAN_AND_SCAN_REFUSAL  # noqa: E402
 from vlm_prune.vllm.tiny import write_gemma3  # noqa: E402
 
+from test_vllm_qwen import load_hf  # noqa: E402  (float32, SDPA, eval; and its processor)
+
 pytestmark = pytest.mark.timeout(900)
 STEPS = 6
 IMAGE = "<start_of_image>"
@@ -95,12 +97,7 @@ def llm(checkpoint):
 
 @pytest.fixture(scope="module")
 def hf(checkpoint):
-    from transformers import AutoModelForImageTextToText, AutoProcessor
-
-    torch.set_num_threads(1)
-    model = AutoModelForImageTextToText.from_pretrained(checkpoint, dtype=torch.float32).eval()
-    model.set_attn_implementation("sdpa")
-    return model, AutoProcessor.from_pretrained(checkpoint)
+    return load_hf(checkpoint)
 
 
 def request(prompt: str, images: list, method=None, knobs: dict | None = None, **budget) -> dict:

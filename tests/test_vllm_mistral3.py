@@ -24,6 +24,7 @@ from test_vllm_gemma3 import (  # noqa: E402
     check_plain_vllm,
     check_refusal,
     image_positions,
+    load_hf,
     refusals,
     request,
     run_hf,
@@ -66,13 +67,7 @@ def llm(checkpoint):
 
 @pytest.fixture(scope="module")
 def hf(checkpoint):
-    import torch
-    from transformers import AutoModelForImageTextToText, AutoProcessor
-
-    torch.set_num_threads(1)
-    model = AutoModelForImageTextToText.from_pretrained(checkpoint, dtype=torch.float32).eval()
-    model.set_attn_implementation("sdpa")
-    return model, AutoProcessor.from_pretrained(checkpoint)
+    return load_hf(checkpoint)
 
 
 def test_keep_all_equals_unwrapped_hf(llm, hf):

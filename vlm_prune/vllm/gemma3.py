@@ -28,7 +28,6 @@ tokens at their original positions through offset channels) on vLLM's own
 """
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -41,12 +40,10 @@ from vllm.model_executor.models.gemma3_mm import (
     Gemma3ProcessingInfo,
 )
 from vllm.model_executor.models.interfaces import SupportsMRoPE
-from vllm.model_executor.models.utils import WeightsMapper
 from vllm.multimodal import MULTIMODAL_REGISTRY
 from vllm.multimodal.inputs import MultiModalFeatureSpec
 from vllm.multimodal.processing import PromptUpdateDetails
 
-from vlm_prune.methods.base import Method
 from vlm_prune.vllm.llava import (
     QUERY_KEY,
     RANK_KEY,
@@ -63,7 +60,7 @@ from vlm_prune.vllm.llava import (
     spec_of,
     tag_items,
 )
-from vlm_prune.vllm.qwen2_vl import _check, _item, _without_spec
+from vlm_prune.vllm.qwen2_vl import _check, _item, _PrunedInfo, _without_spec
 
 PAN_AND_SCAN_REFUSAL = (
     "vlm_prune.vllm serves Gemma 3 without pan and scan: its crops are extra images in one vLLM item, which wrap() "
@@ -71,15 +68,8 @@ PAN_AND_SCAN_REFUSAL = (
 )
 
 
-class PrunedGemma3ProcessingInfo(Gemma3ProcessingInfo):
+class PrunedGemma3ProcessingInfo(_PrunedInfo, Gemma3ProcessingInfo):
     """Each image gets the method's kept count of soft-token slots inside its markup."""
-
-    def method(self, mm_kwargs: Mapping[str, object] | None = None) -> Method:
-        cfg = self.get_hf_config()
-        return _check(method_of(spec_of(cfg, mm_kwargs)), cfg.architectures[0])
-
-    def get_hf_processor(self, **kwargs: object) -> Any:
-        return super().get_hf_processor(**_without_spec(kwargs))
 
     def get_num_crops(self, *, image_width: int, image_height: int, processor: Any,
                       mm_kwargs: Mapping[str, object]) -> int:
@@ -127,16 +117,8 @@ class VlmPruneGemma3ForConditionalGeneration(OffsetChannels, FirstPositionRow, G
                                              SupportsMRoPE):
     """vLLM's Gemma 3 with a vlm_prune vision-stage method (random, pool, divprune, cdpruner)."""
 
-    hf_to_vllm_mapper = WeightsMapper(
-        # the SigLIP tower in the hub's naming (vision_tower.vision_model.*) and transformers 5's (without it)
-        orig_to_new_regex={
-            re.compile(r"^(?:model\.)?vision_tower\.(?:vision_model\.)?"): "vision_tower.vision_model."},
-        orig_to_new_prefix={
-            "model.language_model.": "language_model.model.",
-            "model.multi_modal_projector.": "multi_modal_projector.",
-            "lm_head.": "language_model.lm_head.",
-        },
-    )
+    #: the SigLIP tower in the hub's naming (vision_tower.vision_model.*) and transformers 5's (without it), as LLaVA's
+    hf_to_vllm_mapper = VlmPruneLlavaForConditionalGeneration.hf_to_vllm_mapper
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
         super().__init__(vllm_config=vllm_config, prefix=prefix)

@@ -37,7 +37,6 @@ from vllm.multimodal.inputs import MultiModalFeatureSpec
 from vllm.multimodal.parse import ImageProcessorItems
 from vllm.multimodal.processing import PromptReplacement, PromptUpdate, PromptUpdateDetails
 
-from vlm_prune.methods.base import Method
 from vlm_prune.vllm.llava import (
     QUERY_KEY,
     RANK_KEY,
@@ -55,7 +54,7 @@ from vlm_prune.vllm.llava import (
     spec_of,
     tag_items,
 )
-from vlm_prune.vllm.qwen2_vl import _check, _item, _without_spec
+from vlm_prune.vllm.qwen2_vl import _check, _item, _PrunedInfo, _without_spec
 
 #: each image's unpruned run of tokens (rows x (cols + 1)) and the id of [IMG_BREAK], from the processor
 FULL_KEY = "vlm_prune_full"
@@ -73,15 +72,8 @@ def slot_layout(ids: list[int], image: int, k: int) -> list[int]:
     return [image] * (k + rows - 1) + ids[-1:]
 
 
-class PrunedMistral3ProcessingInfo(Mistral3ProcessingInfo):
+class PrunedMistral3ProcessingInfo(_PrunedInfo, Mistral3ProcessingInfo):
     """Each image gets the method's kept count of slots plus one per break between its rows."""
-
-    def method(self, mm_kwargs: Mapping[str, object] | None = None) -> Method:
-        cfg = self.get_hf_config()
-        return _check(method_of(spec_of(cfg, mm_kwargs)), cfg.architectures[0])
-
-    def get_hf_processor(self, **kwargs: object) -> Any:
-        return super().get_hf_processor(**_without_spec(kwargs))
 
     def get_vision_encoder_info(self, mm_processor_kwargs: Mapping[str, object] | None = None) -> Any:
         return super().get_vision_encoder_info(_without_spec(mm_processor_kwargs or {}))
