@@ -28,6 +28,8 @@ ARCHITECTURES = {
     "Qwen2_5_VLForConditionalGeneration": "VlmPruneQwen2_5_VLForConditionalGeneration",
     "LlavaOnevisionForConditionalGeneration": "VlmPruneLlavaOnevisionForConditionalGeneration",
     "Qwen3VLForConditionalGeneration": "VlmPruneQwen3VLForConditionalGeneration",
+    "Gemma3ForConditionalGeneration": "VlmPruneGemma3ForConditionalGeneration",
+    "Mistral3ForConditionalGeneration": "VlmPruneMistral3ForConditionalGeneration",
 }
 #: the plugin's model class -> its module in vlm_prune.vllm
 MODULES = {
@@ -36,11 +38,23 @@ MODULES = {
     "VlmPruneQwen2_5_VLForConditionalGeneration": "qwen2_vl",
     "VlmPruneLlavaOnevisionForConditionalGeneration": "onevision",
     "VlmPruneQwen3VLForConditionalGeneration": "qwen3_vl",
+    "VlmPruneGemma3ForConditionalGeneration": "gemma3",
+    "VlmPruneMistral3ForConditionalGeneration": "mistral3",
 }
 #: checkpoints whose language model has M-RoPE of its own (no mrope_section override)
 NATIVE_MROPE = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration", "Qwen3VLForConditionalGeneration")
 #: Qwen3-VL: a timestamp and start / end tokens around every temporal slice of a video
 QWEN3 = ("Qwen3VLForConditionalGeneration",)
+#: checkpoints whose vision methods are those wrap()'s adapter allows (the registry's families): a method
+#: wrap() refuses there is refused in vLLM with that reason
+WRAP_FAMILIES = {"Gemma3ForConditionalGeneration": (
+    "gemma3", "Gemma 3", "its SigLIP tower has no CLS token and vlm_prune does not tap its attention"),
+    "Mistral3ForConditionalGeneration": (
+        "mistral3", "Mistral 3", "its Pixtral tower has no CLS token and packs the images into one sequence")}
+#: checkpoints whose rotary tables are read with transformers' config class (old checkpoints spell them
+#: rope_scaling / rope_local_base_freq; Gemma 3 has one per layer type) and whose plugin runs the language
+#: model on one position row with vLLM's own rotary embeddings
+ROPE_FROM_CONFIG = ("Gemma3ForConditionalGeneration", "Mistral3ForConditionalGeneration")
 #: VisionZip (FasterVLM, VisPruner) on a LLaVA-OneVision image request (its video runs them)
 ONEVISION_VISIONZIP_REFUSAL = (
     "{name} runs on LLaVA-OneVision video only, as in wrap(): OneVision's anyres image tiles have no per-token "
@@ -350,6 +364,15 @@ def refusal(arch: str, method: str) -> str | None:
 
         return QUOTA_REFUSAL
     checkpoint = {v: k for k, v in ARCHITECTURES.items()}.get(arch, arch)
+    if checkpoint in WRAP_FAMILIES and method in SUPPORTED:
+        from vlm_prune.registry import method_families
+
+        family, title, why = WRAP_FAMILIES[checkpoint]
+        families = method_families(method)
+        if family not in families:
+            return (f"method {method!r} runs on the {', '.join(families)} models, not on {title} (wrap() refuses it "
+                    f"there too: {why}); "
+                    f"use {', '.join(m for m in SUPPORTED if family in method_families(m))}")
     if method in FRAMES_SUPPORTED and checkpoint in ARCHITECTURES and checkpoint not in VIDEO_ARCHITECTURES:
         return (f"frames method {method!r} chooses video frames; vlm_prune.vllm runs the frames methods on the video "
                 f"of {', '.join(VIDEO_ARCHITECTURES)}, not of {arch} (use a vision-stage method there)")
@@ -392,7 +415,16 @@ def hf_overrides(model: str | Path, spec: dict[str, Any]) -> dict[str, Any]:
         raise ValueError(reason)
     spec = validate_spec(spec, arch, field="the engine's spec (hf_overrides['vlm_prune'])")
     overrides = {"architectures": [ARCHITECTURES[arch]], "vlm_prune": spec}
-    if arch not in NATIVE_MROPE:  # one position row per token that the plugin can set
+    if arch in ROPE_FROM_CONFIG:  # transformers' reading of the rotary tables (old checkpoints: rope_scaling)
+        from transformers import AutoConfig
+
+        text = AutoConfig.from_pretrained(model).get_text_config()
+        params = dict(text.rope_parameters or {})
+        nested = bool(params) and all(isinstance(v, dict) for v in params.values())  # one table per layer type
+        tables = params if nested else {None: params}
+        rope = {kind: mrope_rope_parameters({**text.to_dict(), "rope_parameters": table}) for kind, table in tables.items()}
+        overrides["text_config"] = {"rope_parameters": rope if nested else rope[None]}
+    elif arch not in NATIVE_MROPE:  # one position row per token that the plugin can set
         text = cfg.get("text_config") or {}
         text.setdefault("hidden_size", 4096)
         text.setdefault("num_attention_heads", 32)

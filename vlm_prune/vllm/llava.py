@@ -165,6 +165,36 @@ def keyed_hash(mm_hash: str, extra: dict[str, Any]) -> str:
     return f"{mm_hash}-vlm_prune-{digest}"
 
 
+def reduce_item(method: Method, features: torch.Tensor, grid: tuple[int, int] | None, text: torch.Tensor | None,
+                spec: dict[str, Any], rank: torch.Tensor | None, index: int, tower_attention: Any = None
+                ) -> torch.Tensor:
+    """One image's [N, D] features reduced by ``method`` with the VisionContext ``wrap()`` builds (its
+    ``grid``, the question's embeddings ``text``, the generator of the spec's seed and the image's
+    ``rank`` in its prompt): the kept features in slot order, followed by each one's offset from its
+    slot (:func:`encode_offsets`; zero where the method renumbers positions, as ``wrap()``)."""
+    idx, kept = reduced(method, features, grid, text, spec, rank, index, tower_attention)
+    offsets = idx - torch.arange(idx.numel(), device=idx.device)
+    if getattr(method, "renumber_positions", False):  # the official code's shorter sequence (wrap() too)
+        offsets = torch.zeros_like(offsets)
+    return torch.cat([kept, encode_offsets(offsets, kept.dtype)], dim=1)
+
+
+def reduced(method: Method, features: torch.Tensor, grid: tuple[int, int] | None, text: torch.Tensor | None,
+            spec: dict[str, Any], rank: torch.Tensor | None, index: int, tower_attention: Any = None
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(kept indices, their features) of :func:`reduce_item`."""
+    gen = item_generator(int(spec.get("seed", 0)), int(rank.reshape(-1)[0]) if rank is not None else 0)
+    ctx = VisionContext(features=features, n_keep=method.n_keep(features.shape[0], 1), grid=grid, text_embeds=text,
+                        tower_attention=tower_attention, generator=gen, image_index=index)
+    with torch.no_grad():
+        red = method.reduce_image(ctx)
+    if red.sizes is not None:
+        raise ValueError(f"method {method.name!r} merges tokens with sizes (proportional attention), which "
+                         "vLLM's attention cannot weight; use a method that keeps or replaces tokens")
+    idx = red.indices.to(features.device)
+    return idx, features[idx] if red.features is None else red.features.to(features.dtype)
+
+
 class PrunedLlavaProcessingInfo(LlavaProcessingInfo):
     """Each image gets the method's kept count of placeholder slots."""
 
@@ -267,6 +297,33 @@ class OffsetChannels:
         return super().forward(input_ids, positions, intermediate_tensors, inputs_embeds=inputs_embeds, **kwargs)
 
 
+class FirstPositionRow:
+    """Hands the language model one position row of the runner's three (equal) ones, so that it rotates by
+    vLLM's own 1-D rotary embeddings (:func:`plain_rotary`): bit for bit vLLM's own model, and right for
+    rotary kinds that take no M-RoPE sections (Gemma 3's linear scaling) or read positions themselves
+    (Mistral's Llama-4 attention scaling). Put it after OffsetChannels in the bases."""
+
+    def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor, intermediate_tensors: Any = None,
+                inputs_embeds: torch.Tensor | None = None, **kwargs: object) -> Any:
+        if positions.dim() == 2:
+            positions = positions[0]
+        return super().forward(input_ids, positions, intermediate_tensors, inputs_embeds=inputs_embeds, **kwargs)
+
+
+def plain_rotary(layers: Any, params: Any) -> None:
+    """Give every decoder layer's attention in ``layers`` the rotary embedding vLLM's own model builds, from
+    ``params(i)`` (layer i's rope_parameters) without the ``mrope_section`` the plugin's config adds."""
+    from vllm.model_executor.layers.rotary_embedding import get_rope
+
+    for i, layer in enumerate(layers):
+        attn = getattr(layer, "self_attn", None)
+        if attn is None:  # a pipeline-parallel placeholder
+            continue
+        old = attn.rotary_emb
+        attn.rotary_emb = get_rope(old.head_size, max_position=old.max_position_embeddings, is_neox_style=old.is_neox_style,
+                                   rope_parameters={k: v for k, v in params(i).items() if k != "mrope_section"})
+
+
 @MULTIMODAL_REGISTRY.register_processor(
     PrunedLlavaMultiModalProcessor, info=PrunedLlavaProcessingInfo, dummy_inputs=LlavaDummyInputsBuilder
 )
@@ -328,8 +385,6 @@ class VlmPruneLlavaForConditionalGeneration(OffsetChannels, LlavaForConditionalG
         raw = self._item(self._spec, b)
         spec = spec_from(raw, spec_of(self.config))
         method = method_of(spec)
-        seed = int(spec.get("seed", 0))
-        gen = item_generator(seed, int(rank.reshape(-1)[0]) if rank is not None else 0)
         text = None
         if query is not None:
             text = self.language_model.model.embed_tokens(query.reshape(-1).to(features.device).long())
@@ -344,19 +399,8 @@ class VlmPruneLlavaForConditionalGeneration(OffsetChannels, LlavaForConditionalG
                 return attention, keys, TowerFeatures(body, cls, self.multi_modal_projector)
 
         side = self.side
-        ctx = VisionContext(features=features, n_keep=method.n_keep(n, 1), grid=(side, side) if side * side == n else None,
-                            text_embeds=text, tower_attention=tower_attention, generator=gen, image_index=b)
-        with torch.no_grad():
-            red = method.reduce_image(ctx)
-        if red.sizes is not None:
-            raise ValueError(f"method {method.name!r} merges tokens with sizes (proportional attention), which "
-                             "vLLM's attention cannot weight; use a method that keeps or replaces tokens")
-        idx = red.indices.to(features.device)
-        kept = features[idx] if red.features is None else red.features.to(features.dtype)
-        offsets = idx - torch.arange(idx.numel(), device=idx.device)
-        if getattr(method, "renumber_positions", False):  # the official code's shorter sequence (wrap() too)
-            offsets = torch.zeros_like(offsets)
-        return torch.cat([kept, encode_offsets(offsets, kept.dtype)], dim=1)
+        return reduce_item(method, features, (side, side) if side * side == n else None, text, spec, rank, b,
+                           tower_attention)
 
     def _attention_of(self, row: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """VisionZip's view of the feature layer (as vlm_prune's FeatureLayerTap on the HF tower):

@@ -1,4 +1,4 @@
-"""Small LLaVA-1.5-, LLaVA-OneVision-, Qwen2-VL- and Qwen2.5-VL-layout checkpoints written to a folder
+"""Small LLaVA-1.5-, LLaVA-OneVision-, Qwen2-VL-, Qwen2.5-VL-, Qwen3-VL- and Gemma 3-layout checkpoints written to a folder
 vLLM can load.
 
 No hub here: tests and ``vlm-prune bench --serve`` build randomly initialised models from the real
@@ -365,5 +365,145 @@ def write_qwen3_vl(folder: str | Path, shape: Qwen3Shape = Qwen3Shape(), seed: i
     proc = Qwen3VLProcessor(image_processor=Qwen2VLImageProcessor(**sizes, **half),
                             video_processor=Qwen3VLVideoProcessor(**video, cap_pixels_per_frame=False),
                             tokenizer=build_qwen3_tokenizer(shape), chat_template=QWEN_CHAT_TEMPLATE)
+    proc.save_pretrained(folder)
+    return folder
+
+
+# ---- Gemma 3 --------------------------------------------------------------------------------------
+#: Gemma 3's image markup (the processor writes "\n\n<start_of_image>" + 256 soft tokens + "<end_of_image>\n\n")
+#: and the newline runs vLLM's Gemma 3 processor looks up in the vocabulary
+GEMMA3_SPECIAL = ("<start_of_image>", "<image_soft_token>", "<end_of_image>", "\n", "\n\n", "\n\n\n", "\n\n\n\n")
+
+
+@dataclass(frozen=True)
+class Gemma3Shape(LlavaShape):
+    """Sizes of a Gemma 3-layout model (SigLIP tower whose patch grid is average-pooled to
+    ``tokens`` per image, + Gemma 3 with sliding-window and global layers)."""
+
+    layers: int = 6
+    patch: int = 4  # 8 x 8 patches per 32 px image, pooled 2 x 2 to 4 x 4 = 16 tokens
+    tokens: int = 16  # mm_tokens_per_image (256 on the released checkpoints)
+    sliding_window: int = 128  # covers the tests' prompts and answers (wrap() refuses a call beyond it)
+
+
+def gemma3_token_ids(shape: Gemma3Shape) -> dict[str, int]:
+    """Ids of :data:`GEMMA3_SPECIAL` and ``user assistant :``: the last ids of the vocabulary."""
+    names = GEMMA3_SPECIAL + ("user", "assistant", ":")
+    return {tok: shape.vocab - len(names) + i for i, tok in enumerate(names)}
+
+
+def build_gemma3_tokenizer(shape: Gemma3Shape):
+    """Word-level tokenizer with Gemma 3's image tokens and newline runs as added special tokens."""
+    names = {i: tok for tok, i in gemma3_token_ids(shape).items()}
+    return word_tokenizer(shape.vocab, names, chat_template("<start_of_image>"),
+                          {"image_token": "<image_soft_token>", "boi_token": "<start_of_image>",
+                           "eoi_token": "<end_of_image>"}, added=GEMMA3_SPECIAL)
+
+
+def build_gemma3_model(shape: Gemma3Shape, seed: int = 0):
+    """A randomly initialised ``Gemma3ForConditionalGeneration`` of ``shape`` (float32, eval): layers
+    sliding, sliding, global (x 2); the global layers' RoPE linearly scaled (factor 8, as the 4B-27B
+    checkpoints), the sliding ones plain."""
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration, Gemma3TextConfig, SiglipVisionConfig
+
+    torch.manual_seed(seed)
+    ids = gemma3_token_ids(shape)
+    text = Gemma3TextConfig(**text_config(shape), head_dim=shape.hidden // shape.heads,
+                            query_pre_attn_scalar=shape.hidden // shape.heads, sliding_window=shape.sliding_window,
+                            layer_types=["sliding_attention", "sliding_attention", "full_attention"] * (shape.layers // 3),
+                            rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                             "full_attention": {"rope_type": "linear", "factor": 8.0,
+                                                                "rope_theta": 1000000.0}},
+                            tie_word_embeddings=False)
+    vision = SiglipVisionConfig(hidden_size=shape.vision_hidden, intermediate_size=shape.vision_intermediate,
+                                num_hidden_layers=shape.vision_layers, num_attention_heads=shape.vision_heads,
+                                image_size=shape.image_size, patch_size=shape.patch)
+    cfg = Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=shape.tokens,
+                       image_token_index=ids["<image_soft_token>"], boi_token_index=ids["<start_of_image>"],
+                       eoi_token_index=ids["<end_of_image>"], tie_word_embeddings=False)
+    model = Gemma3ForConditionalGeneration(cfg).eval()
+    with torch.no_grad():  # transformers initialises the projector to zeros: give the images a voice
+        model.model.multi_modal_projector.mm_input_projection_weight.normal_(0, 0.3)
+        model.lm_head.weight.mul_(16.0)
+    return model
+
+
+def hub_naming(weights: Path) -> None:
+    """Rename the vision tower's keys ``[model.]vision_tower.X``, as transformers 5 saves a SigLIP / CLIP
+    tower, to the hub's ``[model.]vision_tower.vision_model.X`` (the naming vLLM's own classes load;
+    transformers loads both)."""
+    import re
+
+    from safetensors.torch import load_file, save_file
+
+    tower = re.compile(r"^((?:model\.)?vision_tower\.)(?!vision_model\.)")
+    save_file({tower.sub(r"\1vision_model.", k): v for k, v in load_file(weights).items()}, weights,
+              metadata={"format": "pt"})
+
+
+def write_gemma3(folder: str | Path, shape: Gemma3Shape = Gemma3Shape(), seed: int = 0) -> Path:
+    """Save a random Gemma 3-layout model of ``shape`` with tokenizer and processor to ``folder``, the
+    tower's weights in the hub's naming (vLLM's own Gemma 3 loads no other; the plugin loads both)."""
+    from transformers import Gemma3ImageProcessor, Gemma3Processor
+
+    folder = Path(folder)
+    build_gemma3_model(shape, seed).save_pretrained(folder)
+    hub_naming(folder / "model.safetensors")
+    size = {"height": shape.image_size, "width": shape.image_size}
+    proc = Gemma3Processor(image_processor=Gemma3ImageProcessor(size=size), tokenizer=build_gemma3_tokenizer(shape),
+                           image_seq_length=shape.tokens, chat_template=chat_template("<start_of_image>"))
+    proc.save_pretrained(folder)
+    return folder
+
+
+# ---- Mistral 3 ------------------------------------------------------------------------------------
+#: Pixtral's image tokens: a row of [IMG] per 2 x 2 merged patches, [IMG_BREAK] ending a row, [IMG_END] the image
+MISTRAL3_SPECIAL = ("[IMG]", "[IMG_BREAK]", "[IMG_END]")
+
+
+@dataclass(frozen=True)
+class Mistral3Shape(LlavaShape):
+    """Sizes of a Mistral 3-layout model (Pixtral tower at the image's own resolution, a 2 x 2 patch merger,
+    + Mistral): ``patch`` px patches, so an image of H x W px (at most ``image_size`` a side) gives
+    (H / 2 patch) x (W / 2 patch) tokens."""
+
+    patch: int = 4
+    image_size: int = 64
+
+
+def build_mistral3_tokenizer(shape: Mistral3Shape):
+    """Word-level tokenizer with Pixtral's image tokens as added special tokens."""
+    names = {shape.vocab - 6 + i: tok for i, tok in enumerate(MISTRAL3_SPECIAL + ("user", "assistant", ":"))}
+    return word_tokenizer(shape.vocab, names, chat_template("[IMG]"), {"image_token": "[IMG]"}, added=MISTRAL3_SPECIAL)
+
+
+def build_mistral3_model(shape: Mistral3Shape, seed: int = 0):
+    """A randomly initialised ``Mistral3ForConditionalGeneration`` of ``shape`` (float32, eval)."""
+    from transformers import Mistral3Config, Mistral3ForConditionalGeneration, MistralConfig, PixtralVisionConfig
+
+    torch.manual_seed(seed)
+    text = MistralConfig(**text_config(shape), head_dim=shape.hidden // shape.heads, sliding_window=None,
+                         tie_word_embeddings=False)
+    vision = PixtralVisionConfig(hidden_size=shape.vision_hidden, intermediate_size=shape.vision_intermediate,
+                                 num_hidden_layers=shape.vision_layers, num_attention_heads=shape.vision_heads,
+                                 head_dim=shape.vision_hidden // shape.vision_heads, image_size=shape.image_size,
+                                 patch_size=shape.patch)
+    cfg = Mistral3Config(vision_config=vision, text_config=text, image_token_index=shape.vocab - 6,
+                         spatial_merge_size=2, vision_feature_layer=-1, tie_word_embeddings=False)
+    model = Mistral3ForConditionalGeneration(cfg).eval()
+    return sharpen(model, model.model.multi_modal_projector)
+
+
+def write_mistral3(folder: str | Path, shape: Mistral3Shape = Mistral3Shape(), seed: int = 0) -> Path:
+    """Save a random Mistral 3-layout model of ``shape`` with tokenizer and processor to ``folder``."""
+    from transformers import PixtralImageProcessor, PixtralProcessor
+
+    folder = Path(folder)
+    build_mistral3_model(shape, seed).save_pretrained(folder)
+    proc = PixtralProcessor(image_processor=PixtralImageProcessor(size={"longest_edge": shape.image_size},
+                                                                  patch_size=shape.patch),
+                            tokenizer=build_mistral3_tokenizer(shape), patch_size=shape.patch, spatial_merge_size=2,
+                            image_token="[IMG]", image_break_token="[IMG_BREAK]", image_end_token="[IMG_END]",
+                            chat_template=chat_template("[IMG]"))
     proc.save_pretrained(folder)
     return folder
