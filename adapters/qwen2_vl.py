@@ -16,6 +16,7 @@ from transformers.modeling_outputs import BaseModelOutputWithPooling
 
 from vlm_prune.adapters import FAMILY_STAGES
 from vlm_prune.adapters.hf_vlm import HFVLMAdapter, Item, fit_grid, source_of
+from vlm_prune.adapters.vision_towers import QwenTowerTap
 from vlm_prune.engine import LMSpec, PositionRewrite, default_positions
 from vlm_prune.methods.base import FramesContext
 
@@ -58,6 +59,30 @@ class Qwen2VLAdapter(HFVLMAdapter):
         for f, (t, h, w) in zip(out.pooler_output, grids):
             out_items.append(Item(f, int(t), (int(h) // merge, int(w) // merge)))
         return out_items
+
+    def make_tap(self) -> QwenTowerTap | None:
+        """A tap on the tower's last block, for the frames methods that rank a video's tokens by the
+        tower's attention (FastVID, HoliTom); vision-stage methods get none (Qwen's tower has no CLS)."""
+        if not getattr(self.state.methods.get("frames"), "wants_tower_attention", False):
+            return None
+        return QwenTowerTap(self.inner.visual)
+
+    def tower_attention_fn(self, out: Any, modality: str) -> Any:
+        """Video only: temporal slice ``frame`` of video ``item`` is the h x w patch rows after the
+        earlier videos' and slices' in the tower's input; its salience and keys per merged token
+        (:meth:`QwenTowerTap.slice_attention`), in the order of the slice's features."""
+        saved = getattr(out, "vlm_prune_tower_input", None)
+        grids = getattr(out, "vlm_prune_call", {}).get("video_grid_thw")
+        if self.tap is None or saved is None or modality != "video" or grids is None:
+            return None
+
+        def attention(item: int, frame: int) -> tuple[torch.Tensor, torch.Tensor]:
+            src = source_of(out, item)
+            _, h, w = (int(x) for x in grids[src])
+            start = int(grids[:src].prod(-1).sum()) + frame * h * w
+            return self.tap.slice_attention(saved, start, (h, w))
+
+        return attention
 
     def frames_planned(self, modality: str, it: Item, offset: int, plan: Any) -> None:
         """Resized frame maps (QuoTA) get M-RoPE positions of their resized grid: each token keeps

@@ -94,3 +94,76 @@ def pool_grid(values: torch.Tensor, grid: tuple[int, int], out: tuple[int, int])
     img = v.t().reshape(1, v.shape[1], *grid).float()
     res = torch.nn.functional.interpolate(img, size=out, mode="bilinear")[0].reshape(v.shape[1], -1).t()
     return res[:, 0] if flat else res
+
+
+def window_order(rows: int, cols: int, side: int | None) -> torch.Tensor:
+    """Raster index of each merged token of a rows x cols slice in the order Qwen2.5-VL's tower
+    holds them: windows of ``side`` x ``side`` merged tokens, row-major over the windows and within
+    each (the edge windows cut short; ``get_window_index``). ``side`` None (Qwen2-VL): raster order."""
+    index = torch.arange(rows * cols).reshape(rows, cols)
+    if side is None:
+        return index.flatten()
+    return torch.cat([index[r : r + side, c : c + side].flatten()
+                      for r in range(0, rows, side) for c in range(0, cols, side)])
+
+
+class QwenTowerTap:
+    """Keeps the input of the Qwen2-VL / Qwen2.5-VL vision tower's last block and recomputes, on
+    the side, the salience FastVID's official Qwen2.5-VL version reads from it
+    (LunarShen/FastVID@a40a109, ``fastvid_qwen25vl/.../qwenvlutils/modeling_qwen2_5_vl.py``,
+    ``Qwen2_5_VLVisionFlashAttention2`` of the last block): per temporal slice and head, the slice's
+    mean query (after the tower's 2-D RoPE) attends to the mean key of each merged (2 x 2) token,
+    softmax over the slice's merged tokens, averaged over heads. Cost: one [heads, tokens] row per
+    slice. The last block is a full-attention one in the released Qwen2.5-VL configs; the signal
+    spans the whole slice either way, as the official computes it.
+
+    A forward pre-hook stores the block's input (hidden states in the tower's order: Qwen2.5-VL
+    permutes the merged tokens into attention windows) and its rotary (cos, sin); feature encoders
+    snapshot :attr:`input` onto their output, and :meth:`slice_attention` maps the result back to the
+    slice's raster order of merged tokens, the order of the features the LLM gets.
+    """
+
+    #: the calling thread's latest (hidden states [S, D], cos [S, d], sin [S, d]) of the last block
+    input: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = PerThread()
+
+    def __init__(self, visual: torch.nn.Module) -> None:
+        import sys
+
+        self.block = visual.blocks[-1]
+        self.merge = int(visual.spatial_merge_size)
+        window = getattr(visual, "window_size", None)  # Qwen2.5-VL only
+        self.window = None if window is None else window // self.merge // visual.patch_size
+        self.rope = sys.modules[type(self.block.attn).__module__].apply_rotary_pos_emb_vision
+        self.handle = self.block.register_forward_pre_hook(self._keep, with_kwargs=True)
+
+    def _keep(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        hidden = args[0] if args else kwargs["hidden_states"]
+        cos, sin = kwargs["position_embeddings"] if "position_embeddings" in kwargs else args[2]
+        self.input = (hidden.detach(), cos.detach(), sin.detach())
+
+    def remove(self) -> None:
+        self.handle.remove()
+        self.input = None
+
+    def slice_attention(self, saved: tuple[torch.Tensor, torch.Tensor, torch.Tensor], start: int,
+                        grid: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(salience [U], keys [U, d]) of the U = h w / merge^2 merged tokens of one temporal slice,
+        in raster order: the slice's h x w patches are rows ``start`` .. ``start + h w`` of ``saved``
+        (a :attr:`input`). Keys: the merged tokens' mean keys, averaged over heads."""
+        hidden, cos, sin = saved
+        h, w = grid
+        n, unit = h * w, self.merge**2
+        with torch.no_grad():
+            attn = self.block.attn
+            x = self.block.norm1(hidden[start : start + n])
+            q, k, _ = attn.qkv(x).reshape(n, 3, attn.num_heads, -1).permute(1, 0, 2, 3).unbind(0)
+            q, k = self.rope(q, k, cos[start : start + n], sin[start : start + n])
+            query = q.float().mean(0)  # [heads, d]: the slice's mean query
+            keys = k.float().reshape(n // unit, unit, attn.num_heads, -1).mean(1)  # [U, heads, d]
+            probs = torch.softmax(torch.einsum("hd,uhd->hu", query, keys) * attn.head_dim**-0.5, dim=-1)
+            order = window_order(h // self.merge, w // self.merge, self.window).to(hidden.device)
+            salience = torch.empty(n // unit, device=hidden.device)
+            salience[order] = probs.mean(0)
+            mean_keys = torch.empty(n // unit, keys.shape[-1], device=hidden.device)
+            mean_keys[order] = keys.mean(1)
+        return salience, mean_keys

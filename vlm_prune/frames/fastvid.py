@@ -93,7 +93,8 @@ def tower_salience(ctx: FramesContext, method: str) -> torch.Tensor:
     """[T, N] attention each frame token receives in the vision tower (FramesContext.tower_attention)."""
     if ctx.tower_attention is None:
         raise ValueError(f"{method} needs the vision tower's attention for each frame (FramesContext.tower_attention), "
-                         "which the LLaVA-OneVision adapter computes; this model's adapter gave none")
+                         "which the LLaVA-OneVision and Qwen2-VL / 2.5-VL adapters compute for video; this model's "
+                         "adapter gave none")
     device = ctx.features.device
     return torch.stack([ctx.tower_attention(i)[0].to(device) for i in range(ctx.features.shape[0])])
 
@@ -146,8 +147,15 @@ class FastVID(FramesMethod):
     LLaVA-OneVision does not compute), and a token's salience is the attention it receives in the
     vision tower's feature layer averaged over queries and heads, bilinearly pooled to the frame
     grid as the model pools the features (the official OneVision version: the pooling head's probe
-    attention, pooled the same way). Needs that tower attention: LLaVA-OneVision only (Qwen2-VL's
-    tower is not tapped yet; wrap() refuses it).
+    attention, pooled the same way). On Qwen2-VL / Qwen2.5-VL video a frame is a temporal slice and
+    the salience is the official Qwen2.5-VL version's: in the tower's last block, the softmax of the
+    slice's mean query against each merged (2 x 2) token's mean key, averaged over heads
+    (:class:`~vlm_prune.adapters.vision_towers.QwenTowerTap`; Qwen2-VL, which the official does not
+    cover, gets the same). There the selection is still the OneVision version's: the official Qwen2.5-VL
+    version's other changes (DySeg_ignore=0.95: within a segment, only the last of a run of frames
+    more than 0.95 similar to the next keeps tokens; a frame's context between 1 and half its tokens;
+    defaults tau=0.84, retention 0.27) are not implemented. Needs that tower attention:
+    LLaVA-OneVision and Qwen2-VL / 2.5-VL video (wrap() refuses other models).
     Budget: retention ratio = budget / (T N), the official ``retention_ratio`` (0.10 at the paper's
     headline); the tokens the official floors would leave unspent go to salient tokens, so the video
     keeps exactly the budget. Merged anchors carry no proportional-attention size (the official
@@ -157,7 +165,7 @@ class FastVID(FramesMethod):
 
     name = "fastvid"
     paper = "FastVID, NeurIPS 2025 (arXiv 2503.11187)"
-    supported = ("llava_onevision",)
+    supported = ("llava_onevision", "qwen2_vl")
     wants_tower_attention = True
     resizes_frames = True  # merged tokens: new features without a tower row of their own
 

@@ -134,8 +134,11 @@ class HoliTom(FramesMethod):
     its merged token; the official's NO_BETA switch, a plain mean, is not offered), k=7 (K, capped at
     the number of centres, as the official), max_window=1024.
     Salience: the attention each token receives in the vision tower's last layer, averaged over
-    queries and heads and bilinearly pooled to the frame grid - the official's signal - so
-    LLaVA-OneVision only (wrap() refuses other models). Positions: each kept token keeps its own
+    queries and heads and bilinearly pooled to the frame grid - the official's signal - on
+    LLaVA-OneVision; on Qwen2-VL / 2.5-VL video (no official version) a frame is a temporal slice and
+    the salience is FastVID's official Qwen2.5-VL signal from the tower's last block (the slice's mean
+    query against each merged token's mean key; :class:`~vlm_prune.adapters.vision_towers.QwenTowerTap`).
+    wrap() refuses other models. Positions: each kept token keeps its own
     slot and position id; a window's static token sits at its slot in the window's first frame (the
     official "grid" layout; its "one_token" layout packs the tokens without gaps).
     Budget: the official retain ratio r = budget / (T N), raised to budget / (tokens left after the
@@ -147,7 +150,7 @@ class HoliTom(FramesMethod):
 
     name = "holitom"
     paper = "HoliTom, NeurIPS 2025 (arXiv 2505.21334)"
-    supported = ("llava_onevision",)
+    supported = ("llava_onevision", "qwen2_vl")
     wants_tower_attention = True
     resizes_frames = True  # merged tokens: new features without a tower row of their own
 
