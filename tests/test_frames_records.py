@@ -20,6 +20,7 @@ import pytest
 import torch
 
 import tiny_models as T
+import tiny_models_qwen3 as Q
 import vlm_prune
 from vlm_prune.frames.dycoke import ttm_plan, ttm_references
 from vlm_prune.frames.fastvid import FastVID, fastvid_plan, frame_counts
@@ -261,8 +262,8 @@ def test_fastvid_counts_spend_the_budget_exactly():
 
 
 def test_fastvid_needs_the_tower_attention():
-    with pytest.raises(ValueError, match="supports llava_onevision"):
-        vlm_prune.wrap(T.tiny_qwen2_vl(), "fastvid", keep=0.25)
+    with pytest.raises(ValueError, match="supports llava_onevision, qwen2_vl"):
+        vlm_prune.wrap(Q.tiny_qwen3_vl(), "fastvid", keep=0.25)  # no tap on Qwen3-VL's tower
     with pytest.raises(ValueError, match="tower's attention"):
         FastVID(keep=0.5).allocate(FramesContext(features=torch.randn(2, 4, 8), grid=(2, 2), n_total=4))
 
@@ -407,8 +408,8 @@ def test_holitom_spends_the_budget_exactly_and_forgoes_windows_that_undercut_it(
 
 
 def test_holitom_needs_the_tower_attention():
-    with pytest.raises(ValueError, match="supports llava_onevision"):
-        vlm_prune.wrap(T.tiny_qwen2_vl(), "holitom", keep=0.25)
+    with pytest.raises(ValueError, match="supports llava_onevision, qwen2_vl"):
+        vlm_prune.wrap(Q.tiny_qwen3_vl(), "holitom", keep=0.25)  # no tap on Qwen3-VL's tower
     with pytest.raises(ValueError, match="tower's attention"):
         HoliTom(keep=0.5).allocate(FramesContext(features=torch.randn(2, 4, 8), grid=(2, 2), n_total=4))
 
