@@ -159,6 +159,7 @@ def test_identity_under_flash(case: str) -> None:
     ("llava", "visionzip"), ("onevision_video", "visionzip"), ("onevision_video", "uniform"),
     ("onevision_video", "vidcom2"), ("onevision_video", "fastvid"),
     ("onevision_video", "holitom"), ("onevision_video", "dycoke"),
+    *[(case, method) for case in ("qwen2_vl_video", "qwen2_5_vl_video") for method in ("fastvid", "holitom")],
     ("onevision_video", "framefusion"), ("qwen2_vl_video", "framefusion"),
     *[("llava", method) for method in ("fastervlm", "vispruner", "dart", "pdrop", "sparsevlm", "mustdrop")],
     pytest.param("onevision_video", PruneVid(layer=2, tau=0.0), id="onevision_video-prunevid"),

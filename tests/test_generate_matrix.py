@@ -53,6 +53,8 @@ ADAPTERS = {
     "onevision_video": (T.tiny_onevision, lambda m, batch=2: T.onevision_video_inputs(m, batch=batch)),
     "qwen2_vl_image": (T.tiny_qwen2_vl, lambda m, batch=2: T.qwen2_vl_inputs(m, batch=batch)),
     "qwen2_vl_video": (T.tiny_qwen2_vl, lambda m, batch=2: T.qwen2_vl_inputs(m, batch=batch, video=True)),
+    "qwen2_5_vl_video": (lambda seed=0: T.tiny_qwen2_vl(seed=seed, v25=True),
+                         lambda m, batch=2: T.qwen2_vl_inputs(m, batch=batch, video=True)),
     "mistral3": (L.tiny_mistral3, L.mistral3_inputs),
     "internvl": (L.tiny_internvl, L.internvl_inputs),
     "nextvideo_image": (L.tiny_llava_next_video, L.llava_next_video_image_inputs),
@@ -69,7 +71,10 @@ ADAPTERS = {
     "smolvlm": (L.tiny_smolvlm, L.smolvlm_inputs),
     "videollama3": (L.tiny_videollama3, L.videollama3_inputs),
 }
-VIDEO = {"onevision_video", "qwen2_vl_video", "qwen3_vl_video", "glm4v_video", "qwen3_5_video"}
+VIDEO = {"onevision_video", "qwen2_vl_video", "qwen2_5_vl_video", "qwen3_vl_video", "glm4v_video", "qwen3_5_video"}
+#: adapters the matrix runs with a few methods only: Qwen2.5-VL video takes Qwen2-VL's adapter path
+#: (qwen2_vl_video runs every method) except the tower tap, whose window order is its own
+ONLY = {"qwen2_5_vl_video": ("fastvid", "holitom")}
 #: decoding paths the UNWRAPPED model cannot run (a transformers bug, checked by
 #: test_paths_the_unwrapped_model_cannot_run): never compared
 UNWRAPPED_FAILS = {
@@ -241,6 +246,8 @@ def wrapped(adapter: str, method: str, keep: float):
     the call refuses the combination with its documented message."""
     if "frames" in method_stages(method) and adapter not in VIDEO:
         pytest.skip("frames methods act on video only")
+    if adapter in ONLY and method not in ONLY[adapter]:
+        pytest.skip(f"{adapter} runs {', '.join(ONLY[adapter])} only (ONLY)")
     model, inp, inp1 = setup(adapter)
     return (model, inp, inp1) if wrap_or_refuse(model, method, adapter, inp, keep=keep) else None
 

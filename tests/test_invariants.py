@@ -20,6 +20,7 @@ CASES = {
     "qwen2_vl_image": (T.tiny_qwen2_vl, T.qwen2_vl_inputs, {}),
     "qwen2_vl_video": (T.tiny_qwen2_vl, T.qwen2_vl_inputs, {"video": True}),
     "qwen2_5_vl": (lambda attn="sdpa": T.tiny_qwen2_vl(attn, v25=True), T.qwen2_vl_inputs, {}),
+    "qwen2_5_vl_video": (lambda attn="sdpa": T.tiny_qwen2_vl(attn, v25=True), T.qwen2_vl_inputs, {"video": True}),
     "mistral3": (L.tiny_mistral3, L.mistral3_inputs, {}),
     "internvl": (L.tiny_internvl, L.internvl_inputs, {}),
     "nextvideo_image": (L.tiny_llava_next_video, L.llava_next_video_image_inputs, {}),
@@ -200,6 +201,8 @@ def test_llm_stage_equals_masked_reference(case, attn):
                                          "qwen3_vl_video")],
     *[pytest.param(case, PruneVid(layer=2, tau=0.5), id=f"{case}-prunevid")  # frames merge + llm selection
       for case in ("onevision_video", "qwen2_vl_video", "nextvideo_video", "ov15_video", "qwen3_vl_video", "glm4v_video")],
+    *[(case, method) for case in ("onevision_video", "qwen2_vl_video", "qwen2_5_vl_video")  # the tower's salience
+      for method in ("fastvid", "holitom")],
 ])
 def test_batch_equals_samples_alone(case, method):
     """Invariant 4: each sample of a padded batch equals that sample run alone (prefill and
