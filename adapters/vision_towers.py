@@ -147,23 +147,35 @@ class QwenTowerTap:
 
     def slice_attention(self, saved: tuple[torch.Tensor, torch.Tensor, torch.Tensor], start: int,
                         grid: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """(salience [U], keys [U, d]) of the U = h w / merge^2 merged tokens of one temporal slice,
-        in raster order: the slice's h x w patches are rows ``start`` .. ``start + h w`` of ``saved``
-        (a :attr:`input`). Keys: the merged tokens' mean keys, averaged over heads."""
+        """:func:`qwen_slice_salience` of one temporal slice, whose h x w patches are rows ``start``
+        .. ``start + h w`` of ``saved`` (a :attr:`input`)."""
         hidden, cos, sin = saved
-        h, w = grid
-        n, unit = h * w, self.merge**2
+        n = grid[0] * grid[1]
         with torch.no_grad():
             attn = self.block.attn
             x = self.block.norm1(hidden[start : start + n])
             q, k, _ = attn.qkv(x).reshape(n, 3, attn.num_heads, -1).permute(1, 0, 2, 3).unbind(0)
             q, k = self.rope(q, k, cos[start : start + n], sin[start : start + n])
-            query = q.float().mean(0)  # [heads, d]: the slice's mean query
-            keys = k.float().reshape(n // unit, unit, attn.num_heads, -1).mean(1)  # [U, heads, d]
-            probs = torch.softmax(torch.einsum("hd,uhd->hu", query, keys) * attn.head_dim**-0.5, dim=-1)
-            order = window_order(h // self.merge, w // self.merge, self.window).to(hidden.device)
-            salience = torch.empty(n // unit, device=hidden.device)
-            salience[order] = probs.mean(0)
-            mean_keys = torch.empty(n // unit, keys.shape[-1], device=hidden.device)
-            mean_keys[order] = keys.mean(1)
-        return salience, mean_keys
+        return qwen_slice_salience(q, k, grid, self.merge, self.window)
+
+
+def qwen_slice_salience(q: torch.Tensor, k: torch.Tensor, grid: tuple[int, int], merge: int,
+                        window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """FastVID's official Qwen2.5-VL salience of one temporal slice from its queries and keys
+    [n, heads, d] (after the tower's RoPE, in the tower's order; n = h w patches of ``grid``):
+    (salience [U], mean keys [U, d]) of its U = n / merge^2 merged tokens in raster order - the
+    softmax over the merged tokens of the slice's mean query against each merged token's mean key,
+    averaged over heads; keys averaged over heads. ``window``: the tower's attention-window side in
+    merged tokens (Qwen2.5-VL; None: the tower keeps raster order)."""
+    n, heads, _ = q.shape
+    unit = merge**2
+    with torch.no_grad():
+        query = q.float().mean(0)  # [heads, d]: the slice's mean query
+        keys = k.float().reshape(n // unit, unit, heads, -1).mean(1)  # [U, heads, d]
+        probs = torch.softmax(torch.einsum("hd,uhd->hu", query, keys) * q.shape[-1] ** -0.5, dim=-1)
+        order = window_order(grid[0] // merge, grid[1] // merge, window).to(q.device)
+        salience = torch.empty(n // unit, device=q.device)
+        salience[order] = probs.mean(0)
+        mean_keys = torch.empty(n // unit, keys.shape[-1], device=q.device)
+        mean_keys[order] = keys.mean(1)
+    return salience, mean_keys
