@@ -107,23 +107,34 @@ def test_window_order_is_the_towers(rows, cols, side):
     assert torch.equal(window_order(rows, cols, None), torch.arange(rows * cols))
 
 
+#: (the method as wrapped, its plan function on the same knobs): FastVID with merged anchors (d=0.5,
+#: c=2 segments); HoliTom, which reads the same signal, with half of each slice's dynamic tokens kept by
+#: salience and half merged as DPC-kNN contextual tokens (d=0.5)
+PLANS = {
+    "fastvid": (lambda: FastVID(d=0.5, c=2), lambda f, s, n: fastvid_plan(f, s, n, c=2, d=0.5)),
+    "holitom": (lambda: HoliTom(tau=0.5, d=0.5), lambda f, s, n: holitom_plan(f, s, n, tau=0.5, d=0.5)),
+}
+
+
+@pytest.mark.parametrize("name", list(PLANS))
 @pytest.mark.parametrize("v25", [False, True], ids=["qwen2_vl", "qwen2_5_vl"])
-def test_fastvid_salience_and_plan_equal_the_official_qwen_signal(v25):
+def test_salience_and_plan_equal_the_official_qwen_signal(v25, name):
     """Through wrap() on a batch of two videos: each slice's salience equals the official signal
-    (2 slices x 16 merged tokens; Qwen2.5-VL's 2 x 2 windows reorder them), and the plan equals
-    fastvid_plan on it (default knobs: salient tokens and merged anchors)."""
+    (2 slices x 16 merged tokens; Qwen2.5-VL's 2 x 2 windows reorder them), and the plan (kept
+    slots, merged features, tokens per slice) equals the method's plan function on it."""
     model = model_of(v25)
     inp = T.qwen2_vl_inputs(model, video=True)
     ref = official_salience(model, inp)
-    seen = recorded(model, inp, FastVID(d=0.5, c=2))
+    method, plan_of = PLANS[name]
+    seen = recorded(model, inp, method())
     assert len(seen) == 2
     for (features, salience, n_total, plan), want in zip(seen, ref):
-        assert salience.shape == (2, 16)
+        assert salience.shape == (2, 16) and n_total == 9  # 0.3 of 32, floored
         torch.testing.assert_close(salience, want, atol=1e-6, rtol=1e-5)
-        expect = fastvid_plan(features, want, n_total, c=2, d=0.5)
+        expect = plan_of(features, want, n_total)
         assert torch.equal(plan.reduction.indices, expect.reduction.indices)
         torch.testing.assert_close(plan.reduction.features, expect.reduction.features, atol=0, rtol=0)
-        assert plan.tokens_per_frame == expect.tokens_per_frame and n_total == 9  # 0.3 of 32, floored
+        assert plan.tokens_per_frame == expect.tokens_per_frame
 
 
 @pytest.mark.parametrize("v25", [False, True], ids=["qwen2_vl", "qwen2_5_vl"])
@@ -135,22 +146,6 @@ def test_fastvid_salient_tokens_are_the_top_of_the_official_signal(v25):
     for (_, _, n_total, plan), want in zip(recorded(model, inp, FastVID(d=0.0)), ref):
         top = torch.cat([torch.topk(want[i], k).indices.sort().values + 16 * i for i, k in enumerate((5, 4))])
         assert n_total == 9 and torch.equal(plan.reduction.indices, top)  # the odd token to the first slice
-
-
-@pytest.mark.parametrize("v25", [False, True], ids=["qwen2_vl", "qwen2_5_vl"])
-def test_holitom_plan_equals_holitom_plan_on_the_official_qwen_signal(v25):
-    """HoliTom reads the same signal: its plan equals holitom_plan on the official salience (half of
-    each slice's dynamic tokens kept by salience, half merged as DPC-kNN contextual tokens: d=0.5)."""
-    model = model_of(v25)
-    inp = T.qwen2_vl_inputs(model, video=True)
-    ref = official_salience(model, inp)
-    seen = recorded(model, inp, HoliTom(tau=0.5, d=0.5))
-    assert len(seen) == 2
-    for (features, salience, n_total, plan), want in zip(seen, ref):
-        torch.testing.assert_close(salience, want, atol=1e-6, rtol=1e-5)
-        expect = holitom_plan(features, want, n_total, tau=0.5, d=0.5)
-        assert torch.equal(plan.reduction.indices, expect.reduction.indices)
-        torch.testing.assert_close(plan.reduction.features, expect.reduction.features, atol=0, rtol=0)
 
 
 @pytest.mark.parametrize("method", ["fastvid", "holitom"])

@@ -137,7 +137,7 @@ def _spec(**over) -> str:
     # issues 29-31: the methods added to the plugin, where they cannot run
     (_spec(method="dycoke", knobs={"decode_pruning": True}), ONEVISION, "vlm_prune",
      "dycoke's decode-time KV pruning (decode_pruning=True) changes which cached keys each decode step attends to"),
-    (_spec(method="fastvid"), QWEN, "vlm_prune.method", "fastvid ranks a video's tokens by the attention they receive"),
+    (_spec(method="fastvid"), QWEN3, "vlm_prune.method", "fastvid ranks a video's tokens by the attention they receive"),
     (_spec(method="vidcom2"), LLAVA, "vlm_prune.method", "frames method 'vidcom2' chooses video frames"),
     (_spec(method="keyscore"), QWEN3, "vlm_prune.method", "keyscore chooses a video's slices from the tower's features"),
     (_spec(method="fastervlm"), QWEN3, "vlm_prune.method", "fastervlm needs the vision tower's attention"),

@@ -57,14 +57,17 @@ CASES = [("image", "random", {"keep": 0.5}), ("image", "random", {"budget": 3}),
          ("video", "uniform", {"keep": 0.5}), ("video", "uniform", {"budget": 10}), ("video", "keyscore", {"keep": 0.5}),
          ("video", "keyscore", {"budget": 48}),
          # issue 31: VidCom2 (the budget's tokens spread over the slices by their uniqueness, each at its slot)
-         ("video", "vidcom2", {"keep": 0.5}), ("video", "vidcom2", {"budget": 30}), ("video", "dycoke", {"keep": 0.5})]
+         ("video", "vidcom2", {"keep": 0.5}), ("video", "vidcom2", {"budget": 30}), ("video", "dycoke", {"keep": 0.5}),
+         # FastVID / HoliTom: the tower's last block tapped on the side (each slice's salience), merged tokens at slots
+         ("video", "fastvid", {"keep": 0.5}), ("video", "fastvid", {"budget": 20}), ("video", "holitom", {"keep": 0.5})]
 #: keyscore's in-model default ranks STACFP's proposals (OpenCV, scikit-learn); "all" slices without them
 KEYSCORE = {} if all(importlib.util.find_spec(m) is not None for m in ("cv2", "sklearn")) else {"proposals": "all"}
 #: Qwen2.5-VL shares every line of the plugin with Qwen2-VL; its engine checks keep-all and one method
 #: of each kind (selection, replacement) against its own tower (window attention) and processor class,
-#: and a video, whose temporal positions step by second_per_grid_ts * tokens_per_second on 2.5
+#: and a video, whose temporal positions step by second_per_grid_ts * tokens_per_second on 2.5; FastVID and
+#: HoliTom read the tower's last block, whose rows 2.5's attention windows reorder
 CASES_25 = [("image", "divprune", {"keep": 0.5}), ("image", "pool", {"keep": 0.25}), ("video", "divprune", {"budget": 5}),
-            ("video", "vidcom2", {"keep": 0.5})]
+            ("video", "vidcom2", {"keep": 0.5}), ("video", "fastvid", {"keep": 0.5}), ("video", "holitom", {"keep": 0.5})]
 
 
 def _media(kind: str, frames: int = 8) -> list[dict]:
@@ -289,9 +292,6 @@ def test_visionzip_and_bare_quota_are_refused_per_request(llm):
     for name in ("visionzip", "fastervlm", "vispruner"):
         with pytest.raises(ValueError, match=f"{name} needs the vision tower's attention"):
             run_vllm(llm, "image", name, keep=0.5)
-    for name in ("fastvid", "holitom"):
-        with pytest.raises(ValueError, match=f"{name} ranks a video's tokens by the attention"):
-            run_vllm(llm, "video", name, keep=0.5)
     with pytest.raises(ValueError, match="through vlm_prune.vllm.quota_request"):  # no scores: no pass 1
         run_vllm(llm, "video", "quota", keep=0.5)
 

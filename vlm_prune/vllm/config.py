@@ -72,10 +72,10 @@ TOWER_REFUSAL = (
 REFUSALS = {
     **{name: [(NATIVE_MROPE, TOWER_REFUSAL.format(name=name, title=title))]
        for name, title in zip(TOWER_METHODS, ("VisionZip", "FasterVLM", "VisPruner"))},
-    **{name: [(NATIVE_MROPE, (
-        f"{name} ranks a video's tokens by the attention they receive in the vision tower's feature layer, which "
-        "vlm_prune reads on LLaVA-OneVision only (Qwen's tower is not tapped; wrap() refuses it too); use vidcom2, "
-        "uniform or a vision-stage method on this model"))] for name in ("fastvid", "holitom")},
+    **{name: [(QWEN3, (
+        f"{name} ranks a video's tokens by the attention they receive in the vision tower, which vlm_prune reads on "
+        "LLaVA-OneVision and Qwen2-VL / 2.5-VL only (Qwen3-VL's tower is not tapped; wrap() refuses it too); use "
+        "vidcom2, uniform or a vision-stage method on this model"))] for name in ("fastvid", "holitom")},
     "vidcom2": [(QWEN3, (
         "vidcom2 gives each slice of a video its own share of the budget from the tower's features, but on Qwen3-VL "
         "vLLM's processor has already written each slice's tokens between that slice's timestamp and start / end "

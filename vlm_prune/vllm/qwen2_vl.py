@@ -188,6 +188,35 @@ class _PrunedQwen(OffsetChannels):
             raise ValueError("vlm_prune.vllm runs the method after the vision tower, which vLLM's encoder CUDA graphs "
                              "skip: turn off compilation_config.cudagraph_mm_encoder")
         _check(method_of(spec_of(self.config)), self.config.architectures[0])
+        #: the latest (normed input, rotary cos, rotary sin) of the attention of the tower's last block (FastVID /
+        #: HoliTom's salience); the hook sits on the attention: Qwen2.5-VL's blocks may be compiled, which skips
+        #: a block's own hooks
+        self._last_block_input: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self.visual.blocks[-1].attn.register_forward_pre_hook(self._keep_last_block_input, with_kwargs=True)
+
+    def _keep_last_block_input(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        x = args[0] if args else kwargs.get("x")
+        self._last_block_input = (x.detach(), kwargs.get("rotary_pos_emb_cos"), kwargs.get("rotary_pos_emb_sin"))
+
+    def _slice_attention(self, start: int, grid: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """FastVID's Qwen salience of one temporal slice (as wrap()'s QwenTowerTap): its h x w patches
+        are rows ``start`` .. ``start + h w`` of the last block's (normed) attention input of the latest tower call."""
+        from vlm_prune.adapters.vision_towers import qwen_slice_salience
+
+        attn, vc = self.visual.blocks[-1].attn, self.config.vision_config
+        if getattr(attn, "tp_size", 1) > 1 or getattr(self, "use_data_parallel", False):
+            raise ValueError("fastvid and holitom read the attention of Qwen's whole vision tower for each video: run "
+                             "the tower on one rank (tensor_parallel_size=1, mm_encoder_tp_mode left at 'weights')")
+        x, cos, sin = self._last_block_input
+        n = grid[0] * grid[1]
+        heads, d = attn.num_attention_heads_per_partition, attn.hidden_size_per_attention_head
+        with torch.no_grad():
+            qkv, _ = attn.qkv(x[start : start + n])
+            q, k, _ = qkv.reshape(n, 3, heads, d).unbind(1)
+            q, k = attn.apply_rotary_emb(torch.stack([q, k]), cos[start : start + n], sin[start : start + n]).unbind(0)
+        window = getattr(vc, "window_size", None)  # Qwen2.5-VL's attention windows order the tower's rows
+        side = None if window is None else window // vc.spatial_merge_size // vc.patch_size
+        return qwen_slice_salience(q, k, grid, vc.spatial_merge_size, side)
 
     # ---- encoder: the method picks what fills the slots -------------------------------------
     def embed_multimodal(self, **kwargs: object) -> Any:
@@ -206,6 +235,7 @@ class _PrunedQwen(OffsetChannels):
         grids = torch.as_tensor(grids).reshape(-1, 3) if not isinstance(grids, (list, tuple)) else torch.stack(
             [torch.as_tensor(g).reshape(3) for g in grids])
         out, start = [], 0
+        rows = [0, *torch.cumsum(grids.prod(-1), 0).tolist()]  # each item's first row in the tower's input
         for b, feats in enumerate(items):
             pixels = None
             if patches is not None and not isinstance(patches, (list, tuple)):  # the frames for KeyScore's proposals
@@ -221,15 +251,16 @@ class _PrunedQwen(OffsetChannels):
             raw = _item(spec, b)
             item_spec = spec_from(raw, spec_of(self.config))
             out.append(self._reduce(b, feats, [int(x) for x in grids[b]], t_factor, item_spec,
-                                    _item(query, b), _item(rank, b), video, pixels))
+                                    _item(query, b), _item(rank, b), video, pixels, int(rows[b])))
         return out
 
     def _reduce(self, b: int, features: torch.Tensor, grid: list[int], t_factor: float, spec: dict[str, Any],
                 query: torch.Tensor | None, rank: torch.Tensor | None, video: bool = False,
-                pixels: torch.Tensor | None = None) -> torch.Tensor:
+                pixels: torch.Tensor | None = None, tower_row: int = 0) -> torch.Tensor:
         """One image / video: the vision method on each temporal slice, or the frames method on the
         video's [T, N, D] slices (as wrap() on Qwen), the kept features followed by their (t, h, w)
-        offsets from the item's first position."""
+        offsets from the item's first position. ``tower_row``: the item's first patch row in the
+        tower's input (FastVID / HoliTom's salience per slice)."""
         m = self.config.vision_config.spatial_merge_size
         t, rows, cols = grid[0], grid[1] // m, grid[2] // m
         n = rows * cols
@@ -254,8 +285,12 @@ class _PrunedQwen(OffsetChannels):
         if is_frames(method):  # whole slices of a video (images untouched, as wrap(frames=...))
             idx, feats = torch.arange(t * n, device=features.device), features
             if video:
+                tower = None
+                if getattr(method, "wants_tower_attention", False):  # FastVID, HoliTom: the tower's salience per slice
+                    h, w = grid[1], grid[2]
+                    tower = (lambda f: self._slice_attention(tower_row + f * h * w, (h, w)))
                 plan = frames_plan(method, self._scored(features).reshape(t, n, -1), (rows, cols), text_features=text,
-                                   pixels=pixels, spec=spec)
+                                   pixels=pixels, spec=spec, tower_attention=tower)
                 red = plan.reduction
                 idx = red.indices.to(features.device)
                 feats = features[idx] if red.features is None else red.features.to(features.dtype)
@@ -355,7 +390,7 @@ class PrunedQwen2VLMultiModalProcessor(_PrunedProcessor, Qwen2VLMultiModalProces
 )
 class VlmPruneQwen2VLForConditionalGeneration(_PrunedQwen, Qwen2VLForConditionalGeneration):
     """vLLM's Qwen2-VL with a vlm_prune method (random, pool, divprune, cdpruner; video: uniform, keyscore, vidcom2,
-    dycoke, quota)."""
+    fastvid, holitom, dycoke, quota)."""
 
 
 class PrunedQwen2_5_VLProcessingInfo(_PrunedInfo, Qwen2_5_VLProcessingInfo):
@@ -371,4 +406,4 @@ class PrunedQwen2_5_VLMultiModalProcessor(_PrunedProcessor, Qwen2_5_VLMultiModal
 )
 class VlmPruneQwen2_5_VLForConditionalGeneration(_PrunedQwen, Qwen2_5_VLForConditionalGeneration):
     """vLLM's Qwen2.5-VL with a vlm_prune method (random, pool, divprune, cdpruner; video: uniform, keyscore,
-    vidcom2, dycoke, quota)."""
+    vidcom2, fastvid, holitom, dycoke, quota)."""
