@@ -170,3 +170,28 @@ def test_eager_equals_sdpa(v25, method):
     assert torch.equal(r1, r2) and bool((r1 < 0).any())
     torch.testing.assert_close(l1[r1 >= 0], l2[r2 >= 0], atol=1e-5, rtol=0)
     assert torch.equal(g1, g2)
+
+
+@pytest.mark.parametrize("method", ["fastvid", "holitom"])
+@pytest.mark.parametrize("v25", [False, True], ids=["qwen2_vl", "qwen2_5_vl"])
+def test_keep_one_is_bit_identical(v25, method):
+    """keep=1.0 with the tower tapped: the prefill logits and the greedy answer equal the unwrapped
+    model's bit for bit, and unwrap() removes the tap."""
+    model = model_of(v25)
+    inp = T.qwen2_vl_inputs(model, video=True)
+    with torch.no_grad():
+        ref_logits = model(**inp).logits
+        ref_gen = model.generate(**inp, max_new_tokens=6, do_sample=False)
+    block = model.model.visual.blocks[-1]
+    hooks = len(block._forward_pre_hooks)
+    vlm_prune.wrap(model, method, keep=1.0)
+    try:
+        assert len(block._forward_pre_hooks) == hooks + 1
+        with torch.no_grad():
+            logits = model(**inp).logits
+            gen = model.generate(**inp, max_new_tokens=6, do_sample=False)
+        assert model.vlm_prune.last_stats["visual_tokens_out"] == [32, 32]
+    finally:
+        vlm_prune.unwrap(model)
+    assert len(block._forward_pre_hooks) == hooks
+    assert torch.equal(logits, ref_logits) and torch.equal(gen, ref_gen)

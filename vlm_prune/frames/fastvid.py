@@ -166,6 +166,8 @@ class FastVID(FramesMethod):
     name = "fastvid"
     paper = "FastVID, NeurIPS 2025 (arXiv 2503.11187)"
     supported = ("llava_onevision", "qwen2_vl")
+    family_notes = {"qwen2_vl": "a frame is a temporal slice, salience the official Qwen2.5-VL signal; the official "
+                                "Qwen2.5-VL version's frame dropping (DySeg_ignore) and defaults (tau 0.84) not implemented"}
     wants_tower_attention = True
     resizes_frames = True  # merged tokens: new features without a tower row of their own
 

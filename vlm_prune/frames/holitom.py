@@ -151,6 +151,7 @@ class HoliTom(FramesMethod):
     name = "holitom"
     paper = "HoliTom, NeurIPS 2025 (arXiv 2505.21334)"
     supported = ("llava_onevision", "qwen2_vl")
+    family_notes = {"qwen2_vl": "a frame is a temporal slice; no official Qwen version: FastVID's Qwen2.5-VL salience"}
     wants_tower_attention = True
     resizes_frames = True  # merged tokens: new features without a tower row of their own
 

@@ -196,7 +196,8 @@ class _PrunedQwen(OffsetChannels):
 
     def _keep_last_block_input(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
         x = args[0] if args else kwargs.get("x")
-        self._last_block_input = (x.detach(), kwargs.get("rotary_pos_emb_cos"), kwargs.get("rotary_pos_emb_sin"))
+        if x is not None:
+            self._last_block_input = (x.detach(), kwargs.get("rotary_pos_emb_cos"), kwargs.get("rotary_pos_emb_sin"))
 
     def _slice_attention(self, start: int, grid: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
         """FastVID's Qwen salience of one temporal slice (as wrap()'s QwenTowerTap): its h x w patches
