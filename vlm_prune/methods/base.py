@@ -251,7 +251,8 @@ class FramesContext:
         27 x 27 map that becomes 14 x 14); None otherwise. unpooled_grid: its (rows, cols).
     tower_attention: callable(frame) -> (attention [N], keys [N, d]) of the vision tower's feature
         layer for that frame, pooled to its token grid, computed on the side, when the method asks
-        for it (``wants_tower_attention``) and the adapter can (LLaVA-OneVision); None otherwise.
+        for it (``wants_tower_attention``) and the adapter can (LLaVA-OneVision; Qwen2-VL / 2.5-VL:
+        per temporal slice, FastVID's Qwen2.5-VL salience of each merged token); None otherwise.
     """
 
     features: torch.Tensor
