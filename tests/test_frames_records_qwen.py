@@ -6,10 +6,15 @@ fastvid_qwen25vl/lmms-eval/lmms_eval/models/qwenvlutils/modeling_qwen2_5_vl.py:
 and the ``reverse_indices`` mapping at the end of ``Qwen2_5_VisionTransformerPretrainedModel.forward``),
 computed the official way - on the whole tower sequence inside the last block's attention, with
 transformers' own window index - then the plans against fastvid_plan / holitom_plan on it.
-HoliTom has no official Qwen version (cokeshao/HoliTom@e9b2972 ships LLaVA-OneVision / LLaVA-Video
-only); it reads the same signal here. None of the official code is copied.
+The same file's allocation (the "FastVID" block of ``Qwen2_5_VLForConditionalGeneration.forward``:
+DySeg, the DySeg_ignore runs, STPrune and the context merge) is re-stated below against
+``fastvid_plan(..., ignore=...)``. HoliTom has no official Qwen version (cokeshao/HoliTom@e9b2972
+ships LLaVA-OneVision / LLaVA-Video only); it reads the same signal here. None of the official code
+is copied.
 """
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
@@ -17,7 +22,7 @@ import torch
 import tiny_models as T
 import vlm_prune
 from vlm_prune.adapters.vision_towers import window_order
-from vlm_prune.frames.fastvid import FastVID, fastvid_plan
+from vlm_prune.frames.fastvid import FastVID, fastvid_plan, qwen_frame_counts
 from vlm_prune.frames.holitom import HoliTom, holitom_plan
 
 from test_budgets import _one_thread  # noqa: E402,F401  (autouse: one thread)
@@ -195,3 +200,142 @@ def test_keep_one_is_bit_identical(v25, method):
         vlm_prune.unwrap(model)
     assert len(block._forward_pre_hooks) == hooks
     assert torch.equal(logits, ref_logits) and torch.equal(gen, ref_gen)
+
+
+# ---- the official Qwen2.5-VL allocation (DySeg_ignore) -----------------------------------------
+def _runs(cut: list[int], length: int) -> list[int]:
+    """Lengths of the pieces of ``length`` frames cut after each index of ``cut`` (sorted)."""
+    if not cut:
+        return [length]
+    return [cut[0] + 1, *[b - a for a, b in zip(cut[:-1], cut[1:])], length - cut[-1] - 1]
+
+
+def official_fastvid_qwen(video: torch.Tensor, attn: torch.Tensor, retention: float, c: int, tau: float,
+                          ignore: float, d: float, p: int, beta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The official Qwen2.5-VL block on one video [T, N, D] with salience [T, N]: (kept slots
+    ascending, their features). Segments from the normalised frame means (the c - 1 least similar
+    pairs and every pair below tau); per segment the retained count, context max(int(. d), 1), the
+    runs of frames >= ignore alike (only a run's last frame keeps tokens), salient tokens split over
+    the runs, context over every p-th run (reversed, capped at half a frame); top salience, density
+    peaks of the rest, and every other non-salient token of the segment merged into each frame's
+    context tokens (its own excluded) with weight clamp(1 / (n + 1), beta)."""
+    t, n, dim = video.shape
+    g = video.mean(1)
+    g = g / g.norm(dim=1, keepdim=True)
+    sim = (g[:-1] * g[1:]).sum(1)
+    cut = torch.unique(torch.cat([torch.topk(sim, c - 1, largest=False).indices, torch.nonzero(sim < tau).squeeze(1)]))
+    sizes = _runs(sorted(cut.tolist()), t)
+    keep, feats, base = [], [], 0
+    retain = int(n * retention)
+    for length in sizes:
+        hidden, sal, gf = video[base : base + length], attn[base : base + length], g[base : base + length]
+        seg_retain = retain * length
+        seg_ctx = max(int(seg_retain * d), 1)
+        seg_sal = seg_retain - seg_ctx
+        if length == 1:
+            f_sal, f_ctx = [seg_sal], [seg_ctx]
+        else:
+            inner = (gf[:-1] * gf[1:]).sum(1)
+            runs = _runs(sorted(torch.nonzero(inner < ignore).squeeze(1).tolist()), length)
+            v = len(runs)
+            shares = [seg_sal // v + (1 if i < seg_sal % v else 0) for i in range(v)]
+            tn = math.ceil(v / p)
+            ctx_shares = [seg_ctx // tn + (1 if i < seg_ctx % tn else 0) for i in range(tn)]
+            run_ctx, j = [], 0
+            for i in range(v):
+                if i % p == 0:
+                    run_ctx.append(min(ctx_shares[j], n // 2))
+                    j += 1
+                else:
+                    run_ctx.append(0)
+            run_ctx.reverse()
+            f_sal, f_ctx = [], []
+            for i in range(v):
+                f_sal += [0] * (runs[i] - 1)
+                f_ctx += [0] * (runs[i] - 1)
+                if run_ctx[i] == 0:
+                    f_sal.append(min(shares[i], n))
+                    f_ctx.append(0)
+                else:
+                    f_ctx.append(min(run_ctx[i], n // 2))
+                    f_sal.append(min(shares[i], n - f_ctx[-1]))
+        salient, contexts = [], []
+        for f in range(length):
+            top = torch.topk(sal[f], f_sal[f]).indices if f_sal[f] > 0 else torch.zeros(0, dtype=torch.long)
+            if f_ctx[f] > 0:
+                rest = torch.tensor([i for i in range(n) if i not in set(top.tolist())])
+                x = hidden[f][rest]
+                dist = torch.cdist(x[None], x[None])[0] / dim**0.5
+                density = (-(torch.topk(dist, 4, dim=-1, largest=False).values ** 2).mean(-1)).exp()
+                denser = (density[None, :] > density[:, None]).float()
+                parent = (dist * denser + dist.max() * (1 - denser)).min(-1).values
+                contexts.append(rest[torch.topk(parent * density, f_ctx[f]).indices.sort().values] + f * n)
+            salient.append(top + f * n)
+        flat = hidden.reshape(length * n, dim)
+        unit = flat / flat.norm(dim=-1, keepdim=True)
+        salient = torch.cat(salient)
+        keep.append(salient + base * n)
+        feats.append(flat[salient])
+        for ctx_idx in contexts:
+            kept = set(salient.tolist()) | set(ctx_idx.tolist())
+            merge = torch.tensor([i for i in range(length * n) if i not in kept])
+            onehot = torch.zeros(merge.numel(), ctx_idx.numel())
+            onehot[torch.arange(merge.numel()), (unit[merge] @ unit[ctx_idx].T).argmax(1)] = 1
+            w = (1 / (onehot.sum(0)[:, None] + 1)).clamp(min=beta)
+            mean = onehot.T @ flat[merge] / onehot.sum(0).clamp(min=1)[:, None]
+            keep.append(ctx_idx + base * n)
+            feats.append(w * flat[ctx_idx] + (1 - w) * mean)
+        base += length
+    index, order = torch.sort(torch.cat(keep))
+    return index, torch.cat(feats)[order]
+
+
+def _scenes_with_repeats() -> torch.Tensor:
+    """8 frames of 16 tokens: scene A (frames 0-3, 0 and 1 near copies), scene B (4-7, 6 and 7 near
+    copies); consecutive frame means ~0.9997, 0.81, 0.87, -0.13, 0.88, 0.88, 0.9999 alike."""
+    g = torch.Generator().manual_seed(0)
+    n, dim = 16, 12
+    a, b = torch.randn(n, dim, generator=g), torch.randn(n, dim, generator=g)
+    noise = [0.02, 0.02, 0.6, 0.6, 0.02, 0.6, 0.02, 0.02]
+    return torch.stack([(a if i < 4 else b) + noise[i] * torch.randn(n, dim, generator=g) for i in range(8)])
+
+
+@pytest.mark.parametrize("c, p", [(2, 2), (4, 1)], ids=["two-scenes-anchor-every-2nd-run", "four-segments-every-run"])
+def test_fastvid_qwen_allocation_equals_the_official_block(c, p):
+    """ignore=0.95: near-copy frames give their tokens to the run's last frame, the context goes to
+    every p-th run from the segment's end; kept slots and merged features equal the official block's
+    (whose counts spend the budget here: asserted)."""
+    video = _scenes_with_repeats()
+    attn = torch.rand(8, 16, generator=torch.Generator().manual_seed(5))
+    ref_slots, ref_feats = official_fastvid_qwen(video, attn, 0.5, c, 0.5, 0.95, 0.4, p, 0.6)
+    assert ref_slots.numel() == 64
+    plan = fastvid_plan(video, attn, 64, c=c, tau=0.5, d=0.4, p=p, beta=0.6, ignore=0.95)
+    assert torch.equal(plan.reduction.indices, ref_slots)
+    torch.testing.assert_close(plan.reduction.features, ref_feats, atol=1e-6, rtol=1e-6)
+    assert plan.tokens_per_frame[0] == 0 and plan.tokens_per_frame[6] == 0  # the first of each near-copy pair
+
+
+def test_fastvid_qwen_counts_spend_the_budget_exactly():
+    """Where the official caps lose tokens (context above half a frame), the rest goes to salient
+    tokens of the frames that keep tokens; a dropped frame gets some only when those are full."""
+    sim = torch.tensor([0.99, 0.5, 0.5, 0.1, 0.5, 0.5, 0.99])
+    # segments [4, 4] (cut at 3); runs [2, 1, 1] and [1, 1, 2]; retain 8: context 12 -> one anchor (p=4) capped at 8
+    sal, ctx = qwen_frame_counts([4, 4], sim, 16, 64, 0.4, 4, 0.95)
+    assert ctx == [0, 0, 0, 8, 0, 0, 0, 8]
+    # salient 7, 7, 6 per segment's runs (56 kept in all); the 8 left: one each to the 6 keeping frames, then 2
+    assert sal == [0, 9, 9, 7, 8, 8, 0, 7] and sum(sal) + sum(ctx) == 64
+    sal, ctx = qwen_frame_counts([4, 4], sim, 16, 120, 0.4, 4, 0.95)  # kept frames full: dropped ones too
+    assert sum(sal) + sum(ctx) == 120 and all(s + c <= 16 for s, c in zip(sal, ctx)) and sal[0] > 0
+    sal, ctx = qwen_frame_counts([4, 4], sim, 16, 3, 0.4, 4, 0.95)  # below a token per frame
+    assert sum(ctx) == 0 and sal == [0, 1, 1, 1, 0, 0, 0, 0]
+
+
+def test_fastvid_qwen_setting_runs_on_qwen2_5_vl():
+    """FastVID(tau=0.84, ignore=0.95), the official Qwen2.5-VL setting, through wrap(): the plan is
+    fastvid_plan with those knobs on the official salience, at exactly the budget."""
+    model = model_of(True)
+    inp = T.qwen2_vl_inputs(model, video=True)
+    ref = official_salience(model, inp)
+    for (features, _, n_total, plan), want in zip(recorded(model, inp, FastVID(tau=0.84, ignore=0.95)), ref):
+        expect = fastvid_plan(features, want, n_total, tau=0.84, ignore=0.95)
+        assert torch.equal(plan.reduction.indices, expect.reduction.indices) and plan.reduction.indices.numel() == 9

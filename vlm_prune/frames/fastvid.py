@@ -89,6 +89,62 @@ def frame_counts(sizes: list[int], n: int, n_total: int, d: float, p: int) -> tu
     return salient, ctx
 
 
+def _even(total: int, parts: int) -> list[int]:
+    """``total`` split into ``parts`` whole shares, the remainder one each to the first."""
+    return [total // parts + (1 if i < total % parts else 0) for i in range(parts)]
+
+
+def qwen_frame_counts(sizes: list[int], sim: torch.Tensor, n: int, n_total: int, d: float, p: int,
+                      ignore: float) -> tuple[list[int], list[int]]:
+    """(salient, context) tokens of each frame as the official Qwen2.5-VL version allocates them.
+    Each segment of L frames retains L r (r = n_total // T): context max(int(L r d), 1) (0 when
+    r = 0), the rest salient. A one-frame segment keeps both. A longer one splits into runs of
+    frames whose consecutive cosine ``sim`` [T - 1] stays >= ``ignore``; only a run's last frame
+    keeps tokens:
+    the runs share the salient tokens evenly (the remainder from the first run), and the context
+    goes evenly to every p-th run counted from the segment's last, each capped at half a frame (the
+    run's salient tokens then at the frame's other tokens). Whatever the floors and caps leave of
+    n_total goes to salient tokens, one per frame from the first, first to the frames that keep
+    tokens (each run's last), then to the others (the official code ends short instead)."""
+    t = sum(sizes)
+    retain = n_total // t
+    salient, ctx = [0] * t, [0] * t
+    keeping = [False] * t  # a segment's frame that keeps tokens: one alone, or the last of its run
+    start = 0
+    for length in sizes:
+        context = min(max(int(retain * length * d), 1), retain * length)  # none below a token per frame
+        share = retain * length - context
+        if length == 1:
+            salient[start], ctx[start] = share, context
+            keeping[start] = True
+        else:
+            cuts = [j for j in range(length - 1) if float(sim[start + j]) < ignore]
+            bounds = [-1, *cuts, length - 1]
+            runs = [b - a for a, b in zip(bounds[:-1], bounds[1:])]
+            sal = _even(share, len(runs))
+            anchored = _even(context, math.ceil(len(runs) / p))
+            run_ctx = [min(anchored[i // p], n // 2) if i % p == 0 else 0 for i in range(len(runs))][::-1]
+            last = start - 1
+            for run, s_run, c_run in zip(runs, sal, run_ctx):
+                last += run
+                keeping[last] = True
+                ctx[last] = c_run
+                salient[last] = min(s_run, n - c_run)
+        start += length
+    left = n_total - sum(salient) - sum(ctx)
+    for first in (True, False):
+        while left > 0:
+            grew = False
+            for i in range(t):
+                if left and salient[i] + ctx[i] < n and keeping[i] == first:
+                    salient[i] += 1
+                    left -= 1
+                    grew = True
+            if not grew:
+                break
+    return salient, ctx
+
+
 def tower_salience(ctx: FramesContext, method: str) -> torch.Tensor:
     """[T, N] attention each frame token receives in the vision tower (FramesContext.tower_attention)."""
     if ctx.tower_attention is None:
@@ -100,11 +156,18 @@ def tower_salience(ctx: FramesContext, method: str) -> torch.Tensor:
 
 
 def fastvid_plan(features: torch.Tensor, attention: torch.Tensor, n_total: int, c: int = 8, tau: float = 0.9,
-                 d: float = 0.4, p: int = 4, beta: float = 0.6) -> FramesPlan:
-    """FastVID on frame tokens [T, N, D] with per-token salience [T, N] (the tower's attention)."""
+                 d: float = 0.4, p: int = 4, beta: float = 0.6, ignore: float | None = None) -> FramesPlan:
+    """FastVID on frame tokens [T, N, D] with per-token salience [T, N] (the tower's attention).
+    ``ignore`` None: the official OneVision version; a float: the official Qwen2.5-VL version
+    (:func:`qwen_frame_counts`, and an anchor frame's own anchors stay out of the tokens merged
+    into them)."""
     t, n, dim = features.shape
+    g = F.normalize(features.mean(1).float(), dim=-1)
     sizes = dynamic_segments(features.mean(1), c, tau)
-    salient, ctx = frame_counts(sizes, n, n_total, d, p)
+    if ignore is None:
+        salient, ctx = frame_counts(sizes, n, n_total, d, p)
+    else:
+        salient, ctx = qwen_frame_counts(sizes, (g[:-1] * g[1:]).sum(-1), n, n_total, d, p, ignore)
     keep, feats = [], []
     rest_idx, rest_score = [], []
     for i in range(t):
@@ -120,12 +183,18 @@ def fastvid_plan(features: torch.Tensor, attention: torch.Tensor, n_total: int, 
     for length in sizes:
         seg = range(start, start + length)
         pool = torch.cat([features[j, rest_idx[j]] for j in seg])  # the segment's non-salient tokens
-        for j in seg:
+        offsets = [0, *torch.tensor([rest_idx[j].numel() for j in seg]).cumsum(0).tolist()]
+        for k, j in enumerate(seg):
             if ctx[j] == 0:
                 continue
             pick = torch.topk(rest_score[j], min(ctx[j], rest_idx[j].numel())).indices
             keep.append(rest_idx[j][pick] + j * n)
-            feats.append(merge_into_anchors(pool, features[j, rest_idx[j][pick]], beta).to(features.dtype))
+            members = pool
+            if ignore is not None:  # Qwen2.5-VL version: the frame's own anchors are not merged into them
+                own = torch.ones(pool.shape[0], dtype=torch.bool, device=pool.device)
+                own[pick + offsets[k]] = False
+                members = pool[own]
+            feats.append(merge_into_anchors(members, features[j, rest_idx[j][pick]], beta).to(features.dtype))
         start += length
     indices, order = torch.sort(torch.cat(keep))
     counts = [int(((indices >= i * n) & (indices < (i + 1) * n)).sum()) for i in range(t)]
@@ -141,7 +210,7 @@ class FastVID(FramesMethod):
 
     Knobs (official LLaVA-OneVision defaults): segments c=8 (DySeg_c), tau=0.9 (DySeg_tau),
     context d=0.4 (STPrune_d, the context share of each frame's tokens), anchor_stride p=4 (DTM_p),
-    beta=0.6 (DTM_beta, the least weight an anchor keeps of itself).
+    beta=0.6 (DTM_beta, the least weight an anchor keeps of itself), ignore=None (DySeg_ignore; below).
     Signals: a frame's global feature is the mean of its tokens (as the official Qwen2.5-VL
     version; the OneVision version uses SigLIP's pooling-head output, which Hugging Face's
     LLaVA-OneVision does not compute), and a token's salience is the attention it receives in the
@@ -151,10 +220,12 @@ class FastVID(FramesMethod):
     the salience is the official Qwen2.5-VL version's: in the tower's last block, the softmax of the
     slice's mean query against each merged (2 x 2) token's mean key, averaged over heads
     (:class:`~vlm_prune.adapters.vision_towers.QwenTowerTap`; Qwen2-VL, which the official does not
-    cover, gets the same). There the selection is still the OneVision version's: the official Qwen2.5-VL
-    version's other changes (DySeg_ignore=0.95: within a segment, only the last of a run of frames
-    more than 0.95 similar to the next keeps tokens; a frame's context between 1 and half its tokens;
-    defaults tau=0.84, retention 0.27) are not implemented. Needs that tower attention:
+    cover, gets the same). ``ignore`` (DySeg_ignore, default None: the OneVision version's allocation)
+    switches to the official Qwen2.5-VL version's (:func:`qwen_frame_counts`: within a segment only
+    the last of a run of frames at least ``ignore`` similar to the next keeps tokens, each segment's
+    context at least 1 token and at most half a frame per anchor; an anchor frame's own anchors are
+    not merged into them): ``FastVID(tau=0.84, ignore=0.95)`` is the official Qwen2.5-VL setting
+    (its retention 0.27 is the budget's business: keep=0.27). Needs that tower attention:
     LLaVA-OneVision and Qwen2-VL / 2.5-VL video (wrap() refuses other models).
     Budget: retention ratio = budget / (T N), the official ``retention_ratio`` (0.10 at the paper's
     headline); the tokens the official floors would leave unspent go to salient tokens, so the video
@@ -167,12 +238,12 @@ class FastVID(FramesMethod):
     paper = "FastVID, NeurIPS 2025 (arXiv 2503.11187)"
     supported = ("llava_onevision", "qwen2_vl")
     family_notes = {"qwen2_vl": "a frame is a temporal slice, salience the official Qwen2.5-VL signal; the official "
-                                "Qwen2.5-VL version's frame dropping (DySeg_ignore) and defaults (tau 0.84) not implemented"}
+                                "Qwen2.5-VL allocation with ignore=0.95 (its setting: tau=0.84, ignore=0.95)"}
     wants_tower_attention = True
     resizes_frames = True  # merged tokens: new features without a tower row of their own
 
     def __init__(self, keep: float | None = None, budget: int | None = None, c: int = 8, tau: float = 0.9,
-                 d: float = 0.4, p: int = 4, beta: float = 0.6) -> None:
+                 d: float = 0.4, p: int = 4, beta: float = 0.6, ignore: float | None = None) -> None:
         super().__init__(keep, budget)
         if isinstance(c, bool) or not isinstance(c, int) or c < 1:
             raise ValueError(f"c (DySeg segments) must be a whole number >= 1, got {c!r}")
@@ -182,11 +253,13 @@ class FastVID(FramesMethod):
             raise ValueError(f"d (context share) must be in [0, 1), got {d!r}")
         if not 0 <= beta <= 1:
             raise ValueError(f"beta must be in [0, 1], got {beta!r}")
-        self.c, self.tau, self.d, self.p, self.beta = c, tau, d, p, beta
+        if ignore is not None and (isinstance(ignore, bool) or not isinstance(ignore, (int, float))):
+            raise ValueError(f"ignore (DySeg_ignore, a cosine threshold) must be a number or None, got {ignore!r}")
+        self.c, self.tau, self.d, self.p, self.beta, self.ignore = c, tau, d, p, beta, ignore
 
     def allocate(self, ctx: FramesContext) -> FramesPlan:
         whole = whole_video(ctx)
         if whole is not None:
             return whole
         return fastvid_plan(ctx.features, tower_salience(ctx, self.name), ctx.n_total, self.c, self.tau, self.d,
-                            self.p, self.beta)
+                            self.p, self.beta, self.ignore)
