@@ -113,7 +113,8 @@ class QwenTowerTap:
     (LunarShen/FastVID@a40a109, ``fastvid_qwen25vl/.../qwenvlutils/modeling_qwen2_5_vl.py``,
     ``Qwen2_5_VLVisionFlashAttention2`` of the last block): per temporal slice and head, the slice's
     mean query (after the tower's 2-D RoPE) attends to the mean key of each merged (2 x 2) token,
-    softmax over the slice's merged tokens, averaged over heads. Cost: one [heads, tokens] row per
+    softmax over the slice's merged tokens, averaged over heads (in float32; the official averages
+    in the model's dtype under FlashAttention-2, its only path). Cost: one [heads, tokens] row per
     slice. The last block is a full-attention one in the released Qwen2.5-VL configs; the signal
     spans the whole slice either way, as the official computes it.
 
