@@ -59,7 +59,8 @@ CASES = [("image", "random", {"keep": 0.5}), ("image", "random", {"budget": 3}),
          # issue 31: VidCom2 (the budget's tokens spread over the slices by their uniqueness, each at its slot)
          ("video", "vidcom2", {"keep": 0.5}), ("video", "vidcom2", {"budget": 30}), ("video", "dycoke", {"keep": 0.5}),
          # FastVID / HoliTom: the tower's last block tapped on the side (each slice's salience), merged tokens at slots
-         ("video", "fastvid", {"keep": 0.5}), ("video", "fastvid", {"budget": 20}), ("video", "holitom", {"keep": 0.5})]
+         ("video", "fastvid", {"keep": 0.5}), ("video", "fastvid", {"budget": 20}), ("video", "holitom", {"keep": 0.5}),
+         ("video", "fastvid_qwen", {"keep": 0.27})]
 #: keyscore's in-model default ranks STACFP's proposals (OpenCV, scikit-learn); "all" slices without them
 KEYSCORE = {} if all(importlib.util.find_spec(m) is not None for m in ("cv2", "sklearn")) else {"proposals": "all"}
 #: Qwen2.5-VL shares every line of the plugin with Qwen2-VL; its engine checks keep-all and one method
@@ -67,7 +68,8 @@ KEYSCORE = {} if all(importlib.util.find_spec(m) is not None for m in ("cv2", "s
 #: and a video, whose temporal positions step by second_per_grid_ts * tokens_per_second on 2.5; FastVID and
 #: HoliTom read the tower's last block, whose rows 2.5's attention windows reorder
 CASES_25 = [("image", "divprune", {"keep": 0.5}), ("image", "pool", {"keep": 0.25}), ("video", "divprune", {"budget": 5}),
-            ("video", "vidcom2", {"keep": 0.5}), ("video", "fastvid", {"keep": 0.5}), ("video", "holitom", {"keep": 0.5})]
+            ("video", "vidcom2", {"keep": 0.5}), ("video", "fastvid", {"keep": 0.5}), ("video", "holitom", {"keep": 0.5}),
+            ("video", "fastvid_qwen", {"keep": 0.27})]
 
 
 def _media(kind: str, frames: int = 8) -> list[dict]:
@@ -81,7 +83,12 @@ def _media(kind: str, frames: int = 8) -> list[dict]:
 
 
 def _method(name):
-    """The method as both sides get it (keyscore as an object with its proposals knob; objects as given)."""
+    """The method as both sides get it (keyscore as an object with its proposals knob; fastvid_qwen: FastVID
+    with the official Qwen2.5-VL setting; objects as given)."""
+    if name == "fastvid_qwen":
+        from vlm_prune.frames.fastvid import FastVID
+
+        return FastVID(tau=0.84, ignore=0.95)
     if name == "keyscore" and KEYSCORE:
         from vlm_prune.frames import KeyScore
 
