@@ -11,6 +11,7 @@ original position id, as the official code (it keeps the positions of the kept r
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 
 import torch
 import torch.nn.functional as F
@@ -76,17 +77,23 @@ def frame_counts(sizes: list[int], n: int, n_total: int, d: float, p: int) -> tu
             if (length - 1 - j) % p == 0:
                 ctx[start + j] = min(context * length // anchors, n - salient[start + j])
         start += length
-    left = n_total - sum(salient) - sum(ctx)
+    _top_up(salient, ctx, n, n_total - sum(salient) - sum(ctx), range(t))
+    return salient, ctx
+
+
+def _top_up(salient: list[int], ctx: list[int], n: int, left: int, frames: Iterable[int]) -> int:
+    """Give ``left`` more salient tokens, one per frame of ``frames`` in turn while a frame has
+    room (``n`` tokens); returns how many found no room."""
     while left > 0:
         grew = False
-        for i in range(t):
+        for i in frames:
             if left and salient[i] + ctx[i] < n:
                 salient[i] += 1
                 left -= 1
                 grew = True
         if not grew:
             break
-    return salient, ctx
+    return left
 
 
 def _even(total: int, parts: int) -> list[int]:
@@ -131,17 +138,8 @@ def qwen_frame_counts(sizes: list[int], sim: torch.Tensor, n: int, n_total: int,
                 ctx[last] = c_run
                 salient[last] = min(s_run, n - c_run)
         start += length
-    left = n_total - sum(salient) - sum(ctx)
-    for first in (True, False):
-        while left > 0:
-            grew = False
-            for i in range(t):
-                if left and salient[i] + ctx[i] < n and keeping[i] == first:
-                    salient[i] += 1
-                    left -= 1
-                    grew = True
-            if not grew:
-                break
+    left = _top_up(salient, ctx, n, n_total - sum(salient) - sum(ctx), [i for i in range(t) if keeping[i]])
+    _top_up(salient, ctx, n, left, [i for i in range(t) if not keeping[i]])
     return salient, ctx
 
 
