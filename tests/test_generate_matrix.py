@@ -98,8 +98,8 @@ def _method(name: str, keep: float):
                      else torch.linspace(0.9, 0.1, pixels.shape[0]))
     if name == "fastvid":  # a context share that leaves a merged anchor per frame of 4 tokens at keep 0.5
         return FastVID(d=0.5)
-    if name == "holitom":  # every slot static: windows of 2 frames average into one token per slot
-        return HoliTom(tau=-1.0, max_window=2)
+    if name == "holitom":  # every slot static: windows of 2 frames average into one token per slot; the
+        return HoliTom(tau=-1.0, max_window=2, layer=2)  # inner merge before layer 2 (the official 18 is too deep here)
     if name == "prunevid":  # slots still through a window (tau 0): static tokens averaged; selection in layer 2
         return PruneVid(layer=2, tau=0.0)
     if name == "pact" and keep == 1.0:
