@@ -183,6 +183,8 @@ def test_other_r_and_retain():
     assert stats["visual_tokens_out"] == [12, 12]
     stats = _stats(HoliTom(layer=1, r=0.0), keep=0.25)  # r = 0: the outer stage keeps the target, nothing merged
     assert stats["visual_tokens_out"] == [8, 8] and [r["stage"] for r in stats["stages"]] == ["frames"]
+    stats = _stats(HoliTom(layer=1, retain=0.04, r=0.9))  # official counts floor(1.28) = 1, round(0.1) = 0: one stays
+    assert stats["visual_tokens_out"] == [1, 1]
 
 
 def test_refusals_name_the_fix():

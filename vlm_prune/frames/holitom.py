@@ -228,8 +228,8 @@ class HoliTom(FramesMethod):
 
     def inner_count(self, entering: int, n_tokens: int) -> int:
         """Tokens the inner merge keeps of the ``entering`` ones of a video of ``n_tokens``."""
-        if not self.targeted:
-            return round(entering * (1 - self.r))
+        if not self.targeted:  # (at least one: the official would fold every token into none)
+            return min(entering, max(1, round(entering * (1 - self.r))))
         return min(entering, self.target_count(n_tokens, 1))
 
     def allocate(self, ctx: FramesContext) -> FramesPlan:
