@@ -270,3 +270,35 @@ def test_eager_equals_sdpa():
     kept = r1 >= 0
     assert int(kept.sum()) < r1.numel()
     torch.testing.assert_close(l1[kept], l2[kept], atol=1e-5, rtol=0)
+
+
+def test_each_video_of_a_sample_is_merged_on_its_own():
+    """Two videos in one prompt: each is one group with its own count (budget 5 each), and every token of
+    a video is merged into a kept token of the same video."""
+    model = T.tiny_onevision()
+    vids = torch.randn(2, 8, 3, 32, 32, generator=torch.Generator().manual_seed(4))
+    ids, mask = T.prompts([[(T.VIDEO_TOKEN, 8 * 4 + 1), (T.VIDEO_TOKEN, 8 * 4 + 1)]], start=(7,))
+    inp = {"input_ids": ids, "attention_mask": mask, "pixel_values_videos": vids}
+    vlm_prune.wrap(model, HoliTom(layer=2), budget=5)
+    method = model.vlm_prune.methods["llm"]
+    seen = []
+    select = method.select
+
+    def recording(ctx):
+        reds = select(ctx)
+        seen.append((ctx.extras["groups"][0].clone(), ctx.extras["group_keep"], ctx.valid[0].clone(), reds[0]))
+        return reds
+
+    method.select = recording
+    stats = T.forward_stats(model, inp)
+    assert stats["visual_tokens_in"] == [64] and stats["visual_tokens_out"] == [10]
+    (groups, keep, valid, red), = seen
+    ids_ = torch.unique(groups[valid & (groups >= 0)]).tolist()
+    assert len(ids_) == 2 and [keep[g] for g in ids_] == [5, 5]
+    assert [int((groups == g).sum()) for g in ids_] == [10, 10]  # each video's outer stage: round(5 / 0.5)
+    kept = torch.zeros_like(valid)
+    kept[red.indices] = True
+    for g in ids_:
+        rows = torch.nonzero(groups == g).flatten()
+        assert int(kept[rows].sum()) == 5
+        assert bool((groups[red.merged_into[rows]] == g).all())  # merged within its own video
