@@ -44,7 +44,7 @@ from vlm_prune.eval.synthetic.scenes import COLOURS, Sample
 import vlm_prune
 from vlm_prune.api import is_wrapped
 from vlm_prune.cli import UsageError, cannot_load, fit_terminal, fresh_output
-from vlm_prune.registry import method_class
+from vlm_prune.registry import method_class, method_stages
 
 IMAGE_KEEPS = (0.5, 0.25, 0.11, 0.05)
 VIDEO_KEEPS = (0.5, 0.25, 0.11, 0.05)
@@ -167,7 +167,8 @@ def plan(model: torch.nn.Module, processor: Any, keeps: tuple[float, ...], only:
             skipped.append({"method": name, "reason": str(err)})
             continue
         cases += [Case(name, lambda m, make=make: [make(m)], k, note) for k in keeps]
-        if cls.stage == "frames" and (only is None or FRAMES_PARTNER in only):
+        # (a frames method that brings its own llm stage, HoliTom's inner merge, takes no partner there)
+        if method_stages(name) == ("frames",) and (only is None or FRAMES_PARTNER in only):
             partner, partner_note = single(FRAMES_PARTNER)
             notes = "; ".join(n for n in (note, partner_note, f"{FRAMES_PARTNER} with its own default schedule") if n)
             cases += [Case(f"{name}+{FRAMES_PARTNER}", lambda m, a=make, b=partner: [a(m), b(m)], k, notes) for k in keeps]

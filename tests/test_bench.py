@@ -13,7 +13,7 @@ from vlm_prune.eval.speed import LLAMA_7B, QWEN2_7B, scaled
 
 import vlm_prune
 from vlm_prune.cli import main
-from vlm_prune.registry import method_class
+from vlm_prune.registry import method_class, method_stages
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -24,7 +24,7 @@ def applicable(stages: set[str], family: str) -> set[str]:
         cls = method_class(name)
         if cls.refusal(family, tuple(stages)) is None:  # wrap()'s rule (PruneVid needs the frames and llm stages)
             out.add(name)
-            if cls.stage == "frames":
+            if method_stages(name) == ("frames",):  # (HoliTom brings its own llm stage: no partner)
                 out.add(f"{name}+pact")
     return out
 

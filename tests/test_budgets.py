@@ -16,6 +16,7 @@ import torch
 
 import tiny_models as T
 import vlm_prune
+from vlm_prune.frames.holitom import HoliTom
 from vlm_prune.frames.prunevid import PruneVid
 from vlm_prune.frames.quota import QuoTA
 from vlm_prune.methods.base import BudgetWarning
@@ -63,6 +64,8 @@ def _model(case):
 def _spec(name):
     if name == "prunevid":  # its selection layer inside the tiny models' 6 decoder layers (default 11)
         return PruneVid(layer=2)
+    if name == "holitom":  # its inner merge inside the tiny models' 6 decoder layers (default 18)
+        return HoliTom(layer=2)
     if name == "quota":  # a fixed scorer: no processor / prompting needed to test budgets
         return QuoTA(scorer=lambda pixels, prompt: torch.linspace(0.2, 0.9, pixels.shape[0]), variant="v2")
     return name

@@ -349,8 +349,8 @@ def test_methods_lists_the_model_families_wrap_accepts(capsys):
     for name in available_methods():
         for family, model in models.items():
             spec = QuoTA(scorer=lambda pixels, prompt: torch.ones(pixels.shape[0])) if name == "quota" else name
-            if name == "prunevid":  # its default layer 11 lies beyond the tiny models' 6 (a depth refusal, not the family's)
-                spec = method_class(name)(layer=2)
+            if name in ("prunevid", "holitom"):  # default layers 11 / 18 lie beyond the tiny models' 6 (a depth
+                spec = method_class(name)(layer=2)  # refusal, not the family's)
             try:
                 vlm_prune.wrap(model, spec, keep=0.5)
             except ValueError as err:

@@ -422,6 +422,22 @@ def test_prunevid_runs_on_the_video_at_the_budget(session):
     assert col.stats["visual_tokens_out"] == [col.stats["visual_tokens_in"][0] // 4]
 
 
+def test_holitom_runs_both_stages_on_the_video_at_the_budget(session):
+    """HoliTom, one name in two stages, on the toy video: its outer merge keeps twice the budget (r=0.5),
+    its inner merge before the toy's last layer (its default 18 is deeper than the toy) lands on it and
+    shows which tokens merged into which; offered for videos only."""
+    out = session.run(EXAMPLES_DIR / "synthetic_clip.mp4", "what colour is the shape ?", ["holitom"], keep=0.25)
+    col = out.columns[-1]
+    assert col.error is None
+    frames, llm = col.stats["stages"]
+    assert (frames["stage"], frames["method"], llm["stage"], llm["method"]) == ("frames", "holitom", "llm", "holitom")
+    assert llm["layer"] == session.models["video"].depth - 1
+    n = col.stats["visual_tokens_in"][0]
+    assert frames["tokens_out"] == [n // 2] and col.stats["visual_tokens_out"] == [n // 4]
+    assert col.merges is not None
+    assert "holitom" in session.offered("video") and "holitom" not in session.offered("image")
+
+
 def test_unknown_words_are_named_and_the_toy_says_what_it_is(session, tmp_path):
     photo = tmp_path / "photo.jpg"
     Image.open(EXAMPLES_DIR / "astronaut.jpg").resize((900, 600)).save(photo)

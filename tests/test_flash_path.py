@@ -12,6 +12,7 @@ import torch
 
 import test_invariants as inv
 import vlm_prune
+from vlm_prune.frames.holitom import HoliTom
 from vlm_prune.frames.prunevid import PruneVid
 from flash_attn_standin import (  # noqa: F401  (flash_attn_standin is a fixture)
     flash_attn_func,
@@ -158,8 +159,11 @@ def test_identity_under_flash(case: str) -> None:
     *[(case, "adaptinfer") for case in CASES[:3]],
     ("llava", "visionzip"), ("onevision_video", "visionzip"), ("onevision_video", "uniform"),
     ("onevision_video", "vidcom2"), ("onevision_video", "fastvid"),
-    ("onevision_video", "holitom"), ("onevision_video", "dycoke"),
-    *[(case, method) for case in ("qwen2_vl_video", "qwen2_5_vl_video") for method in ("fastvid", "holitom")],
+    pytest.param("onevision_video", HoliTom(layer=2), id="onevision_video-holitom"),  # outer + inner merge
+    pytest.param("onevision_video", HoliTom(inner=False), id="onevision_video-holitom_outer"),
+    ("onevision_video", "dycoke"),
+    *[(case, "fastvid") for case in ("qwen2_vl_video", "qwen2_5_vl_video")],
+    *[pytest.param(case, HoliTom(layer=2), id=f"{case}-holitom") for case in ("qwen2_vl_video", "qwen2_5_vl_video")],
     ("onevision_video", "framefusion"), ("qwen2_vl_video", "framefusion"),
     *[("llava", method) for method in ("fastervlm", "vispruner", "dart", "pdrop", "sparsevlm", "mustdrop")],
     pytest.param("onevision_video", PruneVid(layer=2, tau=0.0), id="onevision_video-prunevid"),

@@ -117,8 +117,10 @@ def test_window_order_is_the_towers(rows, cols, side):
 #: salience and half merged as DPC-kNN contextual tokens (d=0.5)
 PLANS = {
     "fastvid": (lambda: FastVID(d=0.5, c=2), lambda f, s, n: fastvid_plan(f, s, n, c=2, d=0.5)),
-    "holitom": (lambda: HoliTom(tau=0.5, d=0.5), lambda f, s, n: holitom_plan(f, s, n, tau=0.5, d=0.5)),
+    "holitom": (lambda: HoliTom(tau=0.5, d=0.5, inner=False), lambda f, s, n: holitom_plan(f, s, n, tau=0.5, d=0.5)),
 }
+#: the methods as wrapped whole: HoliTom's inner merge before layer 2 of the tiny models' 6 (default 18)
+WHOLE = {"fastvid": lambda: "fastvid", "holitom": lambda: HoliTom(layer=2)}
 
 
 @pytest.mark.parametrize("name", list(PLANS))
@@ -162,7 +164,7 @@ def test_eager_equals_sdpa(v25, method):
     for attn in ("eager", "sdpa"):
         model = model_of(v25, attn)
         inp = T.qwen2_vl_inputs(model, video=True)
-        vlm_prune.wrap(model, method, keep=0.3)
+        vlm_prune.wrap(model, WHOLE[method](), keep=0.3)
         try:
             with torch.no_grad():
                 logits = model(**inp).logits
@@ -189,7 +191,7 @@ def test_keep_one_is_bit_identical(v25, method):
         ref_gen = model.generate(**inp, max_new_tokens=6, do_sample=False)
     block = model.model.visual.blocks[-1]
     hooks = len(block._forward_pre_hooks)
-    vlm_prune.wrap(model, method, keep=1.0)
+    vlm_prune.wrap(model, WHOLE[method](), keep=1.0)
     try:
         assert len(block._forward_pre_hooks) == hooks + 1
         with torch.no_grad():

@@ -84,7 +84,7 @@ UNWRAPPED_FAILS = {
 }
 METHODS = ["random", "pool", "divprune", "cdpruner", "visionzip", "tome", "asvit", "fastv", "pact", "adaptinfer",
            "uniform", "quota", "vidcom2", "fastvid", "holitom", "dycoke", "fastervlm", "vispruner", "dart", "pdrop",
-           "hired", "prumerge", "framefusion", "sparsevlm", "mustdrop", "prunevid"]
+           "hired", "prumerge", "framefusion", "sparsevlm", "mustdrop", "prunevid", "holitom:outer"]
 #: combinations a pruning call refuses with a documented message (no tower attention there)
 CALL_REFUSALS = {**{("onevision_image", name): f"{title} runs on LLaVA-1.5 images and LLaVA-OneVision videos"
                     for name, title in (("visionzip", "VisionZip"), ("fastervlm", "FasterVLM"), ("vispruner", "VisPruner"))},
@@ -103,8 +103,10 @@ def _method(name: str, keep: float):
                      else torch.linspace(0.9, 0.1, pixels.shape[0]))
     if name == "fastvid":  # a context share that leaves a merged anchor per frame of 4 tokens at keep 0.5
         return FastVID(d=0.5)
-    if name == "holitom":  # every slot static: windows of 2 frames average into one token per slot
-        return HoliTom(tau=-1.0, max_window=2)
+    if name == "holitom:outer":  # the outer stage alone: every slot static, windows of 2 frames average into one
+        return HoliTom(tau=-1.0, max_window=2, inner=False)  # token per slot (the budget at keep 0.5)
+    if name == "holitom":  # both stages at keep 0.5: the outer keeps round(0.5 n / 0.75), the inner merge before
+        return HoliTom(layer=2, r=0.25)  # layer 2 (the official 18 is too deep here) lands on the target
     if name == "prunevid":  # slots still through a window (tau 0): static tokens averaged; selection in layer 2
         return PruneVid(layer=2, tau=0.0)
     if name == "pact" and keep == 1.0:
@@ -244,7 +246,7 @@ def assisted(model, inp1, adapter: str) -> torch.Tensor:
 def wrapped(adapter: str, method: str, keep: float):
     """(model, inputs, batch-1 inputs) of the adapter wrapped with ``method``; None when wrap() or
     the call refuses the combination with its documented message."""
-    if "frames" in method_stages(method) and adapter not in VIDEO:
+    if "frames" in method_stages(method.split(":")[0]) and adapter not in VIDEO:
         pytest.skip("frames methods act on video only")
     if adapter in ONLY and method not in ONLY[adapter]:
         pytest.skip(f"{adapter} runs {', '.join(ONLY[adapter])} only (ONLY)")
@@ -478,19 +480,29 @@ def staged_reference(model, inp: dict, rec: dict):
 
 
 def pipeline_reference(model, inp: dict, rec: dict):
-    """Frames / vision stage, then in-LLM (PruneVid): the vision reference's shorter input of the
-    rows the first stage kept (the rows the llm stage chose from), with the rows the llm stage
-    dropped hidden as keys from its pruning layer on."""
+    """Frames / vision stage, then in-LLM (PruneVid, HoliTom): the vision reference's shorter input
+    of the rows the first stage kept (the rows the llm stage chose from), with the rows the llm stage
+    dropped hidden as keys from its pruning layer on, and the rows it merged others into (HoliTom)
+    given their merged hidden states entering that layer."""
     (layer, origin, reds), = rec["selects"]
     ref, hooks = vision_reference(model, inp, {**rec, "rows": origin})
     b, k = ref["attention_mask"].shape
     dropped = torch.zeros(b, k, dtype=torch.bool)
+    centre = torch.zeros(b, k, dtype=torch.bool)
+    feats = torch.zeros(b, k, rec["embeds"].shape[-1])
     for i, red in enumerate(reds):
         rows = origin[i][origin[i] >= 0]  # the short input's rows, left-padded to k
         short = torch.zeros(origin.shape[1], dtype=torch.bool)
         short[red.indices] = True
         dropped[i, k - rows.numel():] = ~short[origin[i] >= 0]
+        if red.features is not None:  # the rows that absorbed others take their merged states
+            col = torch.cumsum(origin[i] >= 0, 0) - 1 + k - rows.numel()  # each row's column in the short input
+            grew = torch.bincount(red.merged_into[red.merged_into >= 0], minlength=origin.shape[1])[red.indices] > 1
+            centre[i, col[red.indices[grew]]] = True
+            feats[i, col[red.indices[grew]]] = red.features[grew].float()
     hooks.hidden = [None if i < layer else dropped for i in range(len(hooks.hidden))]
+    if centre.any():
+        hooks.replace = (layer, centre, feats)
     return ref, hooks
 
 

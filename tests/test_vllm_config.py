@@ -138,6 +138,8 @@ def _spec(**over) -> str:
     (_spec(method="dycoke", knobs={"decode_pruning": True}), ONEVISION, "vlm_prune",
      "dycoke's decode-time KV pruning (decode_pruning=True) changes which cached keys each decode step attends to"),
     (_spec(method="fastvid"), QWEN3, "vlm_prune.method", "fastvid ranks a video's tokens by the attention they receive"),
+    (_spec(method="holitom"), ONEVISION, "vlm_prune", 'the paper\'s \'w/o M\': pass inner=False (knobs {"inner": false})'),
+    (_spec(method="holitom", knobs={"inner": "no"}), ONEVISION, "vlm_prune.knobs.inner", "takes true / false"),
     (_spec(method="vidcom2"), LLAVA, "vlm_prune.method", "frames method 'vidcom2' chooses video frames"),
     (_spec(method="keyscore"), QWEN3, "vlm_prune.method", "keyscore chooses a video's slices from the tower's features"),
     (_spec(method="fastervlm"), QWEN3, "vlm_prune.method", "fastervlm needs the vision tower's attention"),
@@ -170,6 +172,31 @@ def test_valid_specs_pass_with_their_defaults_and_any_integer_seed():
         "dominant_ratio": 1, "positions": None}
     spec = vp.method_spec("cdpruner", keep=0.25, seed=-3)
     assert validate_spec(spec, "VlmPruneQwen2VLForConditionalGeneration") == spec  # the plugin's class name too
+
+
+def test_holitom_runs_its_outer_stage_alone_as_wrap_does():
+    """vLLM cannot merge inside the LLM: the default holitom (inner=True) is refused with the fix, and
+    holitom inner=False keeps per video the count wrap(model, HoliTom(inner=False)) keeps, with a target
+    and without one (the official retain=0.1)."""
+    import tiny_models as T
+    import vlm_prune
+    from vlm_prune.frames.holitom import HoliTom
+    from vlm_prune.vllm.config import method_of, validate_spec
+    from vlm_prune.vllm.frames import frames_slots
+
+    with pytest.raises(ValueError, match="merges a video's tokens inside the language model.*pass inner=False"):
+        vp.method_spec("holitom", keep=0.25)
+    with pytest.raises(ValueError, match="pass inner=False"):
+        vp.method_spec(HoliTom(layer=2), budget=5)
+    for target in ({"keep": 0.25}, {"budget": 5}, {}):
+        spec = validate_spec(json.dumps({"method": "holitom", "knobs": {"inner": False}, **target}), ONEVISION)
+        method = method_of(spec)
+        assert (method.name, method.stage, method.inner) == ("holitom", "frames", False)
+        model = T.tiny_onevision()
+        vlm_prune.wrap(model, HoliTom(inner=False), **target)
+        stats = T.forward_stats(model, T.onevision_video_inputs(model, frames=8))  # 8 frames of 2 x 2 tokens
+        assert [frames_slots(method, 8, 4)] * 2 == stats["visual_tokens_out"] == [{"keep": 8, "budget": 5}.get(
+            next(iter(target), ""), 3)] * 2
 
 
 def test_request_kwargs_runs_the_same_validation(checkpoint):

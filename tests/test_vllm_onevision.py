@@ -48,7 +48,8 @@ VISION_CASES = [("random", {"keep": 0.5}), ("pool", {"keep": 0.25}), ("divprune"
 FRAMES_CASES = [("uniform", {"keep": 0.5}), ("uniform", {"budget": 40}), ("uniform", {"budget": 10}),
                 ("keyscore", {"keep": 0.5}), ("keyscore", {"budget": 10}),
                 # issue 31: the budget's tokens over the frames (vidcom2: by uniqueness; fastvid, holitom: SigLIP's
-                # attention, merging the rest into anchors / static windows), each at its own slot
+                # attention, merging the rest into anchors / static windows), each at its own slot; holitom with
+                # inner=False (its outer stage: vLLM cannot run its inner-LLM merge, see _knobs)
                 ("vidcom2", {"keep": 0.25}), ("vidcom2", {"budget": 50}), ("fastvid", {"keep": 0.25}),
                 ("fastvid", {"budget": 30}), ("holitom", {"keep": 0.25}), ("holitom", {"budget": 30}),
                 ("dycoke", {"keep": 0.5})]  # DyCoke's temporal merging: counts from the budget and the shape alone
@@ -126,6 +127,10 @@ def _knobs(method: str, budget: dict) -> tuple[object, dict]:
         from vlm_prune.frames import KeyScore
 
         return KeyScore(**KEYSCORE), budget
+    if method == "holitom":  # the outer stage, on both sides (the default inner merge is refused in vLLM)
+        from vlm_prune.frames.holitom import HoliTom
+
+        return HoliTom(inner=False), budget
     return method, budget
 
 
@@ -296,6 +301,13 @@ def test_refusals(llm, checkpoint):
             llm.generate({"prompt": PROMPTS[0][0], "multi_modal_data": _media("image"),
                           "mm_processor_kwargs": vp.request_kwargs(name, keep=0.5)},
                          SamplingParams(max_tokens=1), use_tqdm=False)
+    # holitom's default adds its inner-LLM merge, which vLLM cannot run: refused with the fix (inner=False)
+    with pytest.raises(ValueError, match="merges a video's tokens inside the language model.*pass inner=False"):
+        vp.engine_kwargs(str(checkpoint), "holitom", keep=0.25)
+    with pytest.raises(ValueError, match="pass inner=False"):  # a request's own spec, checked before the engine
+        llm.generate({"prompt": PROMPTS[1][0], "multi_modal_data": _media("video"),
+                      "mm_processor_kwargs": {"vlm_prune": '{"method": "holitom", "keep": 0.25}'}},
+                     SamplingParams(max_tokens=1), use_tqdm=False)
     tokens, _ = run_vllm(llm, "divprune", {"keep": 0.5}, prompts=[PROMPTS[0]])  # the engine serves on
     assert len(tokens[0]) == STEPS
 

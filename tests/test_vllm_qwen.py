@@ -93,6 +93,10 @@ def _method(name):
         from vlm_prune.frames import KeyScore
 
         return KeyScore(**KEYSCORE)
+    if name == "holitom":  # its outer stage (vLLM refuses the default inner-LLM merge on every model)
+        from vlm_prune.frames.holitom import HoliTom
+
+        return HoliTom(inner=False)
     return name
 
 

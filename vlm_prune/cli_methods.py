@@ -15,7 +15,8 @@ ONE_LINE = {
     "fastvid": "cuts the video into scenes, keeps each frame's most attended tokens and merges the rest into density peaks",
     "dycoke": "drops the tokens of every second frame (and every fourth) that repeat the frame before",
     "fastv": "drops the visual tokens that get the least attention at one early LLM layer",
-    "holitom": "averages tokens that stay still over windows of frames, clusters them, keeps each frame's most attended others",
+    "holitom": ("averages tokens that stay still over windows of frames, clusters them, keeps each frame's most attended "
+                "others; then merges half into their most similar kept token inside the LLM (inner=False: outside only)"),
     "keyscore": "picks video frames by caption similarity, temporal spread and novelty (STACFP)",
     "pact": "drops unimportant visual tokens and merges similar ones inside the LLM (clustering)",
     "pool": "averages each image's token grid down to a coarser grid (baseline)",

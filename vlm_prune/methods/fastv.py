@@ -1,6 +1,8 @@
 """FastV: drop visual tokens inside the LLM by the attention they receive."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from vlm_prune.methods.base import LayerContext, LLMMethod, Reduction
@@ -104,6 +106,16 @@ def last_query_attention(ctx: LayerContext) -> torch.Tensor:
     q, k = ctx.project_qk(ctx.hidden, ctx.positions, rope=True, q_rows=rows)  # q [B, H, 1, d]
     scale = getattr(ctx.layer_module.self_attn, "scaling", None) or q.shape[-1] ** -0.5
     return attention_received(q, k, ctx.valid.unsqueeze(1), scale)[:, 0]  # the last row sees every valid key
+
+
+def previous_layer_attention(ctx: LayerContext) -> torch.Tensor:
+    """[B, S] :func:`last_query_attention` in the layer before ``ctx.layer``, on the rows that entered
+    it (``extras["previous_hidden"]`` of a method with ``needs_previous_hidden``: the same rows as
+    now, when nothing was removed in between) - the attention a layer-K method reads from layer K-1
+    while it changes the hidden states entering layer K (FrameFusion's pruning, HoliTom's merge)."""
+    prev = replace(ctx, layer=ctx.layer - 1, hidden=ctx.extras["previous_hidden"],
+                   project_qk=ctx.extras["previous_project_qk"])
+    return last_query_attention(prev)
 
 
 def keeps_every_visual(ctx: LayerContext) -> bool:

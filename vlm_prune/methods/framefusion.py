@@ -1,11 +1,11 @@
 """FrameFusion: merge video tokens that repeat the previous frame, then prune by importance, in the first LLM layers."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 import torch
 
 from vlm_prune.methods.base import LayerContext, LLMMethod, Reduction
-from vlm_prune.methods.fastv import keep_top_visual, last_query_attention
+from vlm_prune.methods.fastv import keep_top_visual, previous_layer_attention
 from vlm_prune.registry import register
 
 #: the decoder depth the official cost formula assumes (hard-coded: Qwen2-7B's 28 layers, the LLM of
@@ -232,9 +232,7 @@ class FrameFusion(LLMMethod):
     def _importance(self, ctx: LayerContext) -> torch.Tensor:
         """[B, S] head-averaged attention the last row pays each row in the layer before this one, on
         the rows that entered it (the same rows as now: nothing changes between a merge and the pruning)."""
-        prev = replace(ctx, layer=ctx.layer - 1, hidden=ctx.extras["previous_hidden"],
-                       project_qk=ctx.extras["previous_project_qk"])
-        return last_query_attention(prev)
+        return previous_layer_attention(ctx)
 
     def _prune(self, ctx: LayerContext, i: int, scores: torch.Tensor, n_vis: int, st: SampleState) -> Reduction | None:
         """Importance pruning of sample i to the target (or the official cost's count)."""

@@ -105,6 +105,15 @@ IN_LLM_REFUSAL = (
     "with vlm_prune.wrap() on the Hugging Face model; docs/vllm.md says what supporting it would take"
 )
 
+#: a frames method whose default adds an inner-LLM stage (HoliTom's merge), asked for with it
+INNER_REFUSAL = (
+    "{name} (inner=True, its default: the paper's full method) also merges a video's tokens inside the language "
+    "model, which vLLM's paged KV cache (one block table per request, the same length in every layer) cannot hold; "
+    "vlm_prune.vllm runs its outer stage alone, the paper's 'w/o M': pass inner=False (knobs {{\"inner\": false}}), "
+    "which keeps the tokens wrap(model, HoliTom(inner=False)) keeps at the same budget, or run the full {name} with "
+    "vlm_prune.wrap() on the Hugging Face model"
+)
+
 
 def method_spec(method: Any, keep: float | None = None, budget: int | None = None, seed: int = 0) -> dict[str, Any]:
     """The JSON-able configuration of one method: {"method", "knobs", "keep", "budget", "seed"}.
@@ -334,6 +343,8 @@ def build_method(spec: dict[str, Any]) -> Method:
         method = make_method(method, **spec.get("knobs", {}))
     methods = build_pipeline(method, keep=spec.get("keep"), budget=spec.get("budget"))
     stages = sorted(methods)
+    if stages == ["frames", "llm"] and getattr(methods["frames"], "inner", False):
+        raise ValueError(INNER_REFUSAL.format(name=methods["frames"].name))
     if stages == ["frames"]:
         from vlm_prune.vllm.frames import check_frames_method
 
