@@ -834,8 +834,9 @@ class Session:
         tokens; else None, with the column's note saying why no merge picture is drawn."""
         into = merged_into(col.stats)
         if into is None:
-            col.merge_note = (f"no merge picture for {col.name}: it only keeps or drops tokens "
-                              "(no stage recorded which tokens merged into which)")
+            col.merge_note = (f"no merge picture for {col.name}: no stage recorded which token merged into which "
+                              "(the method only keeps or drops tokens; FastVID folds a token into several anchors, "
+                              "HoliTom's outer merges are not recorded)")
         elif into.size != n_tokens:
             col.merge_note = f"merges of {col.name} not drawn: they cover {into.size} tokens, the picture {n_tokens}"
             return None

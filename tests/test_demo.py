@@ -301,7 +301,7 @@ def test_merging_methods_show_which_tokens_merged_into_which(session):
         assert slots.size == col.cost.visual_out - (col.name == "visionzip")  # VisionZip packs CLS first
     assert all(c.heatmap is not None for c in out.columns if c.name in ("pact", "visionzip"))
     divprune = out.columns[3]
-    assert divprune.merges is None and "only keeps or drops tokens" in divprune.card()
+    assert divprune.merges is None and "the method only keeps or drops tokens" in divprune.card()
     video = session.run(EXAMPLES_DIR / "synthetic_clip.mp4", "what colour is the shape ?", ["visionzip+pact", "uniform"],
                         keep=0.25)
     both, uniform = video.columns

@@ -100,7 +100,7 @@ def run_and_check(page, names: list[str]) -> list[str]:
                 page.locator(f"#merge{i} img").wait_for(state="attached", timeout=REQUEST_TIMEOUT_MS)
                 assert page.locator(f"#merge{i} img").get_attribute("src"), name
             else:  # pure pruners: no merge picture, and the card says why
-                assert not page.locator(f"#merge{i}").is_visible() and "only keeps or drops tokens" in card, (name, card)
+                assert not page.locator(f"#merge{i}").is_visible() and "the method only keeps or drops tokens" in card, (name, card)
     return cards
 
 
