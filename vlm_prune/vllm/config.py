@@ -30,6 +30,9 @@ ARCHITECTURES = {
     "Qwen3VLForConditionalGeneration": "VlmPruneQwen3VLForConditionalGeneration",
     "Gemma3ForConditionalGeneration": "VlmPruneGemma3ForConditionalGeneration",
     "Mistral3ForConditionalGeneration": "VlmPruneMistral3ForConditionalGeneration",
+    "InternVLForConditionalGeneration": "VlmPruneInternVLForConditionalGeneration",
+    "Idefics3ForConditionalGeneration": "VlmPruneIdefics3ForConditionalGeneration",
+    "SmolVLMForConditionalGeneration": "VlmPruneSmolVLMForConditionalGeneration",
 }
 #: the plugin's model class -> its module in vlm_prune.vllm
 MODULES = {
@@ -40,6 +43,9 @@ MODULES = {
     "VlmPruneQwen3VLForConditionalGeneration": "qwen3_vl",
     "VlmPruneGemma3ForConditionalGeneration": "gemma3",
     "VlmPruneMistral3ForConditionalGeneration": "mistral3",
+    "VlmPruneInternVLForConditionalGeneration": "internvl",
+    "VlmPruneIdefics3ForConditionalGeneration": "idefics3",
+    "VlmPruneSmolVLMForConditionalGeneration": "idefics3",
 }
 #: checkpoints whose language model has M-RoPE of its own (no mrope_section override)
 NATIVE_MROPE = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration", "Qwen3VLForConditionalGeneration")
@@ -89,6 +95,13 @@ REFUSALS = {
         "quota is refused on Qwen3-VL, as wrap() refuses it: it packs resized frames into the video's first slots, "
         "which on Qwen3-VL lie behind other slices' timestamps; use uniform or a vision-stage method"))],
 }
+#: pixel-shuffle families (InternVL, Idefics3 / SmolVLM): no CLS attention to rank by, as wrap() refuses it
+PIXEL_SHUFFLE = ("InternVLForConditionalGeneration", "Idefics3ForConditionalGeneration", "SmolVLMForConditionalGeneration")
+for _name in TOWER_METHODS:
+    REFUSALS[_name].append((PIXEL_SHUFFLE, (
+        f"{_name} ranks an image's tokens by the vision tower's feature-layer attention, which vlm_prune reads on "
+        "LLaVA-1.5 and LLaVA-OneVision only (wrap() refuses it on InternVL and Idefics3 / SmolVLM too: their tower's "
+        "tokens are pixel-shuffled, 2 x 2 patches folded into one); use divprune, cdpruner, pool or random")))
 #: families whose vLLM support is not written yet, with what it needs
 PLANNED: dict[str, str] = {}
 #: methods that run in vLLM (vision stage, a fixed count per image)

@@ -505,5 +505,144 @@ def write_mistral3(folder: str | Path, shape: Mistral3Shape = Mistral3Shape(), s
                             tokenizer=build_mistral3_tokenizer(shape), patch_size=shape.patch, spatial_merge_size=2,
                             image_token="[IMG]", image_break_token="[IMG_BREAK]", image_end_token="[IMG_END]",
                             chat_template=chat_template("[IMG]"))
+# ---- InternVL (Hugging Face format) --------------------------------------------------------------
+INTERNVL_SPECIAL = ("<IMG_CONTEXT>", "<img>", "</img>", "<video>")
+INTERNVL_TEMPLATE = chat_template("<IMG_CONTEXT>", "<video>")
+
+
+@dataclass(frozen=True)
+class InternVLShape(LlavaShape):
+    """Sizes of an ``InternVLForConditionalGeneration`` (InternViT + pixel shuffle 0.5 + Qwen2): 32 px
+    tiles of 8 x 8 patches of 4 px, shuffled to 4 x 4 = 16 tokens a tile; an image is cut into up to
+    ``max_tiles`` tiles plus a thumbnail (GotOcr2ImageProcessor's ``crop_to_patches``)."""
+
+    patch: int = 4
+    max_tiles: int = 4
+
+    @property
+    def tile_tokens(self) -> int:
+        return (self.image_size // self.patch // 2) ** 2
+
+
+def internvl_token_ids(shape: InternVLShape) -> dict[str, int]:
+    """``<IMG_CONTEXT> <img> </img> <video>`` at ids vocab - 8 ... vocab - 5."""
+    return {tok: shape.vocab - 8 + i for i, tok in enumerate(INTERNVL_SPECIAL)}
+
+
+def build_internvl_tokenizer(shape: InternVLShape):
+    names = {i: tok for tok, i in internvl_token_ids(shape).items()}
+    names.update({shape.vocab - 3: "user", shape.vocab - 2: "assistant", shape.vocab - 1: ":"})
+    media = {"context_image_token": "<IMG_CONTEXT>", "start_image_token": "<img>", "end_image_token": "</img>",
+             "video_token": "<video>"}
+    return word_tokenizer(shape.vocab, names, INTERNVL_TEMPLATE, media, added=INTERNVL_SPECIAL)
+
+
+def build_internvl_model(shape: InternVLShape, seed: int = 0):
+    """A randomly initialised ``InternVLForConditionalGeneration`` of ``shape`` (float32, eval)."""
+    from transformers import InternVLConfig, InternVLForConditionalGeneration, InternVLVisionConfig, Qwen2Config
+
+    torch.manual_seed(seed)
+    text = Qwen2Config(**text_config(shape), architectures=["Qwen2ForCausalLM"])
+    vision = InternVLVisionConfig(hidden_size=shape.vision_hidden, intermediate_size=shape.vision_intermediate,
+                                  num_hidden_layers=shape.vision_layers, num_attention_heads=shape.vision_heads,
+                                  image_size=(shape.image_size,) * 2, patch_size=(shape.patch,) * 2)
+    cfg = InternVLConfig(vision_config=vision, text_config=text, image_token_id=internvl_token_ids(shape)["<IMG_CONTEXT>"],
+                         image_seq_length=shape.tile_tokens, downsample_ratio=0.5, vision_feature_layer=-1,
+                         vision_feature_select_strategy="default", tie_word_embeddings=False)
+    model = InternVLForConditionalGeneration(cfg).eval()
+    return sharpen(model, model.model.multi_modal_projector)
+
+
+def write_internvl(folder: str | Path, shape: InternVLShape = InternVLShape(), seed: int = 0) -> Path:
+    """Save a random InternVL (Hugging Face format) model with tokenizer and processor to ``folder``."""
+    from transformers import GotOcr2ImageProcessor, InternVLProcessor, InternVLVideoProcessor
+
+    folder = Path(folder)
+    build_internvl_model(shape, seed).save_pretrained(folder)
+    size = {"height": shape.image_size, "width": shape.image_size}
+    proc = InternVLProcessor(
+        image_processor=GotOcr2ImageProcessor(size=size, crop_to_patches=True, min_patches=1,
+                                              max_patches=shape.max_tiles),
+        video_processor=InternVLVideoProcessor(size=size), tokenizer=build_internvl_tokenizer(shape),
+        image_seq_length=shape.tile_tokens, chat_template=INTERNVL_TEMPLATE)
+    proc.save_pretrained(folder)
+    return folder
+
+
+# ---- Idefics3 / SmolVLM ---------------------------------------------------------------------------
+IDEFICS3_SPECIAL = ("<image>", "<fake_token_around_image>", "<global-img>", "<row_1_col_1>", "<row_1_col_2>",
+                    "<row_2_col_1>", "<row_2_col_2>", "<end_of_utterance>")
+
+
+@dataclass(frozen=True)
+class Idefics3Shape(LlavaShape):
+    """Sizes of an ``Idefics3ForConditionalGeneration`` / ``SmolVLMForConditionalGeneration`` (SigLIP-style
+    tower + pixel shuffle 2 + Llama): 32 px tiles of 8 x 8 patches of 4 px, shuffled to 4 x 4 = 16 tokens
+    a tile; images resized to at most ``longest_edge`` px and split into 32 px tiles plus a global tile
+    (an image of at most 32 px is its global tile alone). ``smolvlm``: the SmolVLM classes."""
+
+    patch: int = 4
+    longest_edge: int = 64
+    smolvlm: bool = False
+
+    @property
+    def tile_tokens(self) -> int:
+        return (self.image_size // self.patch // 2) ** 2
+
+
+def idefics3_token_ids(shape: Idefics3Shape) -> dict[str, int]:
+    """The image tokens at ids vocab - 11 ... vocab - 4."""
+    return {tok: shape.vocab - 11 + i for i, tok in enumerate(IDEFICS3_SPECIAL)}
+
+
+def build_idefics3_tokenizer(shape: Idefics3Shape):
+    names = {i: tok for tok, i in idefics3_token_ids(shape).items()}
+    names.update({shape.vocab - 3: "user", shape.vocab - 2: "assistant", shape.vocab - 1: ":"})
+    media = {"image_token": "<image>", "fake_image_token": "<fake_token_around_image>",
+             "global_image_token": "<global-img>", "end_of_utterance_token": "<end_of_utterance>"}
+    return word_tokenizer(shape.vocab, names, chat_template("<image>"), media, added=IDEFICS3_SPECIAL)
+
+
+def build_idefics3_model(shape: Idefics3Shape, seed: int = 0):
+    """A randomly initialised ``Idefics3ForConditionalGeneration`` (``shape.smolvlm``: SmolVLM) (float32, eval)."""
+    from transformers import LlamaConfig
+
+    if shape.smolvlm:
+        from transformers import SmolVLMConfig as Config, SmolVLMForConditionalGeneration as Model
+        from transformers import SmolVLMVisionConfig as VisionConfig
+    else:
+        from transformers import Idefics3Config as Config, Idefics3ForConditionalGeneration as Model
+        from transformers import Idefics3VisionConfig as VisionConfig
+    torch.manual_seed(seed)
+    text = LlamaConfig(**text_config(shape), tie_word_embeddings=False)
+    vision = VisionConfig(hidden_size=shape.vision_hidden, intermediate_size=shape.vision_intermediate,
+                          num_hidden_layers=shape.vision_layers, num_attention_heads=shape.vision_heads,
+                          image_size=shape.image_size, patch_size=shape.patch)
+    cfg = Config(vision_config=vision, text_config=text, image_token_id=idefics3_token_ids(shape)["<image>"],
+                 scale_factor=2, tie_word_embeddings=False, pad_token_id=0)
+    model = Model(cfg).eval()
+    return sharpen(model, model.model.connector)
+
+
+def write_idefics3(folder: str | Path, shape: Idefics3Shape = Idefics3Shape(), seed: int = 0) -> Path:
+    """Save a random Idefics3 (``shape.smolvlm``: SmolVLM, whose processor needs num2words) model with
+    tokenizer and processor to ``folder``."""
+    folder = Path(folder)
+    build_idefics3_model(shape, seed).save_pretrained(folder)
+    images = dict(size={"longest_edge": shape.longest_edge}, max_image_size={"longest_edge": shape.image_size},
+                  do_image_splitting=True)
+    tok, template = build_idefics3_tokenizer(shape), chat_template("<image>")
+    if shape.smolvlm:
+        from transformers import SmolVLMImageProcessor, SmolVLMProcessor, SmolVLMVideoProcessor
+
+        video = SmolVLMVideoProcessor(size={"longest_edge": shape.image_size},
+                                      max_image_size={"longest_edge": shape.image_size})
+        proc = SmolVLMProcessor(image_processor=SmolVLMImageProcessor(**images), tokenizer=tok, video_processor=video,
+                                image_seq_len=shape.tile_tokens, chat_template=template)
+    else:
+        from transformers import Idefics3ImageProcessor, Idefics3Processor
+
+        proc = Idefics3Processor(image_processor=Idefics3ImageProcessor(**images), tokenizer=tok,
+                                 image_seq_len=shape.tile_tokens, chat_template=template)
     proc.save_pretrained(folder)
     return folder

@@ -1,0 +1,246 @@
+"""vlm_prune inside vLLM on InternVL (issue 29): one vLLM engine on a tiny random Hugging Face-format
+InternVL checkpoint (``vlm_prune.vllm.tiny.write_internvl``: 32 px tiles pixel-shuffled to 4 x 4
+tokens, images cut into tiles plus a thumbnail), served by vLLM's ``InternS1ForConditionalGeneration``
+under the plugin; each request with its own method and budget. The answers, the prompt the language
+model sees and the positions of the kept tokens must equal ``wrap()``'s on the Hugging Face model,
+the budget counting over all of an image's tiles.
+
+Needs vLLM: CI runs this module in the vLLM environment (.ci/run); elsewhere it is skipped.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("vllm", reason="vLLM is installed only in the vLLM test environment (.ci/run builds it)")
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine in this process: apply_model, fast start
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+
+import numpy as np  # noqa: E402
+from PIL import Image  # noqa: E402
+
+import vlm_prune  # noqa: E402
+import vlm_prune.vllm as vp  # noqa: E402
+from vlm_prune.vllm.tiny import InternVLShape, write_internvl  # noqa: E402
+
+pytestmark = pytest.mark.timeout(900)
+ENGINE_ARGS = {"enforce_eager": True, "dtype": "float32", "max_model_len": 256, "max_num_seqs": 4, "seed": 0,
+               "limit_mm_per_prompt": {"image": 2, "video": 1}}
+STEPS = 6
+IMAGE = "<IMG_CONTEXT>"
+#: (prompt, image sizes as (width, height)): a one-tile image (its 4 x 4 grid), a 2-tile image plus its
+#: thumbnail (48 tokens, no grid), and two images in one prompt (ranks, one question for both)
+PROMPTS = [(f"<s> user : {IMAGE} w5 w6 w7 w8 assistant :", [(32, 32)]),
+           (f"<s> user : w9 {IMAGE} w10 w11 w12 w13 w14 assistant :", [(64, 32)]),
+           (f"<s> user : {IMAGE} w15 {IMAGE} w16 w17 assistant :", [(32, 32), (32, 64)])]
+CASES = [("random", {"keep": 0.5}), ("random", {"budget": 3}), ("pool", {"keep": 0.25}),
+         ("pool", {"budget": 5}),  # 5 of a 4 x 4 grid (row bands), 5 of 48 tokens without a grid (1-D)
+         ("divprune", {"keep": 0.5}), ("divprune", {"budget": 7}), ("cdpruner", {"keep": 0.5}),
+         ("cdpruner", {"budget": 6}), ("pool", {"budget": 20})]  # 20: the one-tile image keeps all its 16
+
+
+def _images() -> list[list[Image.Image]]:
+    rng = np.random.RandomState(0)
+    return [[Image.fromarray((rng.rand(h, w, 3) * 255).astype("uint8")) for w, h in sizes] for _, sizes in PROMPTS]
+
+
+def _case_id(method, budget) -> str:
+    return f"{method}-{'-'.join(f'{k}{v}' for k, v in budget.items())}"
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return write_internvl(tmp_path_factory.mktemp("internvl") / "tiny", InternVLShape(), seed=0)
+
+
+@pytest.fixture(scope="module")
+def llm(checkpoint):
+    engine = vp.LLM(str(checkpoint), "random", keep=1.0, **ENGINE_ARGS)
+    yield engine
+    del engine
+
+
+@pytest.fixture(scope="module")
+def hf(checkpoint):
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    torch.set_num_threads(1)
+    model = AutoModelForImageTextToText.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    model.set_attn_implementation("sdpa")
+    return model, AutoProcessor.from_pretrained(checkpoint)
+
+
+def request(i: int, method=None, **budget) -> dict:
+    prompt, _ = PROMPTS[i]
+    req = {"prompt": prompt, "multi_modal_data": {"image": _images()[i]}}
+    if method is not None:
+        req["mm_processor_kwargs"] = vp.request_kwargs(method, **budget)
+    return req
+
+
+def run_vllm(llm, requests: list[dict]) -> tuple[list, list, list]:
+    """Prompt token ids, greedy tokens and their log-probabilities of each request."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=STEPS, min_tokens=STEPS, logprobs=0)
+    outs = llm.generate(requests, params, use_tqdm=False)
+    prompts = [list(o.prompt_token_ids) for o in outs]
+    tokens = [list(o.outputs[0].token_ids) for o in outs]
+    logprobs = [[step[t].logprob for step, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)] for o in outs]
+    return prompts, tokens, logprobs
+
+
+def run_hf(hf, method=None, **budget) -> tuple[list, list, list, list]:
+    """Per prompt: the ids the language model sees (the dropped image rows removed), greedy tokens,
+    their log-probabilities and the positions of the kept image rows of the wrapped HF model."""
+    model, proc = hf
+    if method is not None:
+        vlm_prune.wrap(model, method, processor=proc, **budget)
+    try:
+        prompts, tokens, logprobs, kept = [], [], [], []
+        for (prompt, _), images in zip(PROMPTS, _images()):
+            inputs = proc(images=images, text=prompt, return_tensors="pt")
+            with torch.no_grad():
+                out = model.generate(**inputs, max_new_tokens=STEPS, do_sample=False, output_logits=True,
+                                     return_dict_in_generate=True, min_new_tokens=STEPS)
+            ids = inputs["input_ids"][0]
+            new = out.sequences[0, ids.numel():]
+            tokens.append(new.tolist())
+            logprobs.append([torch.log_softmax(s[0].float(), -1)[t].item() for s, t in zip(out.logits, new)])
+            image = ids == model.config.image_token_id
+            rows = (list(range(ids.numel())) if method is None
+                    else [int(r) for r in model.vlm_prune.last_rows[0] if r >= 0])
+            prompts.append([int(ids[r]) for r in rows])
+            # a method whose official code feeds the shorter sequence (DivPrune, CDPruner: renumber_positions)
+            # gives the kept rows positions 0, 1, ... in order
+            renumber = method is not None and getattr(model.vlm_prune.methods.get("vision"), "renumber_positions", False)
+            kept.append([j if renumber else r for j, r in enumerate(rows) if image[r]])
+        return prompts, tokens, logprobs, kept
+    finally:
+        if method is not None:
+            vlm_prune.unwrap(model)
+
+
+def image_positions(llm) -> list[int]:
+    """Positions of the image rows of the engine's latest prefill."""
+    return llm.apply_model(lambda m: m.last_image_positions)[0]
+
+
+def test_keep_all_equals_unwrapped_hf(llm, hf):
+    prompts, tokens, logprobs = run_vllm(llm, [request(i) for i in range(len(PROMPTS))])
+    ref_prompts, ref_tokens, ref_logprobs, _ = run_hf(hf)
+    assert prompts == ref_prompts
+    assert tokens == ref_tokens
+    np.testing.assert_allclose(logprobs, ref_logprobs, atol=2e-4)
+
+
+@pytest.mark.parametrize("method,budget", CASES, ids=[_case_id(*c) for c in CASES])
+def test_method_equals_wrapped_hf(llm, hf, method, budget):
+    """Same prompt the language model sees (``<img>``, the kept count of ``<IMG_CONTEXT>``, ``</img>``),
+    same greedy tokens and log-probabilities as wrap(same method, same budget), and the kept tokens at
+    wrap()'s positions (their original ones; renumbered for DivPrune / CDPruner, whose official code
+    feeds the shorter sequence)."""
+    from vllm import SamplingParams
+
+    ref_prompts, ref_tokens, ref_logprobs, ref_kept = run_hf(hf, method, **budget)
+    prompts, tokens, logprobs = run_vllm(llm, [request(i, method, **budget) for i in range(len(PROMPTS))])
+    assert prompts == ref_prompts
+    assert tokens == ref_tokens
+    np.testing.assert_allclose(logprobs, ref_logprobs, atol=2e-4)
+    for i in range(len(PROMPTS)):
+        llm.generate(request(i, method, **budget), SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)
+        assert image_positions(llm) == ref_kept[i]
+
+
+def test_budget_counts_over_all_tiles(llm):
+    """budget=5 on the 3-tile image (2 tiles + thumbnail, 48 tokens): 5 slots for the whole image, not
+    5 per tile (wrap()'s meaning: visual tokens per image reaching the language model)."""
+    from vlm_prune.vllm.tiny import internvl_token_ids
+
+    prompts, _, _ = run_vllm(llm, [request(1, "pool", budget=5), request(1, "divprune", keep=0.25)])
+    context = internvl_token_ids(InternVLShape())["<IMG_CONTEXT>"]
+    assert [p.count(context) for p in prompts] == [5, 12]
+
+
+def test_mixed_batch_equals_each_alone(llm):
+    """Requests with different methods and budgets in one batch (one engine step) answer as each alone."""
+    mixed = [request(0, "divprune", keep=0.5), request(1, "pool", budget=5), request(2, "cdpruner", budget=6),
+             request(1), request(2, "random", keep=0.25)]
+    together = run_vllm(llm, mixed)
+    alone = [run_vllm(llm, [r]) for r in mixed]
+    for j in range(len(mixed)):
+        assert together[0][j] == alone[j][0][0] and together[1][j] == alone[j][1][0]
+        np.testing.assert_array_equal(together[2][j], alone[j][2][0])
+
+
+def test_refusals_per_request(llm):
+    """Methods wrap() refuses on InternVL are refused per request with the reason (the engine serves on);
+    in-LLM methods and frames methods with vLLM's."""
+    for name in ("visionzip", "fastervlm", "vispruner"):
+        with pytest.raises(ValueError, match=f"{name} ranks an image's tokens by the vision tower's feature-layer "
+                                             "attention.*InternVL"):
+            run_vllm(llm, [request(0, name, keep=0.5)])
+    with pytest.raises(ValueError, match="frames method 'uniform' chooses video frames"):
+        run_vllm(llm, [request(0, "uniform", keep=0.5)])
+    with pytest.raises(ValueError, match="prunes inside the language model"):
+        run_vllm(llm, [{**request(0), "mm_processor_kwargs": {"vlm_prune": json.dumps({"method": "fastv", "keep": 0.5})}}])
+    _, tokens, _ = run_vllm(llm, [request(0, "divprune", keep=0.5)])
+    assert len(tokens[0]) == STEPS
+
+
+def test_video_pruning_is_refused(llm, checkpoint):
+    """An InternVL video (frames written as 'Frame i: <img>...</img>' runs) is not pruned in vLLM yet:
+    a request that would prune one is refused with the reason, not served unpruned."""
+    from vlm_prune.vllm.internvl import VIDEO_REFUSAL
+
+    video = (np.random.RandomState(1).rand(2, 32, 32, 3) * 255).astype("uint8")
+    req = {"prompt": "<s> user : <video> w5 assistant :", "multi_modal_data": {"video": video},
+           "mm_processor_kwargs": vp.request_kwargs("divprune", keep=0.5)}
+    with pytest.raises(ValueError, match="InternVL video is not pruned by vlm_prune.vllm yet") as err:
+        run_vllm(llm, [req])
+    assert VIDEO_REFUSAL in str(err.value)
+
+
+def plain_vllm_main(model: str, out: str) -> None:
+    """The child of :func:`test_keep_all_equals_plain_vllm`: vLLM's own class on ``model``."""
+    import vllm
+
+    llm = vllm.LLM(model=model, **ENGINE_ARGS)
+    served = type(llm.apply_model(lambda m: m)[0]).__name__
+    with open(out, "w") as f:
+        json.dump({"class": served, "result": run_vllm(llm, [request(i) for i in range(len(PROMPTS))])}, f)
+    llm.llm_engine.engine_core.shutdown()
+
+
+@pytest.mark.timeout(600)
+def test_keep_all_equals_plain_vllm(checkpoint, llm, tmp_path):
+    """The plugin with nothing pruned is vLLM's own InternVL class (InternS1ForConditionalGeneration), bit
+    for bit: prompt tokens, greedy tokens, log-probabilities (three identical M-RoPE rows are the 1-D
+    RoPE; the offset channels add nothing)."""
+    import subprocess
+    import sys
+
+    from test_vllm_engine import Child
+
+    out = tmp_path / "result.json"
+    code = "import sys; sys.path.insert(0, sys.argv[1]); import test_vllm_internvl as t; t.plain_vllm_main(*sys.argv[2:])"
+    child = Child([sys.executable, "-c", code, os.path.dirname(__file__), str(checkpoint), str(out)], tmp_path / "log")
+    try:
+        child.proc.wait(500)
+    except subprocess.TimeoutExpired:
+        raise AssertionError(f"the engine did not answer in 500 s:\n{child.log_tail()}") from None
+    finally:
+        child.stop()
+    assert child.proc.returncode == 0, f"the engine failed ({child.proc.returncode}):\n{child.log_tail()}"
+    plain = json.loads(out.read_text())
+    assert plain["class"] == "InternS1ForConditionalGeneration"
+    prompts, tokens, logprobs = plain["result"]
+    ref_prompts, ref_tokens, ref_logprobs = run_vllm(llm, [request(i) for i in range(len(PROMPTS))])
+    assert prompts == ref_prompts
+    assert tokens == ref_tokens
+    np.testing.assert_array_equal(logprobs, ref_logprobs)

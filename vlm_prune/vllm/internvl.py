@@ -1,0 +1,245 @@
+"""InternVL (Hugging Face format, ``InternVLForConditionalGeneration``) served by vLLM with a vision-stage
+method of vlm_prune.
+
+vLLM 0.32 serves this checkpoint class with ``InternS1ForConditionalGeneration``
+(vllm/model_executor/models/interns1.py: InternViT tower, pixel shuffle 0.5, MLP projector, the
+language model of ``text_config``); the plugin's class is that one with the LLaVA-1.5 pattern of
+vlm_prune/vllm/llava.py (docs/vllm.md):
+
+- An image is cut into tiles (plus a thumbnail) by the processor; each tile is ``image_seq_length``
+  tokens after the pixel shuffle, and vLLM writes the image as ``<img>`` + the tiles' tokens as ONE
+  run of ``<IMG_CONTEXT>`` + ``</img>``. As in ``wrap()`` (adapters/internvl.py) the image's run is
+  one item: ``keep`` / ``budget`` count over all of its tiles, a one-tile image keeps its square grid,
+  a multi-tile image has none (grid-aware methods pool 1-D). The processor gives the run
+  ``method.n_keep(tiles x image_seq_length)`` slots, so the scheduler and the KV cache only ever see
+  kept tokens; ``<img>`` / ``</img>`` stay.
+- Kept tokens keep their original positions (offsets in extra embedding channels, three identical
+  M-RoPE rows = the language model's 1-D RoPE), ``</img>`` and the text after the image continue
+  from the unpruned length.
+- Video (the processor writes each frame as ``Frame i: <img>...</img>``; ``wrap()`` prunes each frame
+  as an image): not wired into vLLM yet; a pruning request with a video is refused with that reason.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from vllm.config import VllmConfig
+from vllm.model_executor.models.interfaces import SupportsMRoPE
+from vllm.model_executor.models.interns1 import (
+    InternS1DummyInputsBuilder,
+    InternS1ForConditionalGeneration,
+    InternS1MultiModalProcessor,
+    InternS1ProcessingInfo,
+)
+from vllm.multimodal import MULTIMODAL_REGISTRY
+from vllm.multimodal.inputs import MultiModalFeatureSpec
+from vllm.multimodal.processing import PromptReplacement, PromptUpdate, PromptUpdateDetails, cached_encode
+
+from vlm_prune.methods.base import Method, VisionContext, item_generator
+from vlm_prune.vllm.config import SpecError
+from vlm_prune.vllm.llava import (
+    QUERY_KEY,
+    RANK_KEY,
+    SPEC_KEY,
+    OffsetChannels,
+    PrunedLlavaMultiModalProcessor,
+    RequestSpecError,
+    encode_offsets,
+    method_of,
+    spec_from,
+    spec_of,
+    tag_items,
+)
+
+#: each item's unpruned count of visual tokens (where the text after it continues)
+FULL_KEY = "vlm_prune_full"
+VIDEO_REFUSAL = (
+    "InternVL video is not pruned by vlm_prune.vllm yet: the processor writes each frame as its own "
+    "'Frame i: <img>...</img>' run, which wrap() prunes as one image each; send the video with keep=1.0 "
+    "(or prune it with vlm_prune.wrap() on the Hugging Face model), or send its frames as images"
+)
+
+
+def keeps_all(method: Method, n: int) -> bool:
+    return method.n_keep(n, 1) >= n
+
+
+class PrunedInternVLProcessingInfo(InternS1ProcessingInfo):
+    def method(self, mm_kwargs: Mapping[str, object] | None = None) -> Method:
+        return method_of(spec_of(self.get_hf_config(), mm_kwargs))
+
+
+class PrunedInternVLMultiModalProcessor(InternS1MultiModalProcessor):
+    """InternS1's processor; an image's run of ``<IMG_CONTEXT>`` gets the kept count of slots, and
+    each item carries its question ids, rank, spec and unpruned count to the encoder."""
+
+    _template_suffix = PrunedLlavaMultiModalProcessor._template_suffix
+
+    def _apply_hf_processor_main(self, mm_items: Any, hf_kwargs: Mapping[str, object]) -> Any:
+        return super()._apply_hf_processor_main(mm_items, {k: v for k, v in hf_kwargs.items() if k != "vlm_prune"})
+
+    def _get_prompt_updates(self, mm_items: Any, hf_processor_mm_kwargs: Mapping[str, object], out_mm_kwargs: Any
+                            ) -> Sequence[PromptUpdate]:
+        updates = super()._get_prompt_updates(mm_items, {k: v for k, v in hf_processor_mm_kwargs.items()
+                                                        if k != "vlm_prune"}, out_mm_kwargs)
+        method = self.info.method(hf_processor_mm_kwargs)
+        hf_processor = self.info.get_hf_processor()
+        tokenizer = self.info.get_tokenizer()
+        data = out_mm_kwargs.get_data()
+        tiles = data["image_num_patches"].tolist() if "image_num_patches" in data else []
+        per_tile = hf_processor.image_seq_length
+
+        def image(item_idx: int) -> PromptUpdateDetails:
+            k = method.n_keep(tiles[item_idx] * per_tile, 1)
+            text = hf_processor.start_image_token + hf_processor.image_token * k + hf_processor.end_image_token
+            return PromptUpdateDetails.select_token_id(cached_encode(tokenizer, text, add_special_tokens=False),
+                                                       hf_processor.image_token_id)
+
+        video_update = next(u for u in updates if u.modality == "video")
+
+        def video(item_idx: int) -> Any:
+            if not keeps_all(method, per_tile):
+                raise RequestSpecError(SpecError("mm_processor_kwargs.vlm_prune.method", VIDEO_REFUSAL))
+            return video_update.replacement(item_idx)
+
+        return [PromptReplacement(modality="image", target=[hf_processor.image_token_id], replacement=image),
+                PromptReplacement(modality="video", target=video_update.target, replacement=video)]
+
+    def apply(self, inputs: Any, timing_ctx: Any) -> Any:
+        spec = spec_of(self.info.get_hf_config(), inputs.hf_processor_mm_kwargs)
+        method = method_of(spec)
+        out = super().apply(inputs, timing_ctx)
+        per_tile = self.info.get_hf_processor().image_seq_length
+        full = {modality: [int(item["image_num_patches" if modality == "image" else "video_num_patches"].data) * per_tile
+                           if item is not None else 0 for item in items]
+                for modality, items in out["mm_kwargs"].items()}
+        return tag_items(out, spec, method, self._template_suffix(),
+                         lambda modality, rank: {FULL_KEY: full[modality][rank]})
+
+
+@MULTIMODAL_REGISTRY.register_processor(PrunedInternVLMultiModalProcessor, info=PrunedInternVLProcessingInfo,
+                                        dummy_inputs=InternS1DummyInputsBuilder)
+class VlmPruneInternVLForConditionalGeneration(OffsetChannels, InternS1ForConditionalGeneration, SupportsMRoPE):
+    """vLLM's InternVL (InternS1 class, HF format) with a vlm_prune vision-stage method (random, pool,
+    divprune, cdpruner) on images."""
+
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
+        super().__init__(vllm_config=vllm_config, prefix=prefix)
+        self.tile_tokens = self.num_image_token
+        one_d_rope(self.language_model)
+
+    def embed_multimodal(self, **kwargs: object) -> Any:
+        extras = {k: kwargs.pop(k, None) for k in (QUERY_KEY, RANK_KEY, SPEC_KEY, FULL_KEY)}
+        out: list[torch.Tensor] = []
+        for modality, inputs in self._parse_and_validate_multimodal_inputs(**kwargs).items():
+            if inputs is None:
+                continue
+            if inputs["type"] not in ("pixel_values", "pixel_values_videos"):
+                raise ValueError("vlm_prune.vllm prunes images given as pixels; embedding inputs are not supported")
+            for b, feats in enumerate(self._process_vision_input(inputs)):
+                item = {k: _item(v, b) for k, v in extras.items()}
+                out.append(self._reduce(modality, feats.reshape(-1, feats.shape[-1]), item))
+        return out
+
+    def _reduce(self, modality: str, feats: torch.Tensor, item: dict[str, Any]) -> torch.Tensor:
+        """One image's kept rows (in order) with their offsets from their slots in three extra channels."""
+        spec = spec_from(item[SPEC_KEY], spec_of(self.config))
+        method = method_of(spec)
+        n = feats.shape[0]
+        if modality != "images" or keeps_all(method, n):
+            return torch.cat([feats, encode_offsets(torch.zeros(n, dtype=torch.long), feats.dtype)], dim=1)
+        rank = int(item[RANK_KEY].reshape(-1)[0]) if item[RANK_KEY] is not None else 0
+        text = None
+        if item[QUERY_KEY] is not None:
+            text = self.language_model.model.embed_tokens(item[QUERY_KEY].reshape(-1).to(feats.device).long())
+        side = int(round(self.tile_tokens ** 0.5))
+        grid = (side, side) if n == self.tile_tokens and side * side == n else None
+        ctx = VisionContext(features=feats, n_keep=method.n_keep(n, 1), grid=grid, text_embeds=text,
+                            generator=item_generator(int(spec.get("seed", 0)), rank), image_index=rank)
+        with torch.no_grad():
+            red = method.reduce_image(ctx)
+        if red.sizes is not None:
+            raise ValueError(f"method {method.name!r} merges tokens with sizes (proportional attention), which "
+                             "vLLM's attention cannot weight; use a method that keeps or replaces tokens")
+        idx = red.indices.to(feats.device)
+        kept = feats[idx] if red.features is None else red.features.to(feats.dtype)
+        idx, order = torch.sort(idx)  # the language model reads them in the image's order, as wrap() scatters them
+        kept = kept[order]
+        offsets = idx - torch.arange(idx.numel(), device=idx.device)
+        if getattr(method, "renumber_positions", False):  # the official shorter sequence (wrap() too)
+            offsets = torch.zeros_like(offsets)
+        return torch.cat([kept, encode_offsets(offsets, kept.dtype)], dim=1)
+
+    def get_mrope_input_positions(self, input_tokens: list[int], mm_features: list[MultiModalFeatureSpec]
+                                  ) -> tuple[torch.Tensor, int]:
+        """Positions of the unpruned sequence (three identical rows): an image's slots start where its
+        tokens started (forward() moves each kept token to its own), the rows after its last slot
+        (``</img>``, the text) continue from the unpruned length. Methods whose official code feeds
+        the shorter sequence (DivPrune, CDPruner: ``renumber_positions``, as wrap() on InternVL) keep
+        vLLM's contiguous positions."""
+        return unpruned_positions(len(input_tokens), mm_features, lambda f: renumbers(f, self.config))
+
+
+def one_d_rope(module: torch.nn.Module) -> int:
+    """Make every M-RoPE layer under ``module`` apply the 1-D RoPE of its first position row, through
+    vLLM's own 1-D kernel; returns how many. The plugin's three position rows are always identical on
+    a family without M-RoPE of its own (``mrope_rope_parameters``), and vLLM's M-RoPE computes the same
+    rotation with other operations (on CPU: PyTorch ops instead of the ``rotary_embedding`` kernel, last
+    bits apart): so nothing pruned equals vLLM's own class bit for bit."""
+    from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
+    from vllm.model_executor.layers.rotary_embedding.mrope import MRotaryEmbedding
+
+    count = 0
+    for rope in module.modules():
+        if type(rope) is not MRotaryEmbedding or rope.scaling_factor is not None:
+            continue
+        plain = getattr(RotaryEmbedding, rope._forward_method.__name__)
+
+        def forward(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor | None = None,
+                    offsets: torch.Tensor | None = None, rope: MRotaryEmbedding = rope, plain: Any = plain) -> Any:
+            return plain(rope, positions[0] if positions.dim() == 2 else positions, query, key)
+
+        rope.forward = forward
+        count += 1
+    return count
+
+
+def renumbers(feature: MultiModalFeatureSpec, hf_config: Any) -> bool:
+    """Whether the method of a media item renumbers positions (the request's spec, or the engine's)."""
+    elem = feature.data.get(SPEC_KEY) if feature.data is not None else None
+    spec = spec_from(elem.data if elem is not None else None, spec_of(hf_config))
+    return bool(getattr(method_of(spec), "renumber_positions", False))
+
+
+def unpruned_positions(n_tokens: int, mm_features: list[MultiModalFeatureSpec],
+                       renumbered: Any = lambda f: False, full_key: str = FULL_KEY) -> tuple[torch.Tensor, int]:
+    """[3, n_tokens] positions (identical rows) and the decode shift of a prompt whose media items
+    hold fewer embedding rows than their unpruned count (``full_key`` of each item): inside an item's
+    placeholder range the rows up to its last embedding row count on from the item's start, the rows
+    after it (closing tokens) and everything after the item from the unpruned length; items for which
+    ``renumbered(feature)`` holds shift nothing (the shorter sequence numbered without gaps)."""
+    pos = torch.empty(n_tokens, dtype=torch.long)
+    shift, cursor = 0, 0
+    for f in sorted(mm_features, key=lambda f: f.mm_position.offset):
+        start, length = f.mm_position.offset, f.mm_position.length
+        is_embed = f.mm_position.is_embed
+        embeds = int(is_embed.sum()) if is_embed is not None else length
+        last = int(torch.nonzero(is_embed)[-1]) + 1 if is_embed is not None and embeds else length
+        elem = f.data.get(full_key) if f.data is not None else None
+        full = int(elem.data.reshape(-1)[0]) if elem is not None else embeds
+        if renumbered(f):
+            full = embeds
+        pos[cursor:start + last] = torch.arange(cursor, start + last) + shift
+        shift += max(0, full - embeds)
+        pos[start + last:start + length] = torch.arange(start + last, start + length) + shift
+        cursor = start + length
+    pos[cursor:] = torch.arange(cursor, n_tokens) + shift
+    return pos[None].expand(3, -1).clone(), shift
+
+
+def _item(value: Any, b: int) -> torch.Tensor | None:
+    if value is None:
+        return None
+    return value[b] if isinstance(value, (list, tuple)) or value.dim() > 1 else value
