@@ -30,6 +30,7 @@ from PIL import Image  # noqa: E402
 import vlm_prune  # noqa: E402
 import vlm_prune.vllm as vp  # noqa: E402
 from vlm_prune.vllm.tiny import Idefics3Shape, idefics3_token_ids, write_idefics3  # noqa: E402
+from test_vllm_internvl import check_mixed, check_plain_vllm, plain_main, run_vllm  # noqa: E402  (the same helpers)
 
 pytestmark = pytest.mark.timeout(900)
 ENGINE_ARGS = {"enforce_eager": True, "dtype": "float32", "max_model_len": 256, "max_num_seqs": 4, "seed": 0,
@@ -98,18 +99,6 @@ def request(i: int, method=None, **budget) -> dict:
     if extra:
         req["mm_processor_kwargs"] = extra
     return req
-
-
-def run_vllm(llm, requests: list[dict]) -> tuple[list, list, list]:
-    """Prompt token ids, greedy tokens and their log-probabilities of each request."""
-    from vllm import SamplingParams
-
-    params = SamplingParams(temperature=0.0, max_tokens=STEPS, min_tokens=STEPS, logprobs=0)
-    outs = llm.generate(requests, params, use_tqdm=False)
-    prompts = [list(o.prompt_token_ids) for o in outs]
-    tokens = [list(o.outputs[0].token_ids) for o in outs]
-    logprobs = [[step[t].logprob for step, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)] for o in outs]
-    return prompts, tokens, logprobs
 
 
 def image_spans(ids: list[int]) -> list[tuple[int, int, int]]:
@@ -219,13 +208,8 @@ def test_mixed_batch_equals_each_alone(arch, llm):
     """Requests with different methods and budgets in one batch (one engine step) answer as each alone."""
     if arch[1]:
         pytest.skip("Idefics3's engine checks it (the same plugin code)")
-    mixed = [request(0, "divprune", keep=0.5), request(1, "pool", budget=5), request(2, "cdpruner", budget=6),
-             request(1), request(2, "random", keep=0.25)]
-    together = run_vllm(llm, mixed)
-    alone = [run_vllm(llm, [r]) for r in mixed]
-    for j in range(len(mixed)):
-        assert together[0][j] == alone[j][0][0] and together[1][j] == alone[j][1][0]
-        np.testing.assert_array_equal(together[2][j], alone[j][2][0])
+    check_mixed(llm, [request(0, "divprune", keep=0.5), request(1, "pool", budget=5), request(2, "cdpruner", budget=6),
+                      request(1), request(2, "random", keep=0.25)])
 
 
 def test_refusals_per_request(llm):
@@ -245,13 +229,7 @@ def test_refusals_per_request(llm):
 
 def plain_vllm_main(model: str, out: str) -> None:
     """The child of :func:`test_keep_all_equals_plain_vllm`: vLLM's own class on ``model``."""
-    import vllm
-
-    llm = vllm.LLM(model=model, **ENGINE_ARGS)
-    served = type(llm.apply_model(lambda m: m)[0]).__name__
-    with open(out, "w") as f:
-        json.dump({"class": served, "result": run_vllm(llm, [request(i) for i in range(len(PROMPTS))])}, f)
-    llm.llm_engine.engine_core.shutdown()
+    plain_main(model, out, ENGINE_ARGS, [request(i) for i in range(len(PROMPTS))])
 
 
 @pytest.mark.timeout(600)
@@ -259,27 +237,7 @@ def test_keep_all_equals_plain_vllm(arch, llm, tmp_path):
     """The plugin with nothing pruned is vLLM's own Idefics3 class, bit for bit: prompt tokens, greedy
     tokens, log-probabilities (three identical M-RoPE rows run as vLLM's 1-D RoPE; the offset channels
     add nothing)."""
-    import subprocess
-    import sys
-
-    from test_vllm_engine import Child
-
     if arch[1]:
         pytest.skip("one architecture: SmolVLM runs the same plugin code (its keep-all equals HF above)")
-    out = tmp_path / "result.json"
-    code = "import sys; sys.path.insert(0, sys.argv[1]); import test_vllm_idefics3 as t; t.plain_vllm_main(*sys.argv[2:])"
-    child = Child([sys.executable, "-c", code, os.path.dirname(__file__), str(arch[0]), str(out)], tmp_path / "log")
-    try:
-        child.proc.wait(500)
-    except subprocess.TimeoutExpired:
-        raise AssertionError(f"the engine did not answer in 500 s:\n{child.log_tail()}") from None
-    finally:
-        child.stop()
-    assert child.proc.returncode == 0, f"the engine failed ({child.proc.returncode}):\n{child.log_tail()}"
-    plain = json.loads(out.read_text())
-    assert plain["class"] == "Idefics3ForConditionalGeneration"
-    prompts, tokens, logprobs = plain["result"]
-    ref_prompts, ref_tokens, ref_logprobs = run_vllm(llm, [request(i) for i in range(len(PROMPTS))])
-    assert prompts == ref_prompts
-    assert tokens == ref_tokens
-    np.testing.assert_array_equal(logprobs, ref_logprobs)
+    check_plain_vllm("test_vllm_idefics3", arch[0], llm, tmp_path, "Idefics3ForConditionalGeneration",
+                     [request(i) for i in range(len(PROMPTS))])

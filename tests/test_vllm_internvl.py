@@ -169,8 +169,12 @@ def test_budget_counts_over_all_tiles(llm):
 
 def test_mixed_batch_equals_each_alone(llm):
     """Requests with different methods and budgets in one batch (one engine step) answer as each alone."""
-    mixed = [request(0, "divprune", keep=0.5), request(1, "pool", budget=5), request(2, "cdpruner", budget=6),
-             request(1), request(2, "random", keep=0.25)]
+    check_mixed(llm, [request(0, "divprune", keep=0.5), request(1, "pool", budget=5), request(2, "cdpruner", budget=6),
+                      request(1), request(2, "random", keep=0.25)])
+
+
+def check_mixed(llm, mixed: list[dict]) -> None:
+    """The requests in one batch give each request's prompt, tokens and log-probabilities alone, bit for bit."""
     together = run_vllm(llm, mixed)
     alone = [run_vllm(llm, [r]) for r in mixed]
     for j in range(len(mixed)):
@@ -208,28 +212,32 @@ def test_video_pruning_is_refused(llm, checkpoint):
 
 def plain_vllm_main(model: str, out: str) -> None:
     """The child of :func:`test_keep_all_equals_plain_vllm`: vLLM's own class on ``model``."""
+    plain_main(model, out, ENGINE_ARGS, [request(i) for i in range(len(PROMPTS))])
+
+
+def plain_main(model: str, out: str, engine_args: dict, requests: list[dict]) -> None:
+    """vLLM's own engine on ``model``: the class that served and :func:`run_vllm` of ``requests``, to ``out``."""
     import vllm
 
-    llm = vllm.LLM(model=model, **ENGINE_ARGS)
+    llm = vllm.LLM(model=model, **engine_args)
     served = type(llm.apply_model(lambda m: m)[0]).__name__
     with open(out, "w") as f:
-        json.dump({"class": served, "result": run_vllm(llm, [request(i) for i in range(len(PROMPTS))])}, f)
+        json.dump({"class": served, "result": run_vllm(llm, requests)}, f)
     llm.llm_engine.engine_core.shutdown()
 
 
-@pytest.mark.timeout(600)
-def test_keep_all_equals_plain_vllm(checkpoint, llm, tmp_path):
-    """The plugin with nothing pruned is vLLM's own InternVL class (InternS1ForConditionalGeneration), bit
-    for bit: prompt tokens, greedy tokens, log-probabilities (three identical M-RoPE rows are the 1-D
-    RoPE; the offset channels add nothing)."""
+def check_plain_vllm(module: str, folder, llm, tmp_path, served: str, requests: list[dict]) -> None:
+    """The plugin's engine ``llm`` (nothing pruned) equals vLLM's own class ``served`` on ``folder`` bit for
+    bit (prompt tokens, greedy tokens, log-probabilities of ``requests``); vLLM's engine runs
+    ``module.plain_vllm_main`` in a child process (a second engine in this one would share its state)."""
     import subprocess
     import sys
 
     from test_vllm_engine import Child
 
     out = tmp_path / "result.json"
-    code = "import sys; sys.path.insert(0, sys.argv[1]); import test_vllm_internvl as t; t.plain_vllm_main(*sys.argv[2:])"
-    child = Child([sys.executable, "-c", code, os.path.dirname(__file__), str(checkpoint), str(out)], tmp_path / "log")
+    code = f"import sys; sys.path.insert(0, sys.argv[1]); import {module} as t; t.plain_vllm_main(*sys.argv[2:])"
+    child = Child([sys.executable, "-c", code, os.path.dirname(__file__), str(folder), str(out)], tmp_path / "log")
     try:
         child.proc.wait(500)
     except subprocess.TimeoutExpired:
@@ -238,9 +246,18 @@ def test_keep_all_equals_plain_vllm(checkpoint, llm, tmp_path):
         child.stop()
     assert child.proc.returncode == 0, f"the engine failed ({child.proc.returncode}):\n{child.log_tail()}"
     plain = json.loads(out.read_text())
-    assert plain["class"] == "InternS1ForConditionalGeneration"
+    assert plain["class"] == served
     prompts, tokens, logprobs = plain["result"]
-    ref_prompts, ref_tokens, ref_logprobs = run_vllm(llm, [request(i) for i in range(len(PROMPTS))])
+    ref_prompts, ref_tokens, ref_logprobs = run_vllm(llm, requests)
     assert prompts == ref_prompts
     assert tokens == ref_tokens
     np.testing.assert_array_equal(logprobs, ref_logprobs)
+
+
+@pytest.mark.timeout(600)
+def test_keep_all_equals_plain_vllm(checkpoint, llm, tmp_path):
+    """The plugin with nothing pruned is vLLM's own InternVL class (InternS1ForConditionalGeneration), bit
+    for bit: prompt tokens, greedy tokens, log-probabilities (three identical M-RoPE rows run as vLLM's
+    1-D RoPE; the offset channels add nothing)."""
+    check_plain_vllm("test_vllm_internvl", checkpoint, llm, tmp_path, "InternS1ForConditionalGeneration",
+                     [request(i) for i in range(len(PROMPTS))])

@@ -45,8 +45,8 @@ from vllm.multimodal.inputs import MultiModalBatchedField, MultiModalFeatureSpec
 from vllm.multimodal.parse import ImageProcessorItems
 from vllm.multimodal.processing import PromptReplacement, PromptUpdate, PromptUpdateDetails, cached_encode
 
-from vlm_prune.methods.base import Method, VisionContext, item_generator
-from vlm_prune.vllm.internvl import FULL_KEY, keeps_all, one_d_rope, renumbers, unpruned_positions
+from vlm_prune.methods.base import Method
+from vlm_prune.vllm.internvl import FULL_KEY, keeps_all, one_d_rope, reduce_tiles, renumbers, unpruned_positions
 from vlm_prune.vllm.llava import (
     QUERY_KEY,
     RANK_KEY,
@@ -184,26 +184,14 @@ class PrunedIdefics3Model(OffsetChannels):
         if middle is None or middle.numel() == 0:
             return torch.cat([feats, encode_offsets(torch.zeros(n, dtype=torch.long), feats.dtype)], dim=1)
         middle = middle.reshape(-1).to(feats.device)
-        rank = int(item[RANK_KEY].reshape(-1)[0]) if item[RANK_KEY] is not None else 0
-        text = None
-        if item[QUERY_KEY] is not None:
-            text = self.model.text_model.embed_tokens(item[QUERY_KEY].reshape(-1).to(feats.device).long())
-        side = int(round(self.tile_tokens ** 0.5))
-        grid = (side, side) if n == self.tile_tokens and side * side == n else None
-        ctx = VisionContext(features=feats, n_keep=method.n_keep(n, 1), grid=grid, text_embeds=text,
-                            generator=item_generator(int(spec.get("seed", 0)), rank), image_index=rank)
+        embed = self.model.text_model.embed_tokens
+        idx, kept = reduce_tiles(method, spec, feats, item, self.tile_tokens, embed)
         with torch.no_grad():
-            red = method.reduce_image(ctx)
-            if red.sizes is not None:
-                raise ValueError(f"method {method.name!r} merges tokens with sizes (proportional attention), which "
-                                 "vLLM's attention cannot weight; use a method that keeps or replaces tokens")
-            idx = red.indices.to(feats.device)
-            kept = feats[idx] if red.features is None else red.features.to(feats.dtype)
             is_image = middle == self.config.image_token_id
             image_rows = torch.nonzero(is_image).squeeze(1)
             marker_rows = torch.nonzero(~is_image).squeeze(1)
             rows = torch.cat([image_rows[idx], marker_rows])
-            values = torch.cat([kept, self.model.text_model.embed_tokens(middle[marker_rows]).to(kept.dtype)])
+            values = torch.cat([kept, embed(middle[marker_rows]).to(kept.dtype)])
             order = torch.argsort(rows)
             rows, values = rows[order], values[order]
         offsets = rows - torch.arange(rows.numel(), device=rows.device)

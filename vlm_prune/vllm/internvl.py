@@ -21,6 +21,7 @@ vlm_prune/vllm/llava.py (docs/vllm.md):
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -150,23 +151,7 @@ class VlmPruneInternVLForConditionalGeneration(OffsetChannels, InternS1ForCondit
         n = feats.shape[0]
         if modality != "images" or keeps_all(method, n):
             return torch.cat([feats, encode_offsets(torch.zeros(n, dtype=torch.long), feats.dtype)], dim=1)
-        rank = int(item[RANK_KEY].reshape(-1)[0]) if item[RANK_KEY] is not None else 0
-        text = None
-        if item[QUERY_KEY] is not None:
-            text = self.language_model.model.embed_tokens(item[QUERY_KEY].reshape(-1).to(feats.device).long())
-        side = int(round(self.tile_tokens ** 0.5))
-        grid = (side, side) if n == self.tile_tokens and side * side == n else None
-        ctx = VisionContext(features=feats, n_keep=method.n_keep(n, 1), grid=grid, text_embeds=text,
-                            generator=item_generator(int(spec.get("seed", 0)), rank), image_index=rank)
-        with torch.no_grad():
-            red = method.reduce_image(ctx)
-        if red.sizes is not None:
-            raise ValueError(f"method {method.name!r} merges tokens with sizes (proportional attention), which "
-                             "vLLM's attention cannot weight; use a method that keeps or replaces tokens")
-        idx = red.indices.to(feats.device)
-        kept = feats[idx] if red.features is None else red.features.to(feats.dtype)
-        idx, order = torch.sort(idx)  # the language model reads them in the image's order, as wrap() scatters them
-        kept = kept[order]
+        idx, kept = reduce_tiles(method, spec, feats, item, self.tile_tokens, self.language_model.model.embed_tokens)
         offsets = idx - torch.arange(idx.numel(), device=idx.device)
         if getattr(method, "renumber_positions", False):  # the official shorter sequence (wrap() too)
             offsets = torch.zeros_like(offsets)
@@ -180,6 +165,31 @@ class VlmPruneInternVLForConditionalGeneration(OffsetChannels, InternS1ForCondit
         the shorter sequence (DivPrune, CDPruner: ``renumber_positions``, as wrap() on InternVL) keep
         vLLM's contiguous positions."""
         return unpruned_positions(len(input_tokens), mm_features, lambda f: renumbers(f, self.config))
+
+
+def reduce_tiles(method: Method, spec: dict[str, Any], feats: torch.Tensor, item: dict[str, Any], tile_tokens: int,
+                 embed_tokens: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """``method`` on one image's tokens [N, D] (all its tiles, as wrap()'s pixel-shuffle adapters hand it
+    over: a square grid for one tile, none for several; the item's question embedded by ``embed_tokens``,
+    its generator from the spec's seed and its rank): the kept indices in order and their features."""
+    n = feats.shape[0]
+    rank = int(item[RANK_KEY].reshape(-1)[0]) if item[RANK_KEY] is not None else 0
+    text = None
+    if item[QUERY_KEY] is not None:
+        text = embed_tokens(item[QUERY_KEY].reshape(-1).to(feats.device).long())
+    side = math.isqrt(tile_tokens)
+    grid = (side, side) if n == tile_tokens and side * side == n else None
+    ctx = VisionContext(features=feats, n_keep=method.n_keep(n, 1), grid=grid, text_embeds=text,
+                        generator=item_generator(int(spec.get("seed", 0)), rank), image_index=rank)
+    with torch.no_grad():
+        red = method.reduce_image(ctx)
+    if red.sizes is not None:
+        raise ValueError(f"method {method.name!r} merges tokens with sizes (proportional attention), which "
+                         "vLLM's attention cannot weight; use a method that keeps or replaces tokens")
+    idx = red.indices.to(feats.device)
+    kept = feats[idx] if red.features is None else red.features.to(feats.dtype)
+    idx, order = torch.sort(idx)  # the language model reads them in the image's order, as wrap() scatters them
+    return idx, kept[order]
 
 
 def one_d_rope(module: torch.nn.Module) -> int:
