@@ -26,27 +26,39 @@ from PIL import Image  # noqa: E402
 
 import vlm_prune  # noqa: E402
 import vlm_prune.vllm as vp  # noqa: E402
-from vlm_prune.vllm.tiny import InternVLShape, write_internvl  # noqa: E402
+from vlm_prune.vllm.tiny import InternVLShape, internvl_token_ids, write_internvl  # noqa: E402
 
 pytestmark = pytest.mark.timeout(900)
-ENGINE_ARGS = {"enforce_eager": True, "dtype": "float32", "max_model_len": 256, "max_num_seqs": 4, "seed": 0,
+ENGINE_ARGS = {"enforce_eager": True, "dtype": "float32", "max_model_len": 256, "max_num_seqs": 8, "seed": 0,
                "limit_mm_per_prompt": {"image": 2, "video": 1}}
 STEPS = 6
 IMAGE = "<IMG_CONTEXT>"
-#: (prompt, image sizes as (width, height)): a one-tile image (its 4 x 4 grid), a 2-tile image plus its
-#: thumbnail (48 tokens, no grid), and two images in one prompt (ranks, one question for both)
-PROMPTS = [(f"<s> user : {IMAGE} w5 w6 w7 w8 assistant :", [(32, 32)]),
-           (f"<s> user : w9 {IMAGE} w10 w11 w12 w13 w14 assistant :", [(64, 32)]),
-           (f"<s> user : {IMAGE} w15 {IMAGE} w16 w17 assistant :", [(32, 32), (32, 64)])]
+VIDEO_ID = internvl_token_ids(InternVLShape())["<video>"]
+#: (prompt, image sizes as (width, height), video frames): a one-tile image (its 4 x 4 grid), a 2-tile image
+#: plus its thumbnail (48 tokens, no grid), two images in one prompt (ranks, one question for both), an
+#: image then a 3-frame video (each frame its own run and item, as wrap() sees them), and a video then
+#: an image (the image is wrap()'s fourth item: its generator)
+PROMPTS = [(f"<s> user : {IMAGE} w5 w6 w7 w8 assistant :", [(32, 32)], 0),
+           (f"<s> user : w9 {IMAGE} w10 w11 w12 w13 w14 assistant :", [(64, 32)], 0),
+           (f"<s> user : {IMAGE} w15 {IMAGE} w16 w17 assistant :", [(32, 32), (32, 64)], 0),
+           (f"<s> user : {IMAGE} w18 <video> w19 w20 assistant :", [(32, 32)], 3),
+           (f"<s> user : <video> w21 {IMAGE} w22 assistant :", [(32, 32)], 3)]
 CASES = [("random", {"keep": 0.5}), ("random", {"budget": 3}), ("pool", {"keep": 0.25}),
          ("pool", {"budget": 5}),  # 5 of a 4 x 4 grid (row bands), 5 of 48 tokens without a grid (1-D)
          ("divprune", {"keep": 0.5}), ("divprune", {"budget": 7}), ("cdpruner", {"keep": 0.5}),
-         ("cdpruner", {"budget": 6}), ("pool", {"budget": 20})]  # 20: the one-tile image keeps all its 16
+         ("cdpruner", {"budget": 6}), ("pool", {"budget": 20})]  # 20: one-tile images and frames keep all their 16
 
 
-def _images() -> list[list[Image.Image]]:
+def _media() -> list[dict]:
+    """Per prompt: {"image": [PIL images], "video": frames [T, 32, 32, 3] uint8 (where it has one)}."""
     rng = np.random.RandomState(0)
-    return [[Image.fromarray((rng.rand(h, w, 3) * 255).astype("uint8")) for w, h in sizes] for _, sizes in PROMPTS]
+    out = []
+    for _, sizes, frames in PROMPTS:
+        media = {"image": [Image.fromarray((rng.rand(h, w, 3) * 255).astype("uint8")) for w, h in sizes]}
+        if frames:
+            media["video"] = (rng.rand(frames, 32, 32, 3) * 255).astype("uint8")
+        out.append(media)
+    return out
 
 
 def _case_id(method, budget) -> str:
@@ -76,8 +88,7 @@ def hf(checkpoint):
 
 
 def request(i: int, method=None, **budget) -> dict:
-    prompt, _ = PROMPTS[i]
-    req = {"prompt": prompt, "multi_modal_data": {"image": _images()[i]}}
+    req = {"prompt": PROMPTS[i][0], "multi_modal_data": _media()[i]}
     if method is not None:
         req["mm_processor_kwargs"] = vp.request_kwargs(method, **budget)
     return req
@@ -96,15 +107,17 @@ def run_vllm(llm, requests: list[dict]) -> tuple[list, list, list]:
 
 
 def run_hf(hf, method=None, **budget) -> tuple[list, list, list, list]:
-    """Per prompt: the ids the language model sees (the dropped image rows removed), greedy tokens,
-    their log-probabilities and the positions of the kept image rows of the wrapped HF model."""
+    """Per prompt: the ids the language model sees (the dropped image rows removed; a video's frame tokens
+    read ``<video>``, as vLLM writes them, transformers writing ``<IMG_CONTEXT>``), greedy tokens, their
+    log-probabilities and the positions of the kept image and frame rows of the wrapped HF model."""
     model, proc = hf
     if method is not None:
         vlm_prune.wrap(model, method, processor=proc, **budget)
     try:
         prompts, tokens, logprobs, kept = [], [], [], []
-        for (prompt, _), images in zip(PROMPTS, _images()):
-            inputs = proc(images=images, text=prompt, return_tensors="pt")
+        for (prompt, _, _), media in zip(PROMPTS, _media()):
+            videos = [media["video"]] if "video" in media else None
+            inputs = proc(images=media["image"], text=prompt, videos=videos, return_tensors="pt")
             with torch.no_grad():
                 out = model.generate(**inputs, max_new_tokens=STEPS, do_sample=False, output_logits=True,
                                      return_dict_in_generate=True, min_new_tokens=STEPS)
@@ -115,7 +128,11 @@ def run_hf(hf, method=None, **budget) -> tuple[list, list, list, list]:
             image = ids == model.config.image_token_id
             rows = (list(range(ids.numel())) if method is None
                     else [int(r) for r in model.vlm_prune.last_rows[0] if r >= 0])
-            prompts.append([int(ids[r]) for r in rows])
+            seen = [int(ids[r]) for r in rows]
+            if "video" in media:  # the rows of the runs behind "Frame i:" (unknown words: <pad>) are frames
+                frame = _frame_rows(ids.tolist(), model.config.image_token_id)
+                seen = [VIDEO_ID if r in frame else t for r, t in zip(rows, seen)]
+            prompts.append(seen)
             # a method whose official code feeds the shorter sequence (DivPrune, CDPruner: renumber_positions)
             # gives the kept rows positions 0, 1, ... in order
             renumber = method is not None and getattr(model.vlm_prune.methods.get("vision"), "renumber_positions", False)
@@ -124,6 +141,20 @@ def run_hf(hf, method=None, **budget) -> tuple[list, list, list, list]:
     finally:
         if method is not None:
             vlm_prune.unwrap(model)
+
+
+def _frame_rows(ids: list[int], image_id: int) -> set[int]:
+    """Rows of the image runs that follow a ``Frame i:`` word (the tiny vocabulary has no such word: <pad>)
+    and ``<img>``."""
+    out, r = set(), 0
+    while r < len(ids):
+        if ids[r] == 0 and r + 2 < len(ids) and ids[r + 2] == image_id:
+            r += 2
+            while r < len(ids) and ids[r] == image_id:
+                out.add(r)
+                r += 1
+        r += 1
+    return out
 
 
 def image_positions(llm) -> list[int]:
@@ -170,7 +201,8 @@ def test_budget_counts_over_all_tiles(llm):
 def test_mixed_batch_equals_each_alone(llm):
     """Requests with different methods and budgets in one batch (one engine step) answer as each alone."""
     check_mixed(llm, [request(0, "divprune", keep=0.5), request(1, "pool", budget=5), request(2, "cdpruner", budget=6),
-                      request(1), request(2, "random", keep=0.25)])
+                      request(1), request(2, "random", keep=0.25), request(3, "random", budget=3), request(4, "pool",
+                                                                                                        keep=0.25)])
 
 
 def check_mixed(llm, mixed: list[dict]) -> None:
@@ -197,17 +229,11 @@ def test_refusals_per_request(llm):
     assert len(tokens[0]) == STEPS
 
 
-def test_video_pruning_is_refused(llm, checkpoint):
-    """An InternVL video (frames written as 'Frame i: <img>...</img>' runs) is not pruned in vLLM yet:
-    a request that would prune one is refused with the reason, not served unpruned."""
-    from vlm_prune.vllm.internvl import VIDEO_REFUSAL
-
-    video = (np.random.RandomState(1).rand(2, 32, 32, 3) * 255).astype("uint8")
-    req = {"prompt": "<s> user : <video> w5 assistant :", "multi_modal_data": {"video": video},
-           "mm_processor_kwargs": vp.request_kwargs("divprune", keep=0.5)}
-    with pytest.raises(ValueError, match="InternVL video is not pruned by vlm_prune.vllm yet") as err:
-        run_vllm(llm, [req])
-    assert VIDEO_REFUSAL in str(err.value)
+def test_video_frames_are_items(llm):
+    """A 3-frame video keeps n_keep(16) tokens per frame (wrap()'s items are its frames' runs), between
+    each frame's <img> and </img>."""
+    prompts, _, _ = run_vllm(llm, [request(3, "pool", budget=5), request(3, "divprune", keep=0.25), request(3)])
+    assert [p.count(VIDEO_ID) for p in prompts] == [3 * 5, 3 * 4, 3 * 16]
 
 
 def plain_vllm_main(model: str, out: str) -> None:

@@ -16,8 +16,11 @@ vlm_prune/vllm/llava.py (docs/vllm.md):
 - Kept tokens keep their original positions (offsets in extra embedding channels, three identical
   M-RoPE rows = the language model's 1-D RoPE), ``</img>`` and the text after the image continue
   from the unpruned length.
-- Video (the processor writes each frame as ``Frame i: <img>...</img>``; ``wrap()`` prunes each frame
-  as an image): not wired into vLLM yet; a pruning request with a video is refused with that reason.
+- Video: the processor writes each frame as ``Frame i: <img>`` + one tile's tokens + ``</img>`` (vLLM
+  with ``<video>`` tokens, transformers with ``<IMG_CONTEXT>``), and ``wrap()`` sees each frame's run as
+  an item of its own: so each frame keeps ``method.n_keep(image_seq_length)`` tokens on its grid, and
+  every item's generator is seeded by its index among all the prompt's runs (images and frames in
+  prompt order), as in ``wrap()``.
 """
 from __future__ import annotations
 
@@ -39,14 +42,12 @@ from vllm.multimodal.inputs import MultiModalFeatureSpec
 from vllm.multimodal.processing import PromptReplacement, PromptUpdate, PromptUpdateDetails, cached_encode
 
 from vlm_prune.methods.base import Method, VisionContext, item_generator
-from vlm_prune.vllm.config import SpecError
 from vlm_prune.vllm.llava import (
     QUERY_KEY,
     RANK_KEY,
     SPEC_KEY,
     OffsetChannels,
     PrunedLlavaMultiModalProcessor,
-    RequestSpecError,
     encode_offsets,
     method_of,
     spec_from,
@@ -56,11 +57,8 @@ from vlm_prune.vllm.llava import (
 
 #: each item's unpruned count of visual tokens (where the text after it continues)
 FULL_KEY = "vlm_prune_full"
-VIDEO_REFUSAL = (
-    "InternVL video is not pruned by vlm_prune.vllm yet: the processor writes each frame as its own "
-    "'Frame i: <img>...</img>' run, which wrap() prunes as one image each; send the video with keep=1.0 "
-    "(or prune it with vlm_prune.wrap() on the Hugging Face model), or send its frames as images"
-)
+#: the index of an item's first ``<img>`` run among the prompt's runs (wrap()'s item index: its generator)
+FIRST_RUN_KEY = "vlm_prune_first_run"
 
 
 def keeps_all(method: Method, n: int) -> bool:
@@ -99,11 +97,17 @@ class PrunedInternVLMultiModalProcessor(InternS1MultiModalProcessor):
                                                        hf_processor.image_token_id)
 
         video_update = next(u for u in updates if u.modality == "video")
+        frames = data["video_num_patches"].tolist() if "video_num_patches" in data else []
+        video_id = self.info.get_hf_config().video_token_id if hasattr(self.info.get_hf_config(), "video_token_id") \
+            else cached_encode(tokenizer, hf_processor.video_token, add_special_tokens=False)[0]
 
         def video(item_idx: int) -> Any:
-            if not keeps_all(method, per_tile):
-                raise RequestSpecError(SpecError("mm_processor_kwargs.vlm_prune.method", VIDEO_REFUSAL))
-            return video_update.replacement(item_idx)
+            if keeps_all(method, per_tile):
+                return video_update.replacement(item_idx)
+            k = method.n_keep(per_tile, 1)  # each frame its own item, as wrap() prunes the frames' runs
+            run = hf_processor.start_image_token + hf_processor.video_token * k + hf_processor.end_image_token
+            text = "\n".join(f"Frame{i + 1}: {run}" for i in range(frames[item_idx]))
+            return PromptUpdateDetails.select_token_id(cached_encode(tokenizer, text, add_special_tokens=False), video_id)
 
         return [PromptReplacement(modality="image", target=[hf_processor.image_token_id], replacement=image),
                 PromptReplacement(modality="video", target=video_update.target, replacement=video)]
@@ -113,11 +117,19 @@ class PrunedInternVLMultiModalProcessor(InternS1MultiModalProcessor):
         method = method_of(spec)
         out = super().apply(inputs, timing_ctx)
         per_tile = self.info.get_hf_processor().image_seq_length
-        full = {modality: [int(item["image_num_patches" if modality == "image" else "video_num_patches"].data) * per_tile
-                           if item is not None else 0 for item in items]
-                for modality, items in out["mm_kwargs"].items()}
+        tiles = {modality: [int(item["image_num_patches" if modality == "image" else "video_num_patches"].data)
+                            if item is not None else 0 for item in items]
+                 for modality, items in out["mm_kwargs"].items()}
+        # wrap() sees every <img> run of the prompt as an item (a video's frames too): each item's first run
+        order = sorted((r.offset, modality, rank) for modality, rs in out["mm_placeholders"].items()
+                       for rank, r in enumerate(rs))
+        first, runs = {}, 0
+        for _, modality, rank in order:
+            first[modality, rank] = runs
+            runs += 1 if modality == "image" else tiles[modality][rank]
         return tag_items(out, spec, method, self._template_suffix(),
-                         lambda modality, rank: {FULL_KEY: full[modality][rank]})
+                         lambda modality, rank: {FULL_KEY: tiles[modality][rank] * per_tile,
+                                                 FIRST_RUN_KEY: first[modality, rank]})
 
 
 @MULTIMODAL_REGISTRY.register_processor(PrunedInternVLMultiModalProcessor, info=PrunedInternVLProcessingInfo,
@@ -132,7 +144,7 @@ class VlmPruneInternVLForConditionalGeneration(OffsetChannels, InternS1ForCondit
         one_d_rope(self.language_model)
 
     def embed_multimodal(self, **kwargs: object) -> Any:
-        extras = {k: kwargs.pop(k, None) for k in (QUERY_KEY, RANK_KEY, SPEC_KEY, FULL_KEY)}
+        extras = {k: kwargs.pop(k, None) for k in (QUERY_KEY, RANK_KEY, SPEC_KEY, FULL_KEY, FIRST_RUN_KEY)}
         out: list[torch.Tensor] = []
         for modality, inputs in self._parse_and_validate_multimodal_inputs(**kwargs).items():
             if inputs is None:
@@ -141,16 +153,25 @@ class VlmPruneInternVLForConditionalGeneration(OffsetChannels, InternS1ForCondit
                 raise ValueError("vlm_prune.vllm prunes images given as pixels; embedding inputs are not supported")
             for b, feats in enumerate(self._process_vision_input(inputs)):
                 item = {k: _item(v, b) for k, v in extras.items()}
-                out.append(self._reduce(modality, feats.reshape(-1, feats.shape[-1]), item))
+                feats = feats.reshape(-1, feats.shape[-1])
+                if modality == "images":
+                    out.append(self._reduce(feats, item))
+                else:  # a video: each frame is an item of its own (one tile), as wrap() sees its runs
+                    n = self.tile_tokens
+                    out.append(torch.cat([self._reduce(feats[f * n:(f + 1) * n], item, f)
+                                          for f in range(feats.shape[0] // n)]))
         return out
 
-    def _reduce(self, modality: str, feats: torch.Tensor, item: dict[str, Any]) -> torch.Tensor:
-        """One image's kept rows (in order) with their offsets from their slots in three extra channels."""
+    def _reduce(self, feats: torch.Tensor, item: dict[str, Any], run: int = 0) -> torch.Tensor:
+        """One image's (or video frame's: its ``run``) kept rows in order, with their offsets from their
+        slots in three extra channels."""
         spec = spec_from(item[SPEC_KEY], spec_of(self.config))
         method = method_of(spec)
         n = feats.shape[0]
-        if modality != "images" or keeps_all(method, n):
+        if keeps_all(method, n):
             return torch.cat([feats, encode_offsets(torch.zeros(n, dtype=torch.long), feats.dtype)], dim=1)
+        first = item[FIRST_RUN_KEY]
+        item = {**item, RANK_KEY: torch.tensor([(int(first.reshape(-1)[0]) if first is not None else 0) + run])}
         idx, kept = reduce_tiles(method, spec, feats, item, self.tile_tokens, self.language_model.model.embed_tokens)
         offsets = idx - torch.arange(idx.numel(), device=idx.device)
         if getattr(method, "renumber_positions", False):  # the official shorter sequence (wrap() too)
@@ -225,27 +246,28 @@ def renumbers(feature: MultiModalFeatureSpec, hf_config: Any) -> bool:
 
 def unpruned_positions(n_tokens: int, mm_features: list[MultiModalFeatureSpec],
                        renumbered: Any = lambda f: False, full_key: str = FULL_KEY) -> tuple[torch.Tensor, int]:
-    """[3, n_tokens] positions (identical rows) and the decode shift of a prompt whose media items
-    hold fewer embedding rows than their unpruned count (``full_key`` of each item): inside an item's
-    placeholder range the rows up to its last embedding row count on from the item's start, the rows
-    after it (closing tokens) and everything after the item from the unpruned length; items for which
-    ``renumbered(feature)`` holds shift nothing (the shorter sequence numbered without gaps)."""
-    pos = torch.empty(n_tokens, dtype=torch.long)
-    shift, cursor = 0, 0
+    """[3, n_tokens] positions (identical rows) and the decode shift of a prompt whose media items hold
+    fewer embedding rows than their unpruned count (``full_key`` of each item, shared evenly by the
+    item's runs of embedding rows: an image's one run, a video's frames): each run starts at its
+    unpruned position, and the rows after it (closing tokens, the next frame's text, the text after
+    the item) continue from the run's unpruned length; items for which ``renumbered(feature)`` holds
+    shift nothing (the shorter sequence numbered without gaps)."""
+    pos = torch.arange(n_tokens, dtype=torch.long)
+    shift = 0
     for f in sorted(mm_features, key=lambda f: f.mm_position.offset):
         start, length = f.mm_position.offset, f.mm_position.length
         is_embed = f.mm_position.is_embed
-        embeds = int(is_embed.sum()) if is_embed is not None else length
-        last = int(torch.nonzero(is_embed)[-1]) + 1 if is_embed is not None and embeds else length
+        if is_embed is None:
+            is_embed = torch.ones(length, dtype=torch.bool)
+        edges = torch.diff(is_embed.int(), prepend=torch.zeros(1, dtype=torch.int), append=torch.zeros(1, dtype=torch.int))
+        runs = list(zip(torch.nonzero(edges == 1).squeeze(1).tolist(), torch.nonzero(edges == -1).squeeze(1).tolist()))
         elem = f.data.get(full_key) if f.data is not None else None
-        full = int(elem.data.reshape(-1)[0]) if elem is not None else embeds
-        if renumbered(f):
-            full = embeds
-        pos[cursor:start + last] = torch.arange(cursor, start + last) + shift
-        shift += max(0, full - embeds)
-        pos[start + last:start + length] = torch.arange(start + last, start + length) + shift
-        cursor = start + length
-    pos[cursor:] = torch.arange(cursor, n_tokens) + shift
+        embeds = int(is_embed.sum())
+        full = int(elem.data.reshape(-1)[0]) if elem is not None and not renumbered(f) else embeds
+        for a, b in runs:
+            gap = max(0, full // len(runs) - (b - a))
+            pos[start + b:] += gap
+            shift += gap
     return pos[None].expand(3, -1).clone(), shift
 
 
