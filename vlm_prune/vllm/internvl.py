@@ -98,8 +98,7 @@ class PrunedInternVLMultiModalProcessor(InternS1MultiModalProcessor):
 
         video_update = next(u for u in updates if u.modality == "video")
         frames = data["video_num_patches"].tolist() if "video_num_patches" in data else []
-        video_id = self.info.get_hf_config().video_token_id if hasattr(self.info.get_hf_config(), "video_token_id") \
-            else cached_encode(tokenizer, hf_processor.video_token, add_special_tokens=False)[0]
+        video_id = cached_encode(tokenizer, hf_processor.video_token, add_special_tokens=False)[0]  # as vLLM's own
 
         def video(item_idx: int) -> Any:
             if keeps_all(method, per_tile):
