@@ -29,6 +29,7 @@ from PIL import Image  # noqa: E402
 
 import vlm_prune  # noqa: E402
 import vlm_prune.vllm as vp  # noqa: E402
+from test_vllm_qwen import load_hf  # noqa: E402  (float32, SDPA, eval; and its processor)
 from vlm_prune.vllm.tiny import Idefics3Shape, idefics3_token_ids, write_idefics3  # noqa: E402
 from test_vllm_internvl import check_mixed, check_plain_vllm, plain_main, run_vllm  # noqa: E402  (the same helpers)
 
@@ -82,12 +83,7 @@ def llm(arch):
 
 @pytest.fixture(scope="module")
 def hf(arch):
-    from transformers import AutoModelForImageTextToText, AutoProcessor
-
-    torch.set_num_threads(1)
-    model = AutoModelForImageTextToText.from_pretrained(arch[0], dtype=torch.float32).eval()
-    model.set_attn_implementation("sdpa")
-    return model, AutoProcessor.from_pretrained(arch[0])
+    return load_hf(arch[0])
 
 
 def request(i: int, method=None, **budget) -> dict:
@@ -155,7 +151,8 @@ def run_hf(hf, method=None, **budget) -> tuple[list, list, list, list]:
                 for j in inside:
                     seen[j] = IMAGE
             prompts.append(seen)
-            renumber = method is not None and getattr(model.vlm_prune.methods.get("vision"), "renumber_positions", False)
+            vision = model.vlm_prune.methods.get("vision") if method is not None else None
+            renumber = getattr(vision, "renumber_positions", False)
             kept.append([j if renumber else rows[j] for j in sorted(filled)])
         return prompts, tokens, logprobs, kept
     finally:
@@ -222,7 +219,8 @@ def test_refusals_per_request(llm):
     with pytest.raises(ValueError, match="frames method 'uniform' chooses video frames"):
         run_vllm(llm, [request(0, "uniform", keep=0.5)])
     with pytest.raises(ValueError, match="prunes inside the language model"):
-        run_vllm(llm, [{**request(0), "mm_processor_kwargs": {"vlm_prune": json.dumps({"method": "fastv", "keep": 0.5})}}])
+        fastv = json.dumps({"method": "fastv", "keep": 0.5})
+        run_vllm(llm, [{**request(0), "mm_processor_kwargs": {"vlm_prune": fastv}}])
     _, tokens, _ = run_vllm(llm, [request(0, "divprune", keep=0.5)])
     assert len(tokens[0]) == STEPS
 
@@ -235,7 +233,7 @@ def plain_vllm_main(model: str, out: str) -> None:
 @pytest.mark.timeout(600)
 def test_keep_all_equals_plain_vllm(arch, llm, tmp_path):
     """The plugin with nothing pruned is vLLM's own Idefics3 class, bit for bit: prompt tokens, greedy
-    tokens, log-probabilities (three identical M-RoPE rows run as vLLM's 1-D RoPE; the offset channels
+    tokens, log-probabilities (the language model on one position row with vLLM's own rotary; the offset channels
     add nothing)."""
     if arch[1]:
         pytest.skip("one architecture: SmolVLM runs the same plugin code (its keep-all equals HF above)")

@@ -26,6 +26,7 @@ from PIL import Image  # noqa: E402
 
 import vlm_prune  # noqa: E402
 import vlm_prune.vllm as vp  # noqa: E402
+from test_vllm_qwen import load_hf  # noqa: E402  (float32, SDPA, eval; and its processor)
 from vlm_prune.vllm.tiny import InternVLShape, internvl_token_ids, write_internvl  # noqa: E402
 
 pytestmark = pytest.mark.timeout(900)
@@ -79,12 +80,7 @@ def llm(checkpoint):
 
 @pytest.fixture(scope="module")
 def hf(checkpoint):
-    from transformers import AutoModelForImageTextToText, AutoProcessor
-
-    torch.set_num_threads(1)
-    model = AutoModelForImageTextToText.from_pretrained(checkpoint, dtype=torch.float32).eval()
-    model.set_attn_implementation("sdpa")
-    return model, AutoProcessor.from_pretrained(checkpoint)
+    return load_hf(checkpoint)
 
 
 def request(i: int, method=None, **budget) -> dict:
@@ -135,7 +131,8 @@ def run_hf(hf, method=None, **budget) -> tuple[list, list, list, list]:
             prompts.append(seen)
             # a method whose official code feeds the shorter sequence (DivPrune, CDPruner: renumber_positions)
             # gives the kept rows positions 0, 1, ... in order
-            renumber = method is not None and getattr(model.vlm_prune.methods.get("vision"), "renumber_positions", False)
+            vision = model.vlm_prune.methods.get("vision") if method is not None else None
+            renumber = getattr(vision, "renumber_positions", False)
             kept.append([j if renumber else r for j, r in enumerate(rows) if image[r]])
         return prompts, tokens, logprobs, kept
     finally:
@@ -224,7 +221,8 @@ def test_refusals_per_request(llm):
     with pytest.raises(ValueError, match="frames method 'uniform' chooses video frames"):
         run_vllm(llm, [request(0, "uniform", keep=0.5)])
     with pytest.raises(ValueError, match="prunes inside the language model"):
-        run_vllm(llm, [{**request(0), "mm_processor_kwargs": {"vlm_prune": json.dumps({"method": "fastv", "keep": 0.5})}}])
+        fastv = json.dumps({"method": "fastv", "keep": 0.5})
+        run_vllm(llm, [{**request(0), "mm_processor_kwargs": {"vlm_prune": fastv}}])
     _, tokens, _ = run_vllm(llm, [request(0, "divprune", keep=0.5)])
     assert len(tokens[0]) == STEPS
 
@@ -283,7 +281,7 @@ def check_plain_vllm(module: str, folder, llm, tmp_path, served: str, requests: 
 @pytest.mark.timeout(600)
 def test_keep_all_equals_plain_vllm(checkpoint, llm, tmp_path):
     """The plugin with nothing pruned is vLLM's own InternVL class (InternS1ForConditionalGeneration), bit
-    for bit: prompt tokens, greedy tokens, log-probabilities (three identical M-RoPE rows run as vLLM's
-    1-D RoPE; the offset channels add nothing)."""
+    for bit: prompt tokens, greedy tokens, log-probabilities (the language model on one position row with
+    vLLM's own rotary; the offset channels add nothing)."""
     check_plain_vllm("test_vllm_internvl", checkpoint, llm, tmp_path, "InternS1ForConditionalGeneration",
                      [request(i) for i in range(len(PROMPTS))])

@@ -19,9 +19,10 @@ language model attends in) in the processor. So a pruned image's range is writte
 
 The language model thus sees exactly ``wrap()``'s rows in ``wrap()``'s order; only the token ids of
 the in-between markers in the prompt read ``<image>`` (their embeddings are the markers'). Each row
-keeps its original position (offsets in extra embedding channels, three identical M-RoPE rows run as
-the 1-D RoPE); DivPrune and CDPruner renumber (their official code's shorter sequence), as wrap()
-does. An image the method keeps whole is written as vLLM writes it.
+keeps its original position (offsets in extra embedding channels; the language model rotates by vLLM's
+own 1-D RoPE on one of the runner's three equal position rows, as on Gemma 3); DivPrune and CDPruner
+renumber (their official code's shorter sequence), as wrap() does. An image the method keeps whole is
+written as vLLM writes it.
 
 vLLM's SmolVLM class builds ``SmolVLMProcessor``, which needs the ``num2words`` package.
 """
@@ -46,19 +47,29 @@ from vllm.multimodal.parse import ImageProcessorItems
 from vllm.multimodal.processing import PromptReplacement, PromptUpdate, PromptUpdateDetails, cached_encode
 
 from vlm_prune.methods.base import Method
-from vlm_prune.vllm.internvl import FULL_KEY, keeps_all, one_d_rope, reduce_tiles, renumbers, unpruned_positions
+from vlm_prune.vllm.internvl import (
+    FULL_KEY,
+    keeps_all,
+    reduce_tiles,
+    renumbers,
+    unpruned_positions,
+    with_offsets,
+)
 from vlm_prune.vllm.llava import (
     QUERY_KEY,
     RANK_KEY,
     SPEC_KEY,
+    FirstPositionRow,
     OffsetChannels,
     PrunedLlavaMultiModalProcessor,
     encode_offsets,
     method_of,
+    plain_rotary,
     spec_from,
     spec_of,
     tag_items,
 )
+from vlm_prune.vllm.qwen2_vl import _item, _without_spec
 
 #: the token ids between an image's first and last ``<image>`` (markers and its image tokens) as vLLM
 #: writes the image unpruned; empty where the image is written unpruned
@@ -94,25 +105,25 @@ class PrunedIdefics3MultiModalProcessor(Idefics3MultiModalProcessor):
     _template_suffix = PrunedLlavaMultiModalProcessor._template_suffix
 
     def _call_hf_processor(self, hf_data: Mapping[str, object], hf_kwargs: Mapping[str, object]) -> Any:
-        return super()._call_hf_processor(hf_data, _hf(hf_kwargs))
+        return super()._call_hf_processor(hf_data, _without_spec(hf_kwargs))
 
     def _postprocess_hf_mm_data(self, mm_data: Mapping[str, object], hf_processor_mm_kwargs: Mapping[str, object],
                                 processed_data: Any) -> Any:
-        return super()._postprocess_hf_mm_data(mm_data, _hf(hf_processor_mm_kwargs), processed_data)
+        return super()._postprocess_hf_mm_data(mm_data, _without_spec(hf_processor_mm_kwargs), processed_data)
 
     def _layout(self, mm_items: Any, item_idx: int, mm_kwargs: Mapping[str, object]) -> tuple[list[int], ...]:
         """(before, middle, after) of image ``item_idx`` as vLLM writes it unpruned."""
-        hf_processor = self.info.get_hf_processor(**_hf(mm_kwargs))
+        hf_processor = self.info.get_hf_processor(**_without_spec(mm_kwargs))
         size = mm_items.get_items("image", ImageProcessorItems).get_image_size(item_idx)
         text = self.info.get_image_repl(image_width=size.width, image_height=size.height, processor=hf_processor,
-                                        mm_kwargs=_hf(mm_kwargs))
+                                        mm_kwargs=_without_spec(mm_kwargs))
         return image_layout(cached_encode(self.info.get_tokenizer(), text, add_special_tokens=False),
                             hf_processor.image_token_id)
 
     def _get_prompt_updates(self, mm_items: Any, hf_processor_mm_kwargs: Mapping[str, object], out_mm_kwargs: Any
                             ) -> Sequence[PromptUpdate]:
         method = self.info.method(hf_processor_mm_kwargs)
-        image_id = self.info.get_hf_processor(**_hf(hf_processor_mm_kwargs)).image_token_id
+        image_id = self.info.get_hf_processor(**_without_spec(hf_processor_mm_kwargs)).image_token_id
 
         def image(item_idx: int) -> PromptUpdateDetails:
             before, middle, after = self._layout(mm_items, item_idx, hf_processor_mm_kwargs)
@@ -146,11 +157,6 @@ class PrunedIdefics3MultiModalProcessor(Idefics3MultiModalProcessor):
         return out
 
 
-def _hf(kwargs: Mapping[str, object]) -> dict[str, object]:
-    """The processor kwargs without the plugin's spec."""
-    return {k: v for k, v in kwargs.items() if k != "vlm_prune"}
-
-
 def _span(n: int, first: int, end: int) -> torch.Tensor:
     mask = torch.zeros(n, dtype=torch.bool)
     mask[first:end] = True
@@ -162,7 +168,8 @@ class PrunedIdefics3Model(OffsetChannels):
 
     def _plugin_init(self) -> None:
         self.tile_tokens = self.model.image_seq_len
-        one_d_rope(self.model.text_model)
+        text = self.config.text_config  # vLLM's own rotary embeddings on one position row (as Gemma 3)
+        plain_rotary(self.model.text_model.layers, lambda i: text.rope_parameters)
 
     def embed_multimodal(self, **kwargs: object) -> Any:
         extras = {k: kwargs.pop(k, None) for k in (QUERY_KEY, RANK_KEY, SPEC_KEY, FULL_KEY, MIDDLE_KEY)}
@@ -194,10 +201,7 @@ class PrunedIdefics3Model(OffsetChannels):
             values = torch.cat([kept, embed(middle[marker_rows]).to(kept.dtype)])
             order = torch.argsort(rows)
             rows, values = rows[order], values[order]
-        offsets = rows - torch.arange(rows.numel(), device=rows.device)
-        if getattr(method, "renumber_positions", False):  # the official shorter sequence (wrap() too)
-            offsets = torch.zeros_like(offsets)
-        return torch.cat([values, encode_offsets(offsets, values.dtype)], dim=1)
+        return with_offsets(method, rows, values)
 
     def get_mrope_input_positions(self, input_tokens: list[int], mm_features: list[MultiModalFeatureSpec]
                                   ) -> tuple[torch.Tensor, int]:
@@ -209,7 +213,8 @@ class PrunedIdefics3Model(OffsetChannels):
 
 @MULTIMODAL_REGISTRY.register_processor(PrunedIdefics3MultiModalProcessor, info=PrunedIdefics3ProcessingInfo,
                                         dummy_inputs=Idefics3DummyInputsBuilder)
-class VlmPruneIdefics3ForConditionalGeneration(PrunedIdefics3Model, Idefics3ForConditionalGeneration, SupportsMRoPE):
+class VlmPruneIdefics3ForConditionalGeneration(PrunedIdefics3Model, FirstPositionRow, Idefics3ForConditionalGeneration,
+                                               SupportsMRoPE):
     """vLLM's Idefics3 with a vlm_prune vision-stage method (random, pool, divprune, cdpruner)."""
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
@@ -219,15 +224,10 @@ class VlmPruneIdefics3ForConditionalGeneration(PrunedIdefics3Model, Idefics3ForC
 
 @MULTIMODAL_REGISTRY.register_processor(PrunedIdefics3MultiModalProcessor, info=PrunedSmolVLMProcessingInfo,
                                         dummy_inputs=Idefics3DummyInputsBuilder)
-class VlmPruneSmolVLMForConditionalGeneration(PrunedIdefics3Model, SmolVLMForConditionalGeneration, SupportsMRoPE):
+class VlmPruneSmolVLMForConditionalGeneration(PrunedIdefics3Model, FirstPositionRow, SmolVLMForConditionalGeneration,
+                                              SupportsMRoPE):
     """vLLM's SmolVLM with a vlm_prune vision-stage method (random, pool, divprune, cdpruner)."""
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
         super().__init__(vllm_config=vllm_config, prefix=prefix)
         self._plugin_init()
-
-
-def _item(value: Any, b: int) -> torch.Tensor | None:
-    if value is None:
-        return None
-    return value[b] if isinstance(value, (list, tuple)) or value.dim() > 1 else value

@@ -13,9 +13,10 @@ vlm_prune/vllm/llava.py (docs/vllm.md):
   a multi-tile image has none (grid-aware methods pool 1-D). The processor gives the run
   ``method.n_keep(tiles x image_seq_length)`` slots, so the scheduler and the KV cache only ever see
   kept tokens; ``<img>`` / ``</img>`` stay.
-- Kept tokens keep their original positions (offsets in extra embedding channels, three identical
-  M-RoPE rows = the language model's 1-D RoPE), ``</img>`` and the text after the image continue
-  from the unpruned length.
+- Kept tokens keep their original positions (offsets in extra embedding channels; the language model
+  rotates by vLLM's own 1-D RoPE on one of the runner's three equal position rows, as on Gemma 3:
+  ``FirstPositionRow``, ``plain_rotary``), ``</img>`` and the text after the image continue from the
+  unpruned length.
 - Video: the processor writes each frame as ``Frame i: <img>`` + one tile's tokens + ``</img>`` (vLLM
   with ``<video>`` tokens, transformers with ``<IMG_CONTEXT>``), and ``wrap()`` sees each frame's run as
   an item of its own: so each frame keeps ``method.n_keep(image_seq_length)`` tokens on its grid, and
@@ -41,19 +42,23 @@ from vllm.multimodal import MULTIMODAL_REGISTRY
 from vllm.multimodal.inputs import MultiModalFeatureSpec
 from vllm.multimodal.processing import PromptReplacement, PromptUpdate, PromptUpdateDetails, cached_encode
 
-from vlm_prune.methods.base import Method, VisionContext, item_generator
+from vlm_prune.methods.base import Method
 from vlm_prune.vllm.llava import (
     QUERY_KEY,
     RANK_KEY,
     SPEC_KEY,
+    FirstPositionRow,
     OffsetChannels,
     PrunedLlavaMultiModalProcessor,
     encode_offsets,
     method_of,
+    plain_rotary,
+    reduced,
     spec_from,
     spec_of,
     tag_items,
 )
+from vlm_prune.vllm.qwen2_vl import _item, _without_spec
 
 #: each item's unpruned count of visual tokens (where the text after it continues)
 FULL_KEY = "vlm_prune_full"
@@ -77,12 +82,11 @@ class PrunedInternVLMultiModalProcessor(InternS1MultiModalProcessor):
     _template_suffix = PrunedLlavaMultiModalProcessor._template_suffix
 
     def _apply_hf_processor_main(self, mm_items: Any, hf_kwargs: Mapping[str, object]) -> Any:
-        return super()._apply_hf_processor_main(mm_items, {k: v for k, v in hf_kwargs.items() if k != "vlm_prune"})
+        return super()._apply_hf_processor_main(mm_items, _without_spec(hf_kwargs))
 
     def _get_prompt_updates(self, mm_items: Any, hf_processor_mm_kwargs: Mapping[str, object], out_mm_kwargs: Any
                             ) -> Sequence[PromptUpdate]:
-        updates = super()._get_prompt_updates(mm_items, {k: v for k, v in hf_processor_mm_kwargs.items()
-                                                        if k != "vlm_prune"}, out_mm_kwargs)
+        updates = super()._get_prompt_updates(mm_items, _without_spec(hf_processor_mm_kwargs), out_mm_kwargs)
         method = self.info.method(hf_processor_mm_kwargs)
         hf_processor = self.info.get_hf_processor()
         tokenizer = self.info.get_tokenizer()
@@ -106,7 +110,8 @@ class PrunedInternVLMultiModalProcessor(InternS1MultiModalProcessor):
             k = method.n_keep(per_tile, 1)  # each frame its own item, as wrap() prunes the frames' runs
             run = hf_processor.start_image_token + hf_processor.video_token * k + hf_processor.end_image_token
             text = "\n".join(f"Frame{i + 1}: {run}" for i in range(frames[item_idx]))
-            return PromptUpdateDetails.select_token_id(cached_encode(tokenizer, text, add_special_tokens=False), video_id)
+            ids = cached_encode(tokenizer, text, add_special_tokens=False)
+            return PromptUpdateDetails.select_token_id(ids, video_id)
 
         return [PromptReplacement(modality="image", target=[hf_processor.image_token_id], replacement=image),
                 PromptReplacement(modality="video", target=video_update.target, replacement=video)]
@@ -133,14 +138,16 @@ class PrunedInternVLMultiModalProcessor(InternS1MultiModalProcessor):
 
 @MULTIMODAL_REGISTRY.register_processor(PrunedInternVLMultiModalProcessor, info=PrunedInternVLProcessingInfo,
                                         dummy_inputs=InternS1DummyInputsBuilder)
-class VlmPruneInternVLForConditionalGeneration(OffsetChannels, InternS1ForConditionalGeneration, SupportsMRoPE):
+class VlmPruneInternVLForConditionalGeneration(OffsetChannels, FirstPositionRow, InternS1ForConditionalGeneration,
+                                               SupportsMRoPE):
     """vLLM's InternVL (InternS1 class, HF format) with a vlm_prune vision-stage method (random, pool,
     divprune, cdpruner) on images."""
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
         super().__init__(vllm_config=vllm_config, prefix=prefix)
         self.tile_tokens = self.num_image_token
-        one_d_rope(self.language_model)
+        text = self.config.text_config  # vLLM's own rotary embeddings on one position row (as Gemma 3)
+        plain_rotary(self.language_model.model.layers, lambda i: text.rope_parameters)
 
     def embed_multimodal(self, **kwargs: object) -> Any:
         extras = {k: kwargs.pop(k, None) for k in (QUERY_KEY, RANK_KEY, SPEC_KEY, FULL_KEY, FIRST_RUN_KEY)}
@@ -172,10 +179,7 @@ class VlmPruneInternVLForConditionalGeneration(OffsetChannels, InternS1ForCondit
         first = item[FIRST_RUN_KEY]
         item = {**item, RANK_KEY: torch.tensor([(int(first.reshape(-1)[0]) if first is not None else 0) + run])}
         idx, kept = reduce_tiles(method, spec, feats, item, self.tile_tokens, self.language_model.model.embed_tokens)
-        offsets = idx - torch.arange(idx.numel(), device=idx.device)
-        if getattr(method, "renumber_positions", False):  # the official shorter sequence (wrap() too)
-            offsets = torch.zeros_like(offsets)
-        return torch.cat([kept, encode_offsets(offsets, kept.dtype)], dim=1)
+        return with_offsets(method, idx, kept)
 
     def get_mrope_input_positions(self, input_tokens: list[int], mm_features: list[MultiModalFeatureSpec]
                                   ) -> tuple[torch.Tensor, int]:
@@ -189,51 +193,27 @@ class VlmPruneInternVLForConditionalGeneration(OffsetChannels, InternS1ForCondit
 
 def reduce_tiles(method: Method, spec: dict[str, Any], feats: torch.Tensor, item: dict[str, Any], tile_tokens: int,
                  embed_tokens: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    """``method`` on one image's tokens [N, D] (all its tiles, as wrap()'s pixel-shuffle adapters hand it
-    over: a square grid for one tile, none for several; the item's question embedded by ``embed_tokens``,
-    its generator from the spec's seed and its rank): the kept indices in order and their features."""
+    """:func:`vlm_prune.vllm.llava.reduced` on one image's tokens [N, D] (all its tiles, as wrap()'s
+    pixel-shuffle adapters hand it over: a square grid for one tile, none for several; the item's
+    question embedded by ``embed_tokens``, its generator from the spec's seed and its rank): the kept
+    indices and their features."""
     n = feats.shape[0]
-    rank = int(item[RANK_KEY].reshape(-1)[0]) if item[RANK_KEY] is not None else 0
     text = None
     if item[QUERY_KEY] is not None:
         text = embed_tokens(item[QUERY_KEY].reshape(-1).to(feats.device).long())
     side = math.isqrt(tile_tokens)
     grid = (side, side) if n == tile_tokens and side * side == n else None
-    ctx = VisionContext(features=feats, n_keep=method.n_keep(n, 1), grid=grid, text_embeds=text,
-                        generator=item_generator(int(spec.get("seed", 0)), rank), image_index=rank)
-    with torch.no_grad():
-        red = method.reduce_image(ctx)
-    if red.sizes is not None:
-        raise ValueError(f"method {method.name!r} merges tokens with sizes (proportional attention), which "
-                         "vLLM's attention cannot weight; use a method that keeps or replaces tokens")
-    idx = red.indices.to(feats.device)
-    kept = feats[idx] if red.features is None else red.features.to(feats.dtype)
-    idx, order = torch.sort(idx)  # the language model reads them in the image's order, as wrap() scatters them
-    return idx, kept[order]
+    rank = item[RANK_KEY]
+    return reduced(method, feats, grid, text, spec, rank, int(rank.reshape(-1)[0]) if rank is not None else 0)
 
 
-def one_d_rope(module: torch.nn.Module) -> int:
-    """Make every M-RoPE layer under ``module`` apply the 1-D RoPE of its first position row, through
-    vLLM's own 1-D kernel; returns how many. The plugin's three position rows are always identical on
-    a family without M-RoPE of its own (``mrope_rope_parameters``), and vLLM's M-RoPE computes the same
-    rotation with other operations (on CPU: PyTorch ops instead of the ``rotary_embedding`` kernel, last
-    bits apart): so nothing pruned equals vLLM's own class bit for bit."""
-    from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
-    from vllm.model_executor.layers.rotary_embedding.mrope import MRotaryEmbedding
-
-    count = 0
-    for rope in module.modules():
-        if type(rope) is not MRotaryEmbedding or rope.scaling_factor is not None:
-            continue
-        plain = getattr(RotaryEmbedding, rope._forward_method.__name__)
-
-        def forward(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor | None = None,
-                    offsets: torch.Tensor | None = None, rope: MRotaryEmbedding = rope, plain: Any = plain) -> Any:
-            return plain(rope, positions[0] if positions.dim() == 2 else positions, query, key)
-
-        rope.forward = forward
-        count += 1
-    return count
+def with_offsets(method: Method, idx: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
+    """Kept rows ``kept`` at indices ``idx`` with each one's offset from its slot (zero where the method
+    renumbers positions, as wrap())."""
+    offsets = idx - torch.arange(idx.numel(), device=idx.device)
+    if getattr(method, "renumber_positions", False):  # the official code's shorter sequence (wrap() too)
+        offsets = torch.zeros_like(offsets)
+    return torch.cat([kept, encode_offsets(offsets, kept.dtype)], dim=1)
 
 
 def renumbers(feature: MultiModalFeatureSpec, hf_config: Any) -> bool:
@@ -258,7 +238,8 @@ def unpruned_positions(n_tokens: int, mm_features: list[MultiModalFeatureSpec],
         is_embed = f.mm_position.is_embed
         if is_embed is None:
             is_embed = torch.ones(length, dtype=torch.bool)
-        edges = torch.diff(is_embed.int(), prepend=torch.zeros(1, dtype=torch.int), append=torch.zeros(1, dtype=torch.int))
+        zero = torch.zeros(1, dtype=torch.int)
+        edges = torch.diff(is_embed.int(), prepend=zero, append=zero)
         runs = list(zip(torch.nonzero(edges == 1).squeeze(1).tolist(), torch.nonzero(edges == -1).squeeze(1).tolist()))
         elem = f.data.get(full_key) if f.data is not None else None
         embeds = int(is_embed.sum())
@@ -268,9 +249,3 @@ def unpruned_positions(n_tokens: int, mm_features: list[MultiModalFeatureSpec],
             pos[start + b:] += gap
             shift += gap
     return pos[None].expand(3, -1).clone(), shift
-
-
-def _item(value: Any, b: int) -> torch.Tensor | None:
-    if value is None:
-        return None
-    return value[b] if isinstance(value, (list, tuple)) or value.dim() > 1 else value

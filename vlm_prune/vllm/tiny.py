@@ -505,6 +505,10 @@ def write_mistral3(folder: str | Path, shape: Mistral3Shape = Mistral3Shape(), s
                             tokenizer=build_mistral3_tokenizer(shape), patch_size=shape.patch, spatial_merge_size=2,
                             image_token="[IMG]", image_break_token="[IMG_BREAK]", image_end_token="[IMG_END]",
                             chat_template=chat_template("[IMG]"))
+    proc.save_pretrained(folder)
+    return folder
+
+
 # ---- InternVL (Hugging Face format) --------------------------------------------------------------
 INTERNVL_SPECIAL = ("<IMG_CONTEXT>", "<img>", "</img>", "<video>")
 INTERNVL_TEMPLATE = chat_template("<IMG_CONTEXT>", "<video>")
