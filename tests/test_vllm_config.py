@@ -143,6 +143,14 @@ def _spec(**over) -> str:
     (_spec(method="vidcom2"), LLAVA, "vlm_prune.method", "frames method 'vidcom2' chooses video frames"),
     (_spec(method="keyscore"), QWEN3, "vlm_prune.method", "keyscore chooses a video's slices from the tower's features"),
     (_spec(method="fastervlm"), QWEN3, "vlm_prune.method", "fastervlm needs the vision tower's attention"),
+    # issue 30: HiRED / PruMerge read the CLIP tower's [CLS] attention (LLaVA-1.5; HiRED also LLaVA-NeXT)
+    (_spec(method="prumerge", keep=None), LLAVA, "vlm_prune.method",
+     "prumerge without keep / budget keeps an adaptive count (the IQR outliers of the tower's [CLS] attention)"),
+    (_spec(method="prumerge"), ONEVISION, "vlm_prune.method", "prumerge ranks an image's patches by the vision "
+     "tower's [CLS] attention, which wrap() reads on LLaVA-1.5 images only"),
+    (_spec(method="hired"), QWEN, "vlm_prune.method", "hired ranks an image's patches by the vision tower's [CLS] "
+     "attention, which wrap() reads on LLaVA-NeXT and LLaVA-1.5 images only"),
+    (_spec(method="hired", keep=None), QWEN3, "vlm_prune.method", "hired ranks an image's patches"),
     (_spec(keep=-1), None, "vlm_prune", "keep must be a fraction in (0, 1], got -1"),
     (_spec(keep="abc"), None, "vlm_prune", "keep must be a fraction"),
     (_spec(keep=None, budget=0), None, "vlm_prune", "budget must be a whole number of tokens >= 1, got 0"),

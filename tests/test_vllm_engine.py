@@ -35,7 +35,11 @@ CASES = [("random", {"keep": 0.5}), ("random", {"budget": 3}), ("pool", {"keep":
          ("visionzip", {"keep": 0.5}), ("visionzip", {"budget": 6}),
          # issue 30: the tower's CLS attention (as VisionZip's), the official shorter sequence by default
          ("fastervlm", {"keep": 0.5}), ("fastervlm", {"budget": 3}), ("vispruner", {"keep": 0.5}),
-         ("vispruner", {"budget": 6})]
+         ("vispruner", {"budget": 6}),
+         # issue 30: HiRED (one partition: the official LLaVA-1.5 version, int(16 * 0.2) = 3 without keep / budget)
+         # and PruMerge (the tower's last layer, which vLLM does not build, read from the checkpoint on the side)
+         ("hired", {}), ("hired", {"keep": 0.5}), ("hired", {"budget": 5}), ("prumerge", {"keep": 0.5}),
+         ("prumerge", {"budget": 4})]
 
 
 def _images() -> list[Image.Image]:
@@ -177,6 +181,7 @@ def test_method_equals_wrapped_hf(llm, hf, method, budget):
     ('{"method": "uniform", "keep": 0.5}', "vlm_prune.method", "frames method 'uniform' chooses video frames"),
     ('{"method": "random", "keep": 0.5, "seed": "abc"}', "vlm_prune.seed", "seed must be a whole number"),
     ("keep=0.5", "vlm_prune", "not JSON text"),
+    ('{"method": "prumerge"}', "vlm_prune.method", "prumerge without keep / budget keeps an adaptive count"),
 ])
 def test_offline_requests_are_validated_before_the_engine(llm, raw, field, message):
     """Issue 27: the offline LLM runs the server's validation on each request's spec (the same function);

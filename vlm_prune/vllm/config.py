@@ -67,7 +67,20 @@ ONEVISION_VISIONZIP_REFUSAL = (
     "tower row; use divprune, cdpruner, pool or random for requests with images"
 )
 #: vision methods that read the tower's feature-layer attention (VisionContext.tower_attention)
-TOWER_METHODS = ("visionzip", "fastervlm", "vispruner")
+TOWER_METHODS = ("visionzip", "fastervlm", "vispruner", "hired", "prumerge")
+#: tower-attention methods that need the [CLS] token (LLaVA-1.5 / LLaVA-NeXT images only, as wrap())
+CLS_METHODS = ("hired", "prumerge")
+CLS_REFUSAL = (
+    "{name} ranks an image's patches by the vision tower's [CLS] attention, which wrap() reads on {where} only; "
+    "this model is not one of them: use divprune, cdpruner, pool or random"
+)
+#: PruMerge without keep / budget: its count follows from the tower's attention (IQR outliers)
+PRUMERGE_ADAPTIVE_REFUSAL = (
+    "prumerge without keep / budget keeps an adaptive count (the IQR outliers of the tower's [CLS] attention), "
+    "known only once the tower has run, but vLLM fixes each image's placeholder slots in its processor, before "
+    "the encoder: give keep or budget (exactly that many tokens, as wrap() with them), or run the official "
+    "adaptive count with vlm_prune.wrap()"
+)
 TOWER_REFUSAL = (
     "{name} needs the vision tower's attention and keys (VisionContext.tower_attention), which this model's "
     "adapter does not provide for this input: {title} runs on LLaVA-1.5 images and LLaVA-OneVision videos "
@@ -77,7 +90,11 @@ TOWER_REFUSAL = (
 #: method -> [(checkpoint classes that cannot run it, the reason)]
 REFUSALS = {
     **{name: [(NATIVE_MROPE, TOWER_REFUSAL.format(name=name, title=title))]
-       for name, title in zip(TOWER_METHODS, ("VisionZip", "FasterVLM", "VisPruner"))},
+       for name, title in zip(TOWER_METHODS[:3], ("VisionZip", "FasterVLM", "VisPruner"))},
+    "hired": [(("LlavaOnevisionForConditionalGeneration",) + NATIVE_MROPE,
+               CLS_REFUSAL.format(name="hired", where="LLaVA-NeXT and LLaVA-1.5 images"))],
+    "prumerge": [(("LlavaOnevisionForConditionalGeneration",) + NATIVE_MROPE,
+                  CLS_REFUSAL.format(name="prumerge", where="LLaVA-1.5 images"))],
     **{name: [(QWEN3, (
         f"{name} ranks a video's tokens by the attention they receive in the vision tower, which vlm_prune reads on "
         "LLaVA-OneVision and Qwen2-VL / 2.5-VL only (Qwen3-VL's tower is not tapped; wrap() refuses it too); use "
@@ -105,7 +122,7 @@ for _name in TOWER_METHODS:
 #: families whose vLLM support is not written yet, with what it needs
 PLANNED: dict[str, str] = {}
 #: methods that run in vLLM (vision stage, a fixed count per image)
-SUPPORTED = ("random", "pool", "divprune", "cdpruner", "visionzip", "fastervlm", "vispruner")
+SUPPORTED = ("random", "pool", "divprune", "cdpruner", "visionzip", "fastervlm", "vispruner", "hired", "prumerge")
 #: frames methods that run in vLLM (video models; a count per video fixed by the budget): vllm/frames.py
 FRAMES_SUPPORTED = ("uniform", "keyscore", "vidcom2", "fastvid", "holitom", "dycoke")
 #: checkpoint classes that take video (the frames methods need one)
@@ -332,7 +349,10 @@ def _refusal(arch: str | None, name: str, spec: dict[str, Any]) -> str | None:
             return refusal(checkpoint, name)
         if "quota" in spec or spec["keep"] == 1.0 or spec["budget"] is not None:
             return None  # a budget alone: the processor refuses it where the video has more tokens (no scores)
-    return refusal(checkpoint, name)
+    reason = refusal(checkpoint, name)
+    if reason is None and name == "prumerge" and spec["keep"] is None and spec["budget"] is None:
+        return PRUMERGE_ADAPTIVE_REFUSAL
+    return reason
 
 
 def method_of(spec: dict[str, Any]) -> Method:

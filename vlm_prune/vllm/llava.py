@@ -45,7 +45,7 @@ from vllm.multimodal.processing import PromptReplacement, PromptUpdate
 
 from vlm_prune.methods.base import Method, VisionContext, item_generator
 from vlm_prune.methods.visionzip import TowerFeatures
-from vlm_prune.vllm.config import TOWER_METHODS, SpecError, method_of, validate_spec
+from vlm_prune.vllm.config import CLS_METHODS, TOWER_METHODS, SpecError, method_of, validate_spec
 
 #: extra embedding channels carrying each kept token's position offset (base-64 digits: exact in
 #: bfloat16 too, up to 64**3 positions)
@@ -184,7 +184,7 @@ def reduced(method: Method, features: torch.Tensor, grid: tuple[int, int] | None
             ) -> tuple[torch.Tensor, torch.Tensor]:
     """(kept indices, their features) of :func:`reduce_item`."""
     gen = item_generator(int(spec.get("seed", 0)), int(rank.reshape(-1)[0]) if rank is not None else 0)
-    ctx = VisionContext(features=features, n_keep=method.n_keep(features.shape[0], 1), grid=grid, text_embeds=text,
+    ctx = VisionContext(features=features, n_keep=image_slots(method, features.shape[0]), grid=grid, text_embeds=text,
                         tower_attention=tower_attention, generator=gen, image_index=index)
     with torch.no_grad():
         red = method.reduce_image(ctx)
@@ -193,6 +193,46 @@ def reduced(method: Method, features: torch.Tensor, grid: tuple[int, int] | None
                          "vLLM's attention cannot weight; use a method that keeps or replaces tokens")
     idx = red.indices.to(features.device)
     return idx, features[idx] if red.features is None else red.features.to(features.dtype)
+
+
+def image_slots(method: Method, n: int) -> int:
+    """Placeholder slots of an image of ``n`` visual tokens: the count ``wrap()`` keeps, known before the
+    encoder runs (HiRED's official single-partition count without keep / budget: int(n rate))."""
+    if method.name == "hired" and method.keep is None and method.budget is None:
+        return min(n, int(n * method.rate))
+    return method.n_keep(n, 1)
+
+
+def check_cls_method(method: Method, hf_config: Any) -> None:
+    """The model-side checks wrap() makes for HiRED / PruMerge (``check_model``), as a request's refusal:
+    the [CLS] token must not be a visual token, and PruMerge reads the tower's last layer from the feature
+    layer (-2) or its input (-1)."""
+    if method.name not in CLS_METHODS:
+        return
+    strategy = hf_config.vision_feature_select_strategy
+    if strategy != "default":
+        raise ValueError(f"{method.name} ranks patches by the tower's [CLS] attention and needs "
+                         f"vision_feature_select_strategy='default' (CLS no visual token); this model uses {strategy!r}")
+    n = hf_config.vision_config.num_hidden_layers
+    layer = hf_config.vision_feature_layer
+    if method.name == "prumerge" and (not isinstance(layer, int) or layer % (n + 1) < n - 1):
+        raise ValueError("prumerge reads the tower's last layer on the side from the feature layer, so it needs "
+                         f"vision_feature_layer -2 (LLaVA-1.5's) or -1; this model uses {layer!r}")
+    if method.name == "hired" and method.early_layer >= n:
+        raise ValueError(f"hired early_layer={method.early_layer} is beyond the tower's {n} layers")
+
+
+class LastLayerQK(torch.nn.Module):
+    """The query / key side of the CLIP tower's last encoder layer, which vLLM does not build when the
+    feature layer is the one before (LLaVA-1.5's -2): PruMerge's attention (adapters/llava.py ``layer_qk``
+    reads the same three weights)."""
+
+    def __init__(self, hidden: int, eps: float) -> None:
+        super().__init__()
+        self.layer_norm1 = torch.nn.LayerNorm(hidden, eps=eps)
+        self.self_attn = torch.nn.Module()
+        self.self_attn.q_proj = torch.nn.Linear(hidden, hidden)
+        self.self_attn.k_proj = torch.nn.Linear(hidden, hidden)
 
 
 class PrunedLlavaProcessingInfo(LlavaProcessingInfo):
@@ -207,7 +247,9 @@ class PrunedLlavaProcessingInfo(LlavaProcessingInfo):
     def get_num_image_tokens(self, *, image_width: int, image_height: int,
                              mm_kwargs: Mapping[str, object] | None = None) -> int:
         n = self.unpruned_image_tokens(image_width=image_width, image_height=image_height)
-        return self.method(mm_kwargs).n_keep(n, 1)
+        method = self.method(mm_kwargs)
+        check_cls_method(method, self.get_hf_config())
+        return image_slots(method, n)
 
 
 class PrunedLlavaMultiModalProcessor(LlavaMultiModalProcessor):
@@ -329,7 +371,7 @@ def plain_rotary(layers: Any, params: Any) -> None:
 )
 class VlmPruneLlavaForConditionalGeneration(OffsetChannels, LlavaForConditionalGeneration, SupportsMRoPE):
     """vLLM's LLaVA-1.5 with a vlm_prune vision-stage method (random, pool, divprune, cdpruner, visionzip,
-    fastervlm, vispruner)."""
+    fastervlm, vispruner, hired - one partition, prumerge - with keep / budget)."""
 
     hf_to_vllm_mapper = WeightsMapper(
         # the CLIP tower in every naming: hub (vision_tower.vision_model.*), transformers 5
@@ -351,6 +393,11 @@ class VlmPruneLlavaForConditionalGeneration(OffsetChannels, LlavaForConditionalG
         self.n_image = self.side * self.side + (0 if self.drop_cls else 1)
         self._feature_input: torch.Tensor | None = None
         self.vision_tower.vision_model.encoder.layers[-1].register_forward_pre_hook(self._keep_feature_input)
+        #: PruMerge's view of the tower's last layer where vLLM stops the tower before it (feature layer -2)
+        self._last_layer_index = vc.num_hidden_layers - 1
+        self.vlm_prune_last_layer: LastLayerQK | None = None
+        if len(self.vision_tower.vision_model.encoder.layers) == vc.num_hidden_layers - 1:
+            self.vlm_prune_last_layer = LastLayerQK(vc.hidden_size, vc.layer_norm_eps)
 
     def _keep_feature_input(self, module: torch.nn.Module, args: tuple) -> None:
         self._feature_input = args[0].detach()
@@ -396,7 +443,8 @@ class VlmPruneLlavaForConditionalGeneration(OffsetChannels, LlavaForConditionalG
                 attention, keys = self._attention_of(feature_input)
                 cls = tower_row[0] if self.drop_cls else None
                 body = tower_row[1:] if self.drop_cls else tower_row
-                return attention, keys, TowerFeatures(body, cls, self.multi_modal_projector)
+                return attention, keys, TowerFeatures(body, cls, self.multi_modal_projector,
+                                                      lambda: self._last_qk(feature_input, tower_row))
 
         side = self.side
         return reduce_item(method, features, (side, side) if side * side == n else None, text, spec, rank, b,
@@ -423,6 +471,21 @@ class VlmPruneLlavaForConditionalGeneration(OffsetChannels, LlavaForConditionalG
                 return probs[0, :, 0, 1:].mean(0), k[0, :, 1:].mean(0)
             probs = torch.softmax((q @ k.transpose(-1, -2)).float() * attn.scale, dim=-1)
             return probs[0].mean(0).mean(0), k[0].mean(0)
+
+    def _last_qk(self, feature_input: torch.Tensor, tower_row: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """PruMerge's view of one image (``TowerFeatures.last_qk``): the tower's last layer's query and key
+        projections, all heads as one ([T, C] each), of its input - the feature layer's output (vLLM's tower
+        row) when vLLM stops before the last layer, the feature layer's input when the feature layer is the last."""
+        from vlm_prune.adapters.llava import layer_qk
+
+        if self.vlm_prune_last_layer is not None:
+            return layer_qk(self.vlm_prune_last_layer, tower_row)
+        layer = self.vision_tower.vision_model.encoder.layers[-1]
+        attn = layer.self_attn
+        with torch.no_grad():
+            qkv, _ = attn.qkv_proj(layer.layer_norm1(feature_input[None]))
+            q, k, _ = qkv[0].split(attn.num_heads_per_partition * attn.head_dim, dim=-1)
+        return q, k
 
     # ---- positions: kept tokens at their original positions ---------------------------------
     def get_mrope_input_positions(self, input_tokens: list[int], mm_features: list[MultiModalFeatureSpec]
@@ -453,4 +516,27 @@ class VlmPruneLlavaForConditionalGeneration(OffsetChannels, LlavaForConditionalG
         return bool(getattr(method_of(spec), "renumber_positions", False))
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        return super().load_weights(weights)
+        """vLLM's loading; the tower's last layer's query / key weights also fill :class:`LastLayerQK`
+        where vLLM's tower stops before that layer (vLLM drops them)."""
+        own = self.vlm_prune_last_layer
+        if own is None:
+            return super().load_weights(weights)
+        prefix = f"vision_tower.vision_model.encoder.layers.{self._last_layer_index}."
+        params = dict(own.named_parameters())
+        loaded: set[str] = set()
+
+        def tee(ws: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.Tensor]]:
+            for name, w in ws:
+                mapped = self.hf_to_vllm_mapper._map_name(name)
+                if mapped is not None and mapped.startswith(prefix) and mapped[len(prefix):] in params:
+                    with torch.no_grad():
+                        params[mapped[len(prefix):]].copy_(w)
+                    loaded.add("vlm_prune_last_layer." + mapped[len(prefix):])
+                yield name, w
+
+        done = super().load_weights(tee(weights))
+        missing = set(params) - {n[len("vlm_prune_last_layer."):] for n in loaded}
+        if missing:
+            raise ValueError(f"the checkpoint has no weights {sorted(missing)} of the tower's last layer "
+                             f"({prefix}), which prumerge reads")
+        return done | loaded
