@@ -33,6 +33,7 @@ ARCHITECTURES = {
     "InternVLForConditionalGeneration": "VlmPruneInternVLForConditionalGeneration",
     "Idefics3ForConditionalGeneration": "VlmPruneIdefics3ForConditionalGeneration",
     "SmolVLMForConditionalGeneration": "VlmPruneSmolVLMForConditionalGeneration",
+    "LlavaNextForConditionalGeneration": "VlmPruneLlavaNextForConditionalGeneration",
 }
 #: the plugin's model class -> its module in vlm_prune.vllm
 MODULES = {
@@ -46,6 +47,7 @@ MODULES = {
     "VlmPruneInternVLForConditionalGeneration": "internvl",
     "VlmPruneIdefics3ForConditionalGeneration": "idefics3",
     "VlmPruneSmolVLMForConditionalGeneration": "idefics3",
+    "VlmPruneLlavaNextForConditionalGeneration": "llava_next",
 }
 #: checkpoints whose language model has M-RoPE of its own (no mrope_section override)
 NATIVE_MROPE = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration", "Qwen3VLForConditionalGeneration")
@@ -87,14 +89,30 @@ TOWER_REFUSAL = (
     "(not OneVision's anyres image tiles, not Qwen2-VL's tower, which has no CLS token); use divprune, cdpruner, "
     "pool or random"
 )
+#: LLaVA-NeXT: anyres tiles, per-crop methods (vlm_prune/vllm/llava_next.py)
+LLAVA_NEXT = ("LlavaNextForConditionalGeneration",)
+NEXT_REFUSAL = (
+    "{name} reads one tower row per image, but a LLaVA-NeXT image is a base image plus anyres tiles, each its own "
+    "tower row; wrap() refuses it there too ({name} supports {families}). Use hired (per-tile [CLS] attention), "
+    "divprune, cdpruner, pool or random"
+)
+#: HiRED without keep / budget on anyres images: each tile's share is floored and then cut by the unpadding
+HIRED_OFFICIAL_REFUSAL = (
+    "hired without keep / budget keeps the official count on LLaVA-NeXT: each tile's floored share of 20% of its "
+    "patches, then cut by the model's unpadding, known only once the tower has run, but vLLM fixes each image's "
+    "placeholder slots in its processor: give keep or budget (exactly that many of the image's visual tokens, as "
+    "wrap() with them), or run the official count with vlm_prune.wrap()"
+)
 #: method -> [(checkpoint classes that cannot run it, the reason)]
 REFUSALS = {
-    **{name: [(NATIVE_MROPE, TOWER_REFUSAL.format(name=name, title=title))]
+    **{name: [(NATIVE_MROPE, TOWER_REFUSAL.format(name=name, title=title)),
+              (LLAVA_NEXT, NEXT_REFUSAL.format(name=name, families="llava, llava_onevision"))]
        for name, title in zip(TOWER_METHODS[:3], ("VisionZip", "FasterVLM", "VisPruner"))},
     "hired": [(("LlavaOnevisionForConditionalGeneration",) + NATIVE_MROPE,
                CLS_REFUSAL.format(name="hired", where="LLaVA-NeXT and LLaVA-1.5 images"))],
     "prumerge": [(("LlavaOnevisionForConditionalGeneration",) + NATIVE_MROPE,
-                  CLS_REFUSAL.format(name="prumerge", where="LLaVA-1.5 images"))],
+                  CLS_REFUSAL.format(name="prumerge", where="LLaVA-1.5 images")),
+                 (LLAVA_NEXT, NEXT_REFUSAL.format(name="prumerge", families="llava"))],
     **{name: [(QWEN3, (
         f"{name} ranks a video's tokens by the attention they receive in the vision tower, which vlm_prune reads on "
         "LLaVA-OneVision and Qwen2-VL / 2.5-VL only (Qwen3-VL's tower is not tapped; wrap() refuses it too); use "
@@ -352,6 +370,8 @@ def _refusal(arch: str | None, name: str, spec: dict[str, Any]) -> str | None:
     reason = refusal(checkpoint, name)
     if reason is None and name == "prumerge" and spec["keep"] is None and spec["budget"] is None:
         return PRUMERGE_ADAPTIVE_REFUSAL
+    if reason is None and name == "hired" and checkpoint in LLAVA_NEXT and spec["keep"] is None and spec["budget"] is None:
+        return HIRED_OFFICIAL_REFUSAL
     return reason
 
 

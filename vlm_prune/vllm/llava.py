@@ -222,6 +222,29 @@ def check_cls_method(method: Method, hf_config: Any) -> None:
         raise ValueError(f"hired early_layer={method.early_layer} is beyond the tower's {n} layers")
 
 
+def layer_attention(layer: torch.nn.Module, row: torch.Tensor, has_cls: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(attention [N], keys [N, d]) of one tower row [T, C] of a vLLM CLIP / SigLIP encoder layer's input, as
+    vlm_prune's FeatureLayerTap recomputes them on the HF tower: the attention the CLS query pays each patch
+    (or, without CLS, the mean attention each token receives), and the keys, both averaged over heads."""
+    attn = layer.self_attn
+    if getattr(attn, "tp_size", 1) > 1:  # this rank holds only its share of the heads
+        raise ValueError("the methods that read the tower's attention (visionzip, fastervlm, vispruner, hired, "
+                         "prumerge) under tensor parallelism need the whole vision tower on every rank: start vLLM "
+                         "with mm_encoder_tp_mode='data' (--mm-encoder-tp-mode data)")
+    with torch.no_grad():
+        x = layer.layer_norm1(row[None])
+        qkv, _ = attn.qkv_proj(x)
+        h, d = attn.num_heads_per_partition, attn.head_dim
+        q, k, _ = qkv.split(h * d, dim=-1)
+        q = q.view(1, -1, h, d).transpose(1, 2)
+        k = k.view(1, -1, h, d).transpose(1, 2)
+        if has_cls:
+            probs = torch.softmax((q[:, :, :1] @ k.transpose(-1, -2)).float() * attn.scale, dim=-1)
+            return probs[0, :, 0, 1:].mean(0), k[0, :, 1:].mean(0)
+        probs = torch.softmax((q @ k.transpose(-1, -2)).float() * attn.scale, dim=-1)
+        return probs[0].mean(0).mean(0), k[0].mean(0)
+
+
 class LastLayerQK(torch.nn.Module):
     """The query / key side of the CLIP tower's last encoder layer, which vLLM does not build when the
     feature layer is the one before (LLaVA-1.5's -2): PruMerge's attention (adapters/llava.py ``layer_qk``
@@ -451,26 +474,8 @@ class VlmPruneLlavaForConditionalGeneration(OffsetChannels, LlavaForConditionalG
                            tower_attention)
 
     def _attention_of(self, row: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """VisionZip's view of the feature layer (as vlm_prune's FeatureLayerTap on the HF tower):
-        attention of the CLS query (or the mean attention received, without CLS) and the keys,
-        averaged over heads."""
-        layer = self.vision_tower.vision_model.encoder.layers[-1]
-        attn = layer.self_attn
-        if getattr(attn, "tp_size", 1) > 1:  # this rank holds only its share of the heads
-            raise ValueError("visionzip, fastervlm and vispruner under tensor parallelism need the whole vision tower "
-                             "on every rank: start vLLM with mm_encoder_tp_mode='data' (--mm-encoder-tp-mode data)")
-        with torch.no_grad():
-            x = layer.layer_norm1(row[None])
-            qkv, _ = attn.qkv_proj(x)
-            h, d = attn.num_heads_per_partition, attn.head_dim
-            q, k, _ = qkv.split(h * d, dim=-1)
-            q = q.view(1, -1, h, d).transpose(1, 2)
-            k = k.view(1, -1, h, d).transpose(1, 2)
-            if self.drop_cls:
-                probs = torch.softmax((q[:, :, :1] @ k.transpose(-1, -2)).float() * attn.scale, dim=-1)
-                return probs[0, :, 0, 1:].mean(0), k[0, :, 1:].mean(0)
-            probs = torch.softmax((q @ k.transpose(-1, -2)).float() * attn.scale, dim=-1)
-            return probs[0].mean(0).mean(0), k[0].mean(0)
+        """VisionZip's view of the feature layer (as vlm_prune's FeatureLayerTap on the HF tower)."""
+        return layer_attention(self.vision_tower.vision_model.encoder.layers[-1], row, self.drop_cls)
 
     def _last_qk(self, feature_input: torch.Tensor, tower_row: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """PruMerge's view of one image (``TowerFeatures.last_qk``): the tower's last layer's query and key

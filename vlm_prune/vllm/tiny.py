@@ -1,4 +1,5 @@
-"""Small LLaVA-1.5-, LLaVA-OneVision-, Qwen2-VL-, Qwen2.5-VL-, Qwen3-VL- and Gemma 3-layout checkpoints written to a folder
+"""Small LLaVA-1.5-, LLaVA-NeXT-, LLaVA-OneVision-, Qwen2-VL-, Qwen2.5-VL-, Qwen3-VL- and Gemma 3-layout checkpoints
+written to a folder
 vLLM can load.
 
 No hub here: tests and ``vlm-prune bench --serve`` build randomly initialised models from the real
@@ -648,5 +649,56 @@ def write_idefics3(folder: str | Path, shape: Idefics3Shape = Idefics3Shape(), s
 
         proc = Idefics3Processor(image_processor=Idefics3ImageProcessor(**images), tokenizer=tok,
                                  image_seq_len=shape.tile_tokens, chat_template=template)
+    proc.save_pretrained(folder)
+    return folder
+
+
+# ---- LLaVA-NeXT -----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class LlavaNextShape(LlavaShape):
+    """Sizes of a LLaVA-NeXT-layout model (CLIP tower, anyres tiles, image_newline, Llama): three tower
+    layers, so the feature layer (-2: layer 1) differs from HiRED's early layer (0)."""
+
+    patch: int = 4  # 8 x 8 tokens per tile
+    vision_layers: int = 3
+    max_positions: int = 512
+
+    @property
+    def pinpoints(self) -> list[list[int]]:
+        s = self.image_size
+        return [[s, s], [s, 2 * s], [2 * s, s]]
+
+
+def build_llava_next_model(shape: LlavaNextShape, seed: int = 0):
+    """A randomly initialised ``LlavaNextForConditionalGeneration`` of ``shape`` (float32, eval)."""
+    from transformers import CLIPVisionConfig, LlamaConfig, LlavaNextConfig, LlavaNextForConditionalGeneration
+
+    torch.manual_seed(seed)
+    vision = CLIPVisionConfig(hidden_size=shape.vision_hidden, intermediate_size=shape.vision_intermediate,
+                              num_hidden_layers=shape.vision_layers, num_attention_heads=shape.vision_heads,
+                              image_size=shape.image_size, patch_size=shape.patch, projection_dim=shape.vision_hidden)
+    cfg = LlavaNextConfig(vision_config=vision, text_config=LlamaConfig(**text_config(shape)),
+                          image_token_id=image_token_id(shape), image_grid_pinpoints=shape.pinpoints,
+                          vision_feature_layer=-2, vision_feature_select_strategy="default")
+    model = LlavaNextForConditionalGeneration(cfg).eval()
+    with torch.no_grad():
+        model.model.image_newline.normal_()
+    return sharpen(model, model.model.multi_modal_projector)
+
+
+def write_llava_next(folder: str | Path, shape: LlavaNextShape = LlavaNextShape(), seed: int = 0) -> Path:
+    """Save a random LLaVA-NeXT-layout model of ``shape`` with tokenizer and processor to ``folder``."""
+    from transformers import LlavaNextImageProcessor, LlavaNextProcessor
+
+    folder = Path(folder)
+    model = build_llava_next_model(shape, seed)
+    model.save_pretrained(folder)
+    size = shape.image_size
+    proc = LlavaNextProcessor(
+        image_processor=LlavaNextImageProcessor(size={"shortest_edge": size}, crop_size={"height": size, "width": size},
+                                                image_grid_pinpoints=shape.pinpoints),
+        tokenizer=build_tokenizer(shape), patch_size=shape.patch, vision_feature_select_strategy="default",
+        num_additional_image_tokens=1, chat_template=CHAT_TEMPLATE,
+    )
     proc.save_pretrained(folder)
     return folder
