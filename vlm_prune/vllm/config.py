@@ -34,6 +34,7 @@ ARCHITECTURES = {
     "Idefics3ForConditionalGeneration": "VlmPruneIdefics3ForConditionalGeneration",
     "SmolVLMForConditionalGeneration": "VlmPruneSmolVLMForConditionalGeneration",
     "LlavaNextForConditionalGeneration": "VlmPruneLlavaNextForConditionalGeneration",
+    "LlavaNextVideoForConditionalGeneration": "VlmPruneLlavaNextVideoForConditionalGeneration",
 }
 #: the plugin's model class -> its module in vlm_prune.vllm
 MODULES = {
@@ -48,6 +49,7 @@ MODULES = {
     "VlmPruneIdefics3ForConditionalGeneration": "idefics3",
     "VlmPruneSmolVLMForConditionalGeneration": "idefics3",
     "VlmPruneLlavaNextForConditionalGeneration": "llava_next",
+    "VlmPruneLlavaNextVideoForConditionalGeneration": "llava_next_video",
 }
 #: checkpoints whose language model has M-RoPE of its own (no mrope_section override)
 NATIVE_MROPE = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration", "Qwen3VLForConditionalGeneration")
@@ -103,20 +105,33 @@ HIRED_OFFICIAL_REFUSAL = (
     "placeholder slots in its processor: give keep or budget (exactly that many of the image's visual tokens, as "
     "wrap() with them), or run the official count with vlm_prune.wrap()"
 )
+#: LLaVA-NeXT-Video: vLLM's class takes video only (vlm_prune/vllm/llava_next_video.py)
+NEXT_VIDEO = ("LlavaNextVideoForConditionalGeneration",)
+NEXT_VIDEO_REFUSAL = (
+    "{name} is refused on LLaVA-NeXT-Video's video, as wrap() refuses it there ({why}); vLLM's "
+    "LlavaNextVideoForConditionalGeneration takes video only: use random, pool, divprune, cdpruner or the frames "
+    "methods uniform, keyscore, vidcom2, dycoke"
+)
 #: method -> [(checkpoint classes that cannot run it, the reason)]
 REFUSALS = {
     **{name: [(NATIVE_MROPE, TOWER_REFUSAL.format(name=name, title=title)),
-              (LLAVA_NEXT, NEXT_REFUSAL.format(name=name, families="llava, llava_onevision"))]
+              (LLAVA_NEXT, NEXT_REFUSAL.format(name=name, families="llava, llava_onevision")),
+              (NEXT_VIDEO, NEXT_VIDEO_REFUSAL.format(name=name, why=f"{name} supports llava, llava_onevision"))]
        for name, title in zip(TOWER_METHODS[:3], ("VisionZip", "FasterVLM", "VisPruner"))},
     "hired": [(("LlavaOnevisionForConditionalGeneration",) + NATIVE_MROPE,
-               CLS_REFUSAL.format(name="hired", where="LLaVA-NeXT and LLaVA-1.5 images"))],
+               CLS_REFUSAL.format(name="hired", where="LLaVA-NeXT and LLaVA-1.5 images")),
+              (NEXT_VIDEO, NEXT_VIDEO_REFUSAL.format(name="hired", why="HiRED runs on its anyres images only; "
+                                                                       "video frames have no partitions"))],
     "prumerge": [(("LlavaOnevisionForConditionalGeneration",) + NATIVE_MROPE,
                   CLS_REFUSAL.format(name="prumerge", where="LLaVA-1.5 images")),
-                 (LLAVA_NEXT, NEXT_REFUSAL.format(name="prumerge", families="llava"))],
+                 (LLAVA_NEXT, NEXT_REFUSAL.format(name="prumerge", families="llava")),
+                 (NEXT_VIDEO, NEXT_VIDEO_REFUSAL.format(name="prumerge", why="prumerge supports llava"))],
     **{name: [(QWEN3, (
         f"{name} ranks a video's tokens by the attention they receive in the vision tower, which vlm_prune reads on "
         "LLaVA-OneVision and Qwen2-VL / 2.5-VL only (Qwen3-VL's tower is not tapped; wrap() refuses it too); use "
-        "vidcom2, uniform or a vision-stage method on this model"))] for name in ("fastvid", "holitom")},
+        "vidcom2, uniform or a vision-stage method on this model")),
+        (NEXT_VIDEO, NEXT_VIDEO_REFUSAL.format(name=name, why=f"{name} supports llava_onevision, qwen2_vl"))]
+        for name in ("fastvid", "holitom")},
     "vidcom2": [(QWEN3, (
         "vidcom2 gives each slice of a video its own share of the budget from the tower's features, but on Qwen3-VL "
         "vLLM's processor has already written each slice's tokens between that slice's timestamp and start / end "
@@ -126,7 +141,10 @@ REFUSALS = {
         "written each slice's tokens between that slice's timestamp and start / end tokens, so the count per slice "
         "is fixed before the choice; use uniform (its slices follow from the budget) or a vision-stage method, or "
         "keyscore with vlm_prune.wrap() on the Hugging Face model"))],
-    "quota": [(QWEN3, (
+    "quota": [(NEXT_VIDEO, (
+        "quota is not wired into vLLM for LLaVA-NeXT-Video (its two passes - frame scores in the same engine, then "
+        "the plan - run on LLaVA-OneVision and Qwen2-VL / Qwen2.5-VL); use uniform, keyscore, vidcom2 or dycoke, or "
+        "quota with vlm_prune.wrap()")), (QWEN3, (
         "quota is refused on Qwen3-VL, as wrap() refuses it: it packs resized frames into the video's first slots, "
         "which on Qwen3-VL lie behind other slices' timestamps; use uniform or a vision-stage method"))],
 }
@@ -144,7 +162,7 @@ SUPPORTED = ("random", "pool", "divprune", "cdpruner", "visionzip", "fastervlm",
 #: frames methods that run in vLLM (video models; a count per video fixed by the budget): vllm/frames.py
 FRAMES_SUPPORTED = ("uniform", "keyscore", "vidcom2", "fastvid", "holitom", "dycoke")
 #: checkpoint classes that take video (the frames methods need one)
-VIDEO_ARCHITECTURES = ("LlavaOnevisionForConditionalGeneration",) + NATIVE_MROPE
+VIDEO_ARCHITECTURES = ("LlavaOnevisionForConditionalGeneration",) + NATIVE_MROPE + NEXT_VIDEO
 
 IN_LLM_REFUSAL = (
     "method {name!r} prunes inside the language model (stage 'llm'): it changes the number of cached keys from "
@@ -363,7 +381,7 @@ def _refusal(arch: str | None, name: str, spec: dict[str, Any]) -> str | None:
             return (f"frames method 'quota' chooses video frames; vlm_prune.vllm runs the frames methods on the video "
                     f"of {', '.join(VIDEO_ARCHITECTURES)}, not of {checkpoint} (use a vision-stage method there: "
                     f"{', '.join(SUPPORTED)})")
-        if checkpoint in QWEN3:
+        if checkpoint in QWEN3 + NEXT_VIDEO:
             return refusal(checkpoint, name)
         if "quota" in spec or spec["keep"] == 1.0 or spec["budget"] is not None:
             return None  # a budget alone: the processor refuses it where the video has more tokens (no scores)

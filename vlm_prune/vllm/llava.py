@@ -17,6 +17,7 @@ How a fixed budget fits vLLM (see docs/vllm.md):
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import re
@@ -315,6 +316,30 @@ class PrunedLlavaMultiModalProcessor(LlavaMultiModalProcessor):
         return tag_items(super().apply(inputs, timing_ctx), spec, method, self._template_suffix())
 
 
+def one_row_rope(language_model: torch.nn.Module) -> None:
+    """Make the language model's M-RoPE with three identical position rows run vLLM's own 1-D rotary kernel on
+    CPU. The plugin gives LLaVA-1.5 / LLaVA-NeXT M-RoPE only to set each token's position; its three rows are
+    always equal, i.e. the model's 1-D RoPE, but vLLM's ``MRotaryEmbedding.forward_cpu`` computes it in PyTorch
+    while its ``RotaryEmbedding.forward_cpu`` (what vLLM's own class runs) calls the C++ ``rotary_embedding``
+    op, and the two round differently (log-probabilities up to 8e-7 apart). Same cos / sin cache rows, same
+    op: nothing pruned, the plugin is then vLLM's own model bit for bit. Other devices keep M-RoPE's path."""
+    from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
+    from vllm.model_executor.layers.rotary_embedding.mrope import MRotaryEmbedding
+
+    def forward(rope: Any, fallback: Any, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor | None = None,
+                offsets: torch.Tensor | None = None) -> Any:
+        if positions.ndim == 2 and offsets is None:
+            if not (torch.equal(positions[0], positions[1]) and torch.equal(positions[0], positions[2])):
+                raise RuntimeError("vlm_prune: one_row_rope on position rows that differ")
+            return RotaryEmbedding.forward_cpu(rope, positions[0], query, key)
+        return fallback(positions, query, key, offsets)
+
+    for module in language_model.modules():
+        if (isinstance(module, MRotaryEmbedding) and not module.mrope_interleaved and module.scaling_factor is None
+                and module._forward_method == module.forward_cpu):
+            module._forward_method = functools.partial(forward, module, module._forward_method)
+
+
 class OffsetChannels:
     """The position side of a pruned vLLM model: each kept token's (t, h, w) offset from its slot
     travels in the last ``offset_channels`` embedding channels from the encoder; ``embed_input_ids``
@@ -410,6 +435,7 @@ class VlmPruneLlavaForConditionalGeneration(OffsetChannels, LlavaForConditionalG
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
         super().__init__(vllm_config=vllm_config, prefix=prefix)
         self.method = method_of(spec_of(self.config))
+        one_row_rope(self.language_model)
         vc = self.config.vision_config
         self.side = vc.image_size // vc.patch_size
         self.drop_cls = self.config.vision_feature_select_strategy == "default"

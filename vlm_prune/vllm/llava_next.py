@@ -57,6 +57,7 @@ from vlm_prune.vllm.llava import (
     encode_offsets,
     layer_attention,
     method_of,
+    one_row_rope,
     spec_from,
     spec_of,
     tag_items,
@@ -136,6 +137,7 @@ class VlmPruneLlavaNextForConditionalGeneration(OffsetChannels, LlavaNextForCond
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
         super().__init__(vllm_config=vllm_config, prefix=prefix)
+        one_row_rope(self.language_model)
         layers = self.vision_tower.vision_model.encoder.layers
         #: tower layers whose inputs the current encoder call keeps (HiRED's early and feature layers)
         self._wanted: set[int] = set()

@@ -1,5 +1,5 @@
-"""Small LLaVA-1.5-, LLaVA-NeXT-, LLaVA-OneVision-, Qwen2-VL-, Qwen2.5-VL-, Qwen3-VL- and Gemma 3-layout checkpoints
-written to a folder
+"""Small LLaVA-1.5-, LLaVA-NeXT(-Video)-, LLaVA-OneVision-, Qwen2-VL-, Qwen2.5-VL-, Qwen3-VL-, Gemma 3- and Mistral 3-layout
+checkpoints written to a folder
 vLLM can load.
 
 No hub here: tests and ``vlm-prune bench --serve`` build randomly initialised models from the real
@@ -699,6 +699,52 @@ def write_llava_next(folder: str | Path, shape: LlavaNextShape = LlavaNextShape(
                                                 image_grid_pinpoints=shape.pinpoints),
         tokenizer=build_tokenizer(shape), patch_size=shape.patch, vision_feature_select_strategy="default",
         num_additional_image_tokens=1, chat_template=CHAT_TEMPLATE,
+    )
+    proc.save_pretrained(folder)
+    return folder
+
+
+# ---- LLaVA-NeXT-Video -----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class LlavaNextVideoShape(LlavaNextShape):
+    """Sizes of a LLaVA-NeXT-Video-layout model: LLaVA-NeXT's, video frames pooled by 2 (4 x 4 tokens each)."""
+
+
+def build_llava_next_video_model(shape: LlavaNextVideoShape, seed: int = 0):
+    """A randomly initialised ``LlavaNextVideoForConditionalGeneration`` of ``shape`` (float32, eval)."""
+    from transformers import (CLIPVisionConfig, LlamaConfig, LlavaNextVideoConfig,
+                              LlavaNextVideoForConditionalGeneration)
+
+    torch.manual_seed(seed)
+    vision = CLIPVisionConfig(hidden_size=shape.vision_hidden, intermediate_size=shape.vision_intermediate,
+                              num_hidden_layers=shape.vision_layers, num_attention_heads=shape.vision_heads,
+                              image_size=shape.image_size, patch_size=shape.patch, projection_dim=shape.vision_hidden)
+    cfg = LlavaNextVideoConfig(vision_config=vision, text_config=LlamaConfig(**text_config(shape)),
+                               image_token_id=image_token_id(shape), video_token_id=video_token_id(shape),
+                               image_grid_pinpoints=shape.pinpoints, vision_feature_layer=-2,
+                               vision_feature_select_strategy="default", spatial_pool_stride=2,
+                               spatial_pool_mode="average")
+    model = LlavaNextVideoForConditionalGeneration(cfg).eval()
+    with torch.no_grad():
+        model.model.image_newline.normal_()
+    return sharpen(model, model.model.multi_modal_projector)
+
+
+def write_llava_next_video(folder: str | Path, shape: LlavaNextVideoShape = LlavaNextVideoShape(), seed: int = 0) -> Path:
+    """Save a random LLaVA-NeXT-Video-layout model of ``shape`` with tokenizer and processor to ``folder``."""
+    from transformers import LlavaNextImageProcessor, LlavaNextVideoProcessor, LlavaNextVideoVideoProcessor
+
+    folder = Path(folder)
+    model = build_llava_next_video_model(shape, seed)
+    model.save_pretrained(folder)
+    size = shape.image_size
+    proc = LlavaNextVideoProcessor(
+        video_processor=LlavaNextVideoVideoProcessor(size={"shortest_edge": size},
+                                                     crop_size={"height": size, "width": size}),
+        image_processor=LlavaNextImageProcessor(size={"shortest_edge": size}, crop_size={"height": size, "width": size},
+                                                image_grid_pinpoints=shape.pinpoints),
+        tokenizer=build_onevision_tokenizer(shape), patch_size=shape.patch, vision_feature_select_strategy="default",
+        num_additional_image_tokens=1, chat_template=ONEVISION_TEMPLATE,
     )
     proc.save_pretrained(folder)
     return folder
