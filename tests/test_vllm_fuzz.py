@@ -112,6 +112,8 @@ BAD_SPECS: list[tuple[Any, str, str | None]] = [
     ({"method": "divprune", "kep": 0.5}, "unknown key 'kep'", None),
     ({"method": "quota", "keep": 0.5, "knobs": {"scorer": "model"}}, "which a request cannot send", "onevision"),
     ({"method": "divprune", "keep": 0.5, "quota": {"scores": [1]}}, "only method 'quota' takes it", None),
+    ({"method": "prumerge"}, "prumerge without keep / budget keeps an adaptive count", "llava"),
+    ({"method": "hired", "keep": 0.5}, "hired ranks an image's patches by the vision tower's [CLS] attention", "onevision"),
 ]
 if importlib.util.find_spec("cv2") is None:  # STACFP needs OpenCV (vLLM brings it)
     # KeyScore's default STACFP proposals would raise in the engine: refused up front, with the way out
@@ -150,7 +152,7 @@ def make_cases(models: dict[str, str], n: int, seed: int = SEED) -> list[Case]:
         model = models[arch]
         if arch == "llava":
             parts, kind = _content(rng, rng.choice(["image", "image", "two", "none"]), ((32, 32), (64, 48), (20, 90)))
-            vision = ["random", "pool", "divprune", "cdpruner", "visionzip", "fastervlm", "vispruner"]
+            vision = ["random", "pool", "divprune", "cdpruner", "visionzip", "fastervlm", "vispruner", "hired", "prumerge"]
         else:
             parts, kind = _content(rng, rng.choice(["image", "video", "video", "both", "none"]))
             vision = ["random", "pool", "divprune", "cdpruner"]
