@@ -58,15 +58,11 @@ def checkpoint(t5_checkpoint):
     """The same weights in the hub's naming (``vision_tower.vision_model.*``), the one vLLM's own LLaVA loads."""
     import shutil
 
-    from safetensors.torch import load_file, save_file
+    from vlm_prune.vllm.tiny import hub_naming
 
     folder = t5_checkpoint.parent / "hub"
     shutil.copytree(t5_checkpoint, folder)
-    weights = load_file(t5_checkpoint / "model.safetensors")
-    prefix = "vision_tower."
-    save_file({prefix + "vision_model." + k[len(prefix):] if k.startswith(prefix) and "vision_model." not in k else k: v
-               for k, v in weights.items()}, folder / "model.safetensors", metadata={"format": "pt"})
-    return folder
+    return hub_naming(folder)
 
 
 @pytest.fixture(scope="module")
@@ -272,15 +268,16 @@ class Child:
         self._log.close()
 
 
-def plain_vllm_in_child(tmp_path, model: str, timeout: float = 500.0) -> dict:
-    """vLLM's own engine (no plugin model class) on ``model`` in a child process: the class that served
-    and its ``run_vllm(engine, None)``."""
+def plain_vllm_in_child(tmp_path, model: str, timeout: float = 500.0, module: str = "test_vllm_engine") -> dict:
+    """vLLM's own engine (no plugin model class) on ``model`` in a child process: what test module
+    ``module``'s ``plain_vllm_main(model, out)`` writes (here: the class that served and its
+    ``run_vllm(engine, None)``)."""
     import json
     import subprocess
     import sys
 
     out = tmp_path / "result.json"
-    code = ("import sys; sys.path.insert(0, sys.argv[1]); import test_vllm_engine as t; "
+    code = (f"import sys; sys.path.insert(0, sys.argv[1]); import {module} as t; "
             "t.plain_vllm_main(sys.argv[2], sys.argv[3])")
     child = Child([sys.executable, "-c", code, os.path.dirname(__file__), model, str(out)], tmp_path / "engine.log")
     try:

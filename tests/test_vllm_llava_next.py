@@ -25,7 +25,7 @@ from PIL import Image  # noqa: E402
 import vlm_prune  # noqa: E402
 import vlm_prune.vllm as vp  # noqa: E402
 from vlm_prune.registry import make_method  # noqa: E402
-from vlm_prune.vllm.tiny import LlavaNextShape, image_token_id, write_llava_next  # noqa: E402
+from vlm_prune.vllm.tiny import LlavaNextShape, hub_naming, image_token_id, write_llava_next  # noqa: E402
 
 pytestmark = pytest.mark.timeout(900)
 ENGINE_ARGS = {"enforce_eager": True, "dtype": "float32", "max_model_len": 512, "max_num_seqs": 4, "seed": 0,
@@ -53,16 +53,9 @@ def _images(sizes) -> list[Image.Image]:
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    """The tiny checkpoint in the hub's naming (``vision_tower.vision_model.*``), which vLLM's own
-    LLaVA-NeXT loads too (the plugin's mapper takes either)."""
-    from safetensors.torch import load_file, save_file
-
-    folder = write_llava_next(tmp_path_factory.mktemp("llava_next") / "tiny", LlavaNextShape(), seed=0)
-    weights = load_file(folder / "model.safetensors")
-    prefix = "vision_tower."
-    save_file({prefix + "vision_model." + k[len(prefix):] if k.startswith(prefix) and "vision_model." not in k else k: v
-               for k, v in weights.items()}, folder / "model.safetensors", metadata={"format": "pt"})
-    return folder
+    """The tiny checkpoint in the hub's naming, which vLLM's own LLaVA-NeXT loads too (the plugin's mapper takes
+    either)."""
+    return hub_naming(write_llava_next(tmp_path_factory.mktemp("llava_next") / "tiny", LlavaNextShape(), seed=0))
 
 
 @pytest.fixture(scope="module")
@@ -109,29 +102,34 @@ def run_vllm(llm, reqs: list[dict]):
     return tokens, logprobs, prompts
 
 
-def run_hf(hf, case, prompts=PROMPTS):
-    """Greedy tokens, their log-probabilities, the kept image rows (renumbered where the method renumbers) and
-    the image slots wrap() keeps, per prompt."""
+def hf_inputs(proc, prompt: str, sizes) -> dict:
+    return proc(images=_images(sizes), text=prompt, return_tensors="pt")
+
+
+def run_hf(hf, case, prompts=PROMPTS, inputs=hf_inputs, media_token: str = "image_token_id"):
+    """Greedy tokens, their log-probabilities, the kept media rows (renumbered where the method renumbers) and
+    the media slots wrap() keeps, per prompt (``inputs(processor, prompt, media)``: the processor's call)."""
     model, proc = hf
     if case is not None:
         name, knobs, budget = case
         vlm_prune.wrap(model, _method(name, knobs), processor=proc, **budget)
     try:
         tokens, logprobs, kept, slots = [], [], [], []
-        for prompt, sizes in prompts:
-            inputs = proc(images=_images(sizes), text=prompt, return_tensors="pt")
+        media_id = getattr(model.config, media_token)
+        for prompt, media in prompts:
+            batch = inputs(proc, prompt, media)
             with torch.no_grad():
-                out = model.generate(**inputs, max_new_tokens=STEPS, do_sample=False, output_logits=True,
+                out = model.generate(**batch, max_new_tokens=STEPS, do_sample=False, output_logits=True,
                                      return_dict_in_generate=True, min_new_tokens=STEPS)
-            new = out.sequences[0, inputs["input_ids"].shape[1]:]
+            new = out.sequences[0, batch["input_ids"].shape[1]:]
             tokens.append(new.tolist())
             logprobs.append([torch.log_softmax(s[0].float(), -1)[t].item() for s, t in zip(out.logits, new)])
-            ids = inputs["input_ids"][0]
+            ids = batch["input_ids"][0]
             if case is not None:
                 rows = [int(r) for r in model.vlm_prune.last_rows[0] if r >= 0]
                 renumber = getattr(model.vlm_prune.methods.get("vision"), "renumber_positions", False)
-                kept.append([j if renumber else r for j, r in enumerate(rows) if ids[r] == model.config.image_token_id])
-                slots.append(sum(1 for r in rows if ids[r] == model.config.image_token_id))
+                kept.append([j if renumber else r for j, r in enumerate(rows) if ids[r] == media_id])
+                slots.append(sum(1 for r in rows if ids[r] == media_id))
         return tokens, logprobs, kept, slots
     finally:
         if case is not None:
@@ -217,41 +215,32 @@ def test_refusals_per_request(llm, spec, field, message):
     assert len(tokens[0]) == STEPS
 
 
-def plain_vllm_main(model: str, out: str) -> None:
-    """The child of :func:`test_keep_all_equals_plain_vllm`: vLLM's own LLaVA-NeXT class."""
+def plain_vllm_main(model: str, out: str, engine_args: dict = ENGINE_ARGS, reqs=None) -> None:
+    """The child of :func:`test_keep_all_equals_plain_vllm`: vLLM's own class on ``model``, unpruned."""
     import vllm
 
-    llm = vllm.LLM(model=model, **ENGINE_ARGS)
+    llm = vllm.LLM(model=model, **engine_args)
     served = type(llm.apply_model(lambda m: m)[0]).__name__
-    tokens, logprobs, prompts = run_vllm(llm, requests([None, None]))
     with open(out, "w") as f:
-        json.dump({"class": served, "result": [tokens, logprobs, prompts]}, f)
+        json.dump({"class": served, "result": list(run_vllm(llm, reqs or requests([None, None])))}, f)
     llm.llm_engine.engine_core.shutdown()
+
+
+def check_plain_vllm(llm, checkpoint, tmp_path, module: str, served: str, reqs: list[dict]) -> None:
+    """vLLM's own ``served`` class (in a child process, test module ``module``'s plain_vllm_main) and the plugin
+    at keep=1.0 give the same prompt tokens, greedy tokens and log-probabilities, bit for bit."""
+    from test_vllm_engine import plain_vllm_in_child
+
+    plain = plain_vllm_in_child(tmp_path, str(checkpoint), module=module)
+    assert plain["class"] == served
+    tokens, logprobs, prompts = run_vllm(llm, reqs)
+    assert plain["result"][0] == tokens and plain["result"][2] == prompts
+    np.testing.assert_array_equal(plain["result"][1], logprobs)
 
 
 @pytest.mark.timeout(600)
 def test_keep_all_equals_plain_vllm(llm, checkpoint, tmp_path):
-    """Nothing pruned, the plugin is vLLM's own LLaVA-NeXT: the same prompt tokens, greedy tokens and
-    log-probabilities (compared bit for bit; three identical M-RoPE rows are the 1-D RoPE)."""
-    import subprocess
-    import sys
-
-    from test_vllm_engine import Child
-
-    result = tmp_path / "result.json"
-    code = ("import sys; sys.path.insert(0, sys.argv[1]); import test_vllm_llava_next as t; "
-            "t.plain_vllm_main(sys.argv[2], sys.argv[3])")
-    child = Child([sys.executable, "-c", code, os.path.dirname(__file__), str(checkpoint), str(result)],
-                  tmp_path / "engine.log")
-    try:
-        child.proc.wait(500)
-    except subprocess.TimeoutExpired:
-        raise AssertionError(f"the engine did not answer in 500 s:\n{child.log_tail()}") from None
-    finally:
-        child.stop()
-    assert child.proc.returncode == 0, f"the engine failed ({child.proc.returncode}):\n{child.log_tail()}"
-    plain = json.loads(result.read_text())
-    assert plain["class"] == "LlavaNextForConditionalGeneration"
-    tokens, logprobs, prompts = run_vllm(llm, requests([None, None]))
-    assert plain["result"][0] == tokens and plain["result"][2] == prompts
-    np.testing.assert_array_equal(plain["result"][1], logprobs)
+    """Nothing pruned, the plugin is vLLM's own LLaVA-NeXT bit for bit (three identical M-RoPE rows run vLLM's
+    1-D rotary kernel: llava.one_row_rope)."""
+    check_plain_vllm(llm, checkpoint, tmp_path, "test_vllm_llava_next", "LlavaNextForConditionalGeneration",
+                     requests([None, None]))

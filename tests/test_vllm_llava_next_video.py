@@ -23,10 +23,11 @@ os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 
 import numpy as np  # noqa: E402
 
-import vlm_prune  # noqa: E402
 import vlm_prune.vllm as vp  # noqa: E402
-from vlm_prune.registry import make_method  # noqa: E402
-from vlm_prune.vllm.tiny import LlavaNextVideoShape, video_token_id, write_llava_next_video  # noqa: E402
+from vlm_prune.vllm.tiny import LlavaNextVideoShape, hub_naming, video_token_id, write_llava_next_video  # noqa: E402
+
+from test_vllm_llava_next import _method, check_plain_vllm, run_vllm  # noqa: E402
+from test_vllm_llava_next import run_hf as run_hf_next  # noqa: E402
 
 pytestmark = pytest.mark.timeout(900)
 ENGINE_ARGS = {"enforce_eager": True, "dtype": "float32", "max_model_len": 512, "max_num_seqs": 4, "seed": 0,
@@ -55,15 +56,8 @@ def _video(frames: int) -> np.ndarray:
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    """The tiny checkpoint in the hub's naming (``vision_tower.vision_model.*``), which vLLM's own class loads too."""
-    from safetensors.torch import load_file, save_file
-
-    folder = write_llava_next_video(tmp_path_factory.mktemp("llava_next_video") / "tiny", LlavaNextVideoShape())
-    weights = load_file(folder / "model.safetensors")
-    prefix = "vision_tower."
-    save_file({prefix + "vision_model." + k[len(prefix):] if k.startswith(prefix) and "vision_model." not in k else k: v
-               for k, v in weights.items()}, folder / "model.safetensors", metadata={"format": "pt"})
-    return folder
+    """The tiny checkpoint in the hub's naming, which vLLM's own class loads too."""
+    return hub_naming(write_llava_next_video(tmp_path_factory.mktemp("llava_next_video") / "tiny", LlavaNextVideoShape()))
 
 
 @pytest.fixture(scope="module")
@@ -83,10 +77,6 @@ def hf(checkpoint):
     return model, AutoProcessor.from_pretrained(checkpoint)
 
 
-def _method(name: str, knobs: dict):
-    return make_method(name, **knobs) if knobs else name
-
-
 def requests(cases, prompts=PROMPTS) -> list[dict]:
     out = []
     for (prompt, frames), case in zip(prompts, cases):
@@ -98,43 +88,10 @@ def requests(cases, prompts=PROMPTS) -> list[dict]:
     return out
 
 
-def run_vllm(llm, reqs: list[dict]):
-    from vllm import SamplingParams
-
-    params = SamplingParams(temperature=0.0, max_tokens=STEPS, min_tokens=STEPS, logprobs=0)
-    outs = llm.generate(reqs, params, use_tqdm=False)
-    tokens = [list(o.outputs[0].token_ids) for o in outs]
-    logprobs = [[step[t].logprob for step, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)] for o in outs]
-    return tokens, logprobs, [list(o.prompt_token_ids) for o in outs]
-
-
 def run_hf(hf, case, prompts=PROMPTS):
-    """Greedy tokens, their log-probabilities, the kept video rows (renumbered where the method renumbers) and
-    the video slots wrap() keeps, per prompt."""
-    model, proc = hf
-    if case is not None:
-        name, knobs, budget = case
-        vlm_prune.wrap(model, _method(name, knobs), processor=proc, **budget)
-    try:
-        tokens, logprobs, kept, slots = [], [], [], []
-        for prompt, frames in prompts:
-            inputs = proc(text=prompt, videos=[_video(frames)], return_tensors="pt")
-            with torch.no_grad():
-                out = model.generate(**inputs, max_new_tokens=STEPS, do_sample=False, output_logits=True,
-                                     return_dict_in_generate=True, min_new_tokens=STEPS)
-            new = out.sequences[0, inputs["input_ids"].shape[1]:]
-            tokens.append(new.tolist())
-            logprobs.append([torch.log_softmax(s[0].float(), -1)[t].item() for s, t in zip(out.logits, new)])
-            ids = inputs["input_ids"][0]
-            if case is not None:
-                rows = [int(r) for r in model.vlm_prune.last_rows[0] if r >= 0]
-                renumber = getattr(model.vlm_prune.methods.get("vision"), "renumber_positions", False)
-                kept.append([j if renumber else r for j, r in enumerate(rows) if ids[r] == model.config.video_token_id])
-                slots.append(sum(1 for r in rows if ids[r] == model.config.video_token_id))
-        return tokens, logprobs, kept, slots
-    finally:
-        if case is not None:
-            vlm_prune.unwrap(model)
+    """test_vllm_llava_next's run_hf on video prompts."""
+    return run_hf_next(hf, case, prompts, lambda proc, prompt, frames: proc(text=prompt, videos=[_video(frames)],
+                                                                          return_tensors="pt"), "video_token_id")
 
 
 def test_keep_all_equals_unwrapped_hf(llm, hf):
@@ -193,39 +150,15 @@ def test_refusals_per_request(llm, spec, message):
 
 
 def plain_vllm_main(model: str, out: str) -> None:
-    """The child of :func:`test_keep_all_equals_plain_vllm`: vLLM's own LLaVA-NeXT-Video class."""
-    import vllm
+    """The child of :func:`test_keep_all_equals_plain_vllm`."""
+    from test_vllm_llava_next import plain_vllm_main as main
 
-    llm = vllm.LLM(model=model, **ENGINE_ARGS)
-    served = type(llm.apply_model(lambda m: m)[0]).__name__
-    with open(out, "w") as f:
-        json.dump({"class": served, "result": list(run_vllm(llm, requests([None, None])))}, f)
-    llm.llm_engine.engine_core.shutdown()
+    main(model, out, ENGINE_ARGS, requests([None, None]))
 
 
 @pytest.mark.timeout(600)
 def test_keep_all_equals_plain_vllm(llm, checkpoint, tmp_path):
     """Nothing pruned, the plugin is vLLM's own LLaVA-NeXT-Video bit for bit: prompt tokens, greedy tokens,
     log-probabilities."""
-    import subprocess
-    import sys
-
-    from test_vllm_engine import Child
-
-    result = tmp_path / "result.json"
-    code = ("import sys; sys.path.insert(0, sys.argv[1]); import test_vllm_llava_next_video as t; "
-            "t.plain_vllm_main(sys.argv[2], sys.argv[3])")
-    child = Child([sys.executable, "-c", code, os.path.dirname(__file__), str(checkpoint), str(result)],
-                  tmp_path / "engine.log")
-    try:
-        child.proc.wait(500)
-    except subprocess.TimeoutExpired:
-        raise AssertionError(f"the engine did not answer in 500 s:\n{child.log_tail()}") from None
-    finally:
-        child.stop()
-    assert child.proc.returncode == 0, f"the engine failed ({child.proc.returncode}):\n{child.log_tail()}"
-    plain = json.loads(result.read_text())
-    assert plain["class"] == "LlavaNextVideoForConditionalGeneration"
-    tokens, logprobs, prompts = run_vllm(llm, requests([None, None]))
-    assert plain["result"][0] == tokens and plain["result"][2] == prompts
-    np.testing.assert_array_equal(plain["result"][1], logprobs)
+    check_plain_vllm(llm, checkpoint, tmp_path, "test_vllm_llava_next_video", "LlavaNextVideoForConditionalGeneration",
+                     requests([None, None]))

@@ -118,6 +118,33 @@ def spec_from(raw: Any, default: dict[str, Any]) -> dict[str, Any]:
     return json.loads(bytes(raw.reshape(-1).tolist()).decode()) if raw is not None else default
 
 
+def item_inputs(model: Any, item: Mapping[str, Any], device: torch.device, strip: Any = None
+                ) -> tuple[dict[str, Any], Method, torch.Generator, int, torch.Tensor | None]:
+    """What the encoder needs for one media item of ``model`` (a plugin class) from the kwargs the processor
+    attached (:func:`tag_items`): its spec (or the engine's), the method (of ``strip(spec)`` where given), the
+    item's generator (seed and rank in the prompt, as wrap()), its rank, and the question's input embeddings."""
+    spec = spec_from(item[SPEC_KEY], spec_of(model.config))
+    method = method_of(strip(spec) if strip is not None else spec)
+    rank = int(item[RANK_KEY].reshape(-1)[0]) if item[RANK_KEY] is not None else 0
+    text = None
+    if item[QUERY_KEY] is not None:
+        text = model.language_model.model.embed_tokens(item[QUERY_KEY].reshape(-1).to(device).long())
+    return spec, method, item_generator(int(spec.get("seed", 0)), rank), rank, text
+
+
+def pack_kept(keep: torch.Tensor, rows: torch.Tensor, method: Method, origin: torch.Tensor | None = None) -> torch.Tensor:
+    """The encoder's output for one item: its kept rows ``rows[keep]`` in order, with each one's offset from its
+    slot (its row, or ``origin[row]``, minus the slot) in the offset channels; zero offsets where the method
+    renumbers positions (the official shorter sequence, as wrap())."""
+    kept_rows = torch.nonzero(keep).squeeze(1)
+    at = kept_rows if origin is None else origin.to(kept_rows.device)[kept_rows]
+    offsets = at - torch.arange(kept_rows.numel(), device=kept_rows.device)
+    if getattr(method, "renumber_positions", False):
+        offsets = torch.zeros_like(offsets)
+    kept = rows[kept_rows]
+    return torch.cat([kept, encode_offsets(offsets, kept.dtype)], dim=1)
+
+
 #: methods whose choice depends on the question (so it is part of an item's cache key)
 READS_QUESTION = ("cdpruner", "keyscore")
 

@@ -25,7 +25,6 @@ after the tower ran (each tile's floored share, then cut by the unpadding).
 """
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable, Mapping
 from functools import partial
 from types import SimpleNamespace
@@ -41,20 +40,20 @@ from vllm.model_executor.models.llava_next import (
     LlavaNextMultiModalProcessor,
     LlavaNextProcessingInfo,
 )
-from vllm.model_executor.models.utils import WeightsMapper
 from vllm.multimodal import MULTIMODAL_REGISTRY
 from vllm.multimodal.parse import ImageProcessorItems
 
-from vlm_prune.methods.base import Method, VisionContext, item_generator
+from vlm_prune.methods.base import Method, VisionContext
 from vlm_prune.methods.hired import TileAttention
 from vlm_prune.vllm.llava import (
     QUERY_KEY,
     RANK_KEY,
     SPEC_KEY,
     OffsetChannels,
+    item_inputs,
+    pack_kept,
     PrunedLlavaMultiModalProcessor,
     check_cls_method,
-    encode_offsets,
     layer_attention,
     method_of,
     one_row_rope,
@@ -125,15 +124,8 @@ class VlmPruneLlavaNextForConditionalGeneration(OffsetChannels, LlavaNextForCond
     """vLLM's LLaVA-NeXT with a vlm_prune vision-stage method (random, pool, divprune, cdpruner, hired with
     keep / budget)."""
 
-    hf_to_vllm_mapper = WeightsMapper(
-        orig_to_new_regex={re.compile(r"^(?:model\.)?vision_tower\.(?:vision_model\.)?"): "vision_tower.vision_model."},
-        orig_to_new_prefix={
-            "model.language_model.": "language_model.model.",
-            "model.multi_modal_projector.": "multi_modal_projector.",
-            "model.image_newline": "image_newline",
-            "lm_head.": "language_model.lm_head.",
-        },
-    )
+    #: OneVision's: the CLIP tower in every naming, ``image_newline``, the language model
+    hf_to_vllm_mapper = VlmPruneLlavaOnevisionForConditionalGeneration.hf_to_vllm_mapper
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
         super().__init__(vllm_config=vllm_config, prefix=prefix)
@@ -197,12 +189,7 @@ class VlmPruneLlavaNextForConditionalGeneration(OffsetChannels, LlavaNextForCond
     def _reduce(self, method: Method, feats: torch.Tensor, crop: torch.Tensor, local: torch.Tensor, rows: range,
                 item: dict[str, Any]) -> torch.Tensor:
         """One image's kept rows (in order) with their offsets from their slots in three extra channels."""
-        spec = spec_from(item[SPEC_KEY], spec_of(self.config))
-        rank = int(item[RANK_KEY].reshape(-1)[0]) if item[RANK_KEY] is not None else 0
-        gen = item_generator(int(spec.get("seed", 0)), rank)
-        text = None
-        if item[QUERY_KEY] is not None:
-            text = self.language_model.model.embed_tokens(item[QUERY_KEY].reshape(-1).to(feats.device).long())
+        _, _, gen, rank, text = item_inputs(self, item, feats.device)
         newline = crop < 0
         visual = torch.nonzero(~newline).squeeze(1)
         with torch.no_grad():
@@ -218,12 +205,7 @@ class VlmPruneLlavaNextForConditionalGeneration(OffsetChannels, LlavaNextForCond
                 ctx = VisionContext(features=feats[visual], n_keep=method.n_keep(visual.numel(), 1), grid=None,
                                     text_embeds=text, generator=gen, image_index=rank)
                 keep, new = _scatter(feats, visual, method.reduce_image(ctx), always=newline)
-        kept_rows = torch.nonzero(keep).squeeze(1)
-        offsets = kept_rows - torch.arange(kept_rows.numel(), device=kept_rows.device)
-        if getattr(method, "renumber_positions", False):  # the official shorter sequence (wrap() too)
-            offsets = torch.zeros_like(offsets)
-        kept = new[kept_rows]
-        return torch.cat([kept, encode_offsets(offsets, kept.dtype)], dim=1)
+        return pack_kept(keep, new, method)
 
     def _tile_attention(self, method: Method, rows: range, crop: torch.Tensor, local: torch.Tensor) -> TileAttention:
         """HiRED's view of one image: each tower row's [CLS] attention in the early and the feature layer."""

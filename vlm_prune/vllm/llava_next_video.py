@@ -21,7 +21,6 @@ and quota (its two passes are not wired for this family).
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -34,23 +33,22 @@ from vllm.model_executor.models.llava_next_video import (
     LlavaNextVideoMultiModalProcessor,
     LlavaNextVideoProcessingInfo,
 )
-from vllm.model_executor.models.utils import WeightsMapper
 from vllm.multimodal import MULTIMODAL_REGISTRY
 from vllm.multimodal.parse import VideoProcessorItems
 from vllm.multimodal.processing import PromptReplacement, PromptUpdate
 
-from vlm_prune.methods.base import Method, Reduction, VisionContext, item_generator
+from vlm_prune.methods.base import Method, Reduction, VisionContext
 from vlm_prune.vllm.frames import frames_reduction, frames_slots, is_frames
 from vlm_prune.vllm.llava import (
     QUERY_KEY,
     RANK_KEY,
     SPEC_KEY,
     OffsetChannels,
+    item_inputs,
+    pack_kept,
     PrunedLlavaMultiModalProcessor,
-    encode_offsets,
     method_of,
     one_row_rope,
-    spec_from,
     spec_of,
     tag_items,
 )
@@ -117,15 +115,8 @@ class VlmPruneLlavaNextVideoForConditionalGeneration(OffsetChannels, LlavaNextVi
     """vLLM's LLaVA-NeXT-Video with a vlm_prune method on its videos (random, pool, divprune, cdpruner per
     frame; the frames methods uniform, keyscore, vidcom2, dycoke)."""
 
-    hf_to_vllm_mapper = WeightsMapper(
-        orig_to_new_regex={re.compile(r"^(?:model\.)?vision_tower\.(?:vision_model\.)?"): "vision_tower.vision_model."},
-        orig_to_new_prefix={
-            "model.language_model.": "language_model.model.",
-            "model.multi_modal_projector.": "multi_modal_projector.",
-            "model.image_newline": "image_newline",
-            "lm_head.": "language_model.lm_head.",
-        },
-    )
+    #: OneVision's: the CLIP tower in every naming, ``image_newline``, the language model
+    hf_to_vllm_mapper = VlmPruneLlavaOnevisionForConditionalGeneration.hf_to_vllm_mapper
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
         super().__init__(vllm_config=vllm_config, prefix=prefix)
@@ -143,13 +134,7 @@ class VlmPruneLlavaNextVideoForConditionalGeneration(OffsetChannels, LlavaNextVi
 
     def _reduce(self, feats: torch.Tensor, item: dict[str, Any], pixels: torch.Tensor) -> torch.Tensor:
         """One video's kept rows (in order) with their offsets from their slots in three extra channels."""
-        spec = spec_from(item[SPEC_KEY], spec_of(self.config))
-        method = method_of(spec)
-        rank = int(item[RANK_KEY].reshape(-1)[0]) if item[RANK_KEY] is not None else 0
-        gen = item_generator(int(spec.get("seed", 0)), rank)
-        text = None
-        if item[QUERY_KEY] is not None:
-            text = self.language_model.model.embed_tokens(item[QUERY_KEY].reshape(-1).to(feats.device).long())
+        spec, method, gen, rank, text = item_inputs(self, item, feats.device)
         n = self.frame_grid[0] * self.frame_grid[1]
         t = feats.shape[0] // n
         with torch.no_grad():
@@ -160,12 +145,7 @@ class VlmPruneLlavaNextVideoForConditionalGeneration(OffsetChannels, LlavaNextVi
                 red = self._per_frame(method, feats, t, n, text, gen, rank)
         none = torch.zeros(feats.shape[0], dtype=torch.bool, device=feats.device)
         keep, new = _scatter(feats, torch.arange(feats.shape[0], device=feats.device), red, always=none)
-        kept_rows = torch.nonzero(keep).squeeze(1)
-        offsets = kept_rows - torch.arange(kept_rows.numel(), device=kept_rows.device)
-        if getattr(method, "renumber_positions", False):  # the official shorter sequence (wrap() too)
-            offsets = torch.zeros_like(offsets)
-        kept = new[kept_rows]
-        return torch.cat([kept, encode_offsets(offsets, kept.dtype)], dim=1)
+        return pack_kept(keep, new, method)
 
     def _per_frame(self, method: Method, feats: torch.Tensor, t: int, n: int, text: torch.Tensor | None,
                    gen: torch.Generator, rank: int) -> Reduction:

@@ -47,7 +47,7 @@ from vllm.multimodal.inputs import (
 from vllm.multimodal.parse import ImageProcessorItems, VideoProcessorItems
 from vllm.multimodal.processing import PromptReplacement, PromptUpdate
 
-from vlm_prune.methods.base import Method, Reduction, VisionContext, item_generator
+from vlm_prune.methods.base import Method, Reduction, VisionContext
 from vlm_prune.vllm.config import ONEVISION_VISIONZIP_REFUSAL, TOWER_METHODS
 from vlm_prune.vllm.frames import (
     frames_reduction,
@@ -63,8 +63,9 @@ from vlm_prune.vllm.llava import (
     SPEC_KEY,
     OffsetChannels,
     PrunedLlavaMultiModalProcessor,
-    encode_offsets,
+    item_inputs,
     method_of,
+    pack_kept,
     spec_from,
     spec_of,
     tag_items,
@@ -263,27 +264,14 @@ class VlmPruneLlavaOnevisionForConditionalGeneration(OffsetChannels, LlavaOnevis
     def _reduce(self, modality: str, feats: torch.Tensor, item: dict[str, Any], pixels: torch.Tensor | None,
                 first_frame: int = 0) -> torch.Tensor:
         """One item's kept rows (in order) with their offsets from their slots in three extra channels."""
-        spec = spec_from(item[SPEC_KEY], spec_of(self.config))
-        method = method_of(strip_quota(spec))
-        rank = int(item[RANK_KEY].reshape(-1)[0]) if item[RANK_KEY] is not None else 0
-        gen = item_generator(int(spec.get("seed", 0)), rank)
-        query = item[QUERY_KEY]
-        text = None
-        if query is not None:
-            text = self.language_model.model.embed_tokens(query.reshape(-1).to(feats.device).long())
+        spec, method, gen, _, text = item_inputs(self, item, feats.device, strip_quota)
         full = int(item[FULL_KEY].reshape(-1)[0]) if item[FULL_KEY] is not None else feats.shape[0]
         with torch.no_grad():
             if modality == "image":
                 keep, new = self._reduce_image(method, feats, text, gen)
             else:
                 keep, new = self._reduce_video(method, feats, text, gen, full, pixels, first_frame, spec)
-        kept_rows = torch.nonzero(keep).squeeze(1)
-        kept = new[kept_rows]
-        origin = self._origin(method, modality, new.shape[0], full)
-        offsets = origin[kept_rows] - torch.arange(kept_rows.numel(), device=kept_rows.device)
-        if getattr(method, "renumber_positions", False):  # VisionZip's official shorter sequence (wrap() too)
-            offsets = torch.zeros_like(offsets)
-        return torch.cat([kept, encode_offsets(offsets, kept.dtype)], dim=1)
+        return pack_kept(keep, new, method, self._origin(method, modality, new.shape[0], full))
 
     def _origin(self, method: Method, modality: str, rows: int, full: int) -> torch.Tensor:
         """Each encoded row's position in the unpruned item (its row, unless uniform decoded only

@@ -111,16 +111,22 @@ def build_tokenizer(shape: LlavaShape):
     return word_tokenizer(shape.vocab, llava_names(shape), CHAT_TEMPLATE, {"image_token": "<image>"})
 
 
+def clip_config(shape: LlavaShape):
+    """The CLIP tower's config of a LLaVA-layout ``shape``."""
+    from transformers import CLIPVisionConfig
+
+    return CLIPVisionConfig(hidden_size=shape.vision_hidden, intermediate_size=shape.vision_intermediate,
+                            num_hidden_layers=shape.vision_layers, num_attention_heads=shape.vision_heads,
+                            image_size=shape.image_size, patch_size=shape.patch, projection_dim=shape.vision_hidden)
+
+
 def build_model(shape: LlavaShape, seed: int = 0):
     """A randomly initialised ``LlavaForConditionalGeneration`` of ``shape`` (float32, eval)."""
-    from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration
+    from transformers import LlamaConfig, LlavaConfig, LlavaForConditionalGeneration
 
     torch.manual_seed(seed)
     text = LlamaConfig(**text_config(shape))
-    vision = CLIPVisionConfig(hidden_size=shape.vision_hidden, intermediate_size=shape.vision_intermediate,
-                              num_hidden_layers=shape.vision_layers, num_attention_heads=shape.vision_heads,
-                              image_size=shape.image_size, patch_size=shape.patch, projection_dim=shape.vision_hidden)
-    cfg = LlavaConfig(vision_config=vision, text_config=text, image_token_id=image_token_id(shape),
+    cfg = LlavaConfig(vision_config=clip_config(shape), text_config=text, image_token_id=image_token_id(shape),
                       vision_feature_layer=-2, vision_feature_select_strategy="default")
     model = LlavaForConditionalGeneration(cfg).eval()
     return sharpen(model, model.model.multi_modal_projector)
@@ -669,37 +675,45 @@ class LlavaNextShape(LlavaShape):
         return [[s, s], [s, 2 * s], [2 * s, s]]
 
 
-def build_llava_next_model(shape: LlavaNextShape, seed: int = 0):
-    """A randomly initialised ``LlavaNextForConditionalGeneration`` of ``shape`` (float32, eval)."""
-    from transformers import CLIPVisionConfig, LlamaConfig, LlavaNextConfig, LlavaNextForConditionalGeneration
+def build_llava_next_model(shape: LlavaNextShape, seed: int = 0, video: bool = False):
+    """A randomly initialised ``LlavaNextForConditionalGeneration`` of ``shape`` (float32, eval);
+    ``video``: ``LlavaNextVideoForConditionalGeneration`` (frames pooled by 2, ``<video>`` at :func:`video_token_id`)."""
+    import transformers
+    from transformers import LlamaConfig
 
     torch.manual_seed(seed)
-    vision = CLIPVisionConfig(hidden_size=shape.vision_hidden, intermediate_size=shape.vision_intermediate,
-                              num_hidden_layers=shape.vision_layers, num_attention_heads=shape.vision_heads,
-                              image_size=shape.image_size, patch_size=shape.patch, projection_dim=shape.vision_hidden)
-    cfg = LlavaNextConfig(vision_config=vision, text_config=LlamaConfig(**text_config(shape)),
-                          image_token_id=image_token_id(shape), image_grid_pinpoints=shape.pinpoints,
-                          vision_feature_layer=-2, vision_feature_select_strategy="default")
-    model = LlavaNextForConditionalGeneration(cfg).eval()
+    kind = "LlavaNextVideo" if video else "LlavaNext"
+    extra = dict(video_token_id=video_token_id(shape), spatial_pool_stride=2, spatial_pool_mode="average") if video else {}
+    cfg = getattr(transformers, f"{kind}Config")(
+        vision_config=clip_config(shape), text_config=LlamaConfig(**text_config(shape)),
+        image_token_id=image_token_id(shape), image_grid_pinpoints=shape.pinpoints, vision_feature_layer=-2,
+        vision_feature_select_strategy="default", **extra)
+    model = getattr(transformers, f"{kind}ForConditionalGeneration")(cfg).eval()
     with torch.no_grad():
         model.model.image_newline.normal_()
     return sharpen(model, model.model.multi_modal_projector)
 
 
-def write_llava_next(folder: str | Path, shape: LlavaNextShape = LlavaNextShape(), seed: int = 0) -> Path:
-    """Save a random LLaVA-NeXT-layout model of ``shape`` with tokenizer and processor to ``folder``."""
-    from transformers import LlavaNextImageProcessor, LlavaNextProcessor
+def write_llava_next(folder: str | Path, shape: LlavaNextShape = LlavaNextShape(), seed: int = 0,
+                     video: bool = False) -> Path:
+    """Save a random LLaVA-NeXT-layout model of ``shape`` with tokenizer and processor to ``folder``
+    (``video``: LLaVA-NeXT-Video's, with its video processor and ``<video>`` token)."""
+    from transformers import LlavaNextImageProcessor, LlavaNextProcessor, LlavaNextVideoProcessor, LlavaNextVideoVideoProcessor
 
     folder = Path(folder)
-    model = build_llava_next_model(shape, seed)
-    model.save_pretrained(folder)
+    build_llava_next_model(shape, seed, video).save_pretrained(folder)
     size = shape.image_size
-    proc = LlavaNextProcessor(
-        image_processor=LlavaNextImageProcessor(size={"shortest_edge": size}, crop_size={"height": size, "width": size},
-                                                image_grid_pinpoints=shape.pinpoints),
-        tokenizer=build_tokenizer(shape), patch_size=shape.patch, vision_feature_select_strategy="default",
-        num_additional_image_tokens=1, chat_template=CHAT_TEMPLATE,
-    )
+    crop = {"height": size, "width": size}
+    images = LlavaNextImageProcessor(size={"shortest_edge": size}, crop_size=crop, image_grid_pinpoints=shape.pinpoints)
+    common = dict(image_processor=images, patch_size=shape.patch, vision_feature_select_strategy="default",
+                  num_additional_image_tokens=1)
+    if video:
+        proc = LlavaNextVideoProcessor(video_processor=LlavaNextVideoVideoProcessor(size={"shortest_edge": size},
+                                                                                    crop_size=crop),
+                                       tokenizer=build_onevision_tokenizer(shape), chat_template=ONEVISION_TEMPLATE,
+                                       **common)
+    else:
+        proc = LlavaNextProcessor(tokenizer=build_tokenizer(shape), chat_template=CHAT_TEMPLATE, **common)
     proc.save_pretrained(folder)
     return folder
 
@@ -710,41 +724,19 @@ class LlavaNextVideoShape(LlavaNextShape):
     """Sizes of a LLaVA-NeXT-Video-layout model: LLaVA-NeXT's, video frames pooled by 2 (4 x 4 tokens each)."""
 
 
-def build_llava_next_video_model(shape: LlavaNextVideoShape, seed: int = 0):
-    """A randomly initialised ``LlavaNextVideoForConditionalGeneration`` of ``shape`` (float32, eval)."""
-    from transformers import (CLIPVisionConfig, LlamaConfig, LlavaNextVideoConfig,
-                              LlavaNextVideoForConditionalGeneration)
-
-    torch.manual_seed(seed)
-    vision = CLIPVisionConfig(hidden_size=shape.vision_hidden, intermediate_size=shape.vision_intermediate,
-                              num_hidden_layers=shape.vision_layers, num_attention_heads=shape.vision_heads,
-                              image_size=shape.image_size, patch_size=shape.patch, projection_dim=shape.vision_hidden)
-    cfg = LlavaNextVideoConfig(vision_config=vision, text_config=LlamaConfig(**text_config(shape)),
-                               image_token_id=image_token_id(shape), video_token_id=video_token_id(shape),
-                               image_grid_pinpoints=shape.pinpoints, vision_feature_layer=-2,
-                               vision_feature_select_strategy="default", spatial_pool_stride=2,
-                               spatial_pool_mode="average")
-    model = LlavaNextVideoForConditionalGeneration(cfg).eval()
-    with torch.no_grad():
-        model.model.image_newline.normal_()
-    return sharpen(model, model.model.multi_modal_projector)
-
-
 def write_llava_next_video(folder: str | Path, shape: LlavaNextVideoShape = LlavaNextVideoShape(), seed: int = 0) -> Path:
     """Save a random LLaVA-NeXT-Video-layout model of ``shape`` with tokenizer and processor to ``folder``."""
-    from transformers import LlavaNextImageProcessor, LlavaNextVideoProcessor, LlavaNextVideoVideoProcessor
+    return write_llava_next(folder, shape, seed, video=True)
+
+
+def hub_naming(folder: str | Path) -> Path:
+    """Rewrite a saved checkpoint's CLIP tower keys in place to the hub's naming (``vision_tower.vision_model.*``),
+    which vLLM's own LLaVA classes load (the plugin's mappers take either naming)."""
+    from safetensors.torch import load_file, save_file
 
     folder = Path(folder)
-    model = build_llava_next_video_model(shape, seed)
-    model.save_pretrained(folder)
-    size = shape.image_size
-    proc = LlavaNextVideoProcessor(
-        video_processor=LlavaNextVideoVideoProcessor(size={"shortest_edge": size},
-                                                     crop_size={"height": size, "width": size}),
-        image_processor=LlavaNextImageProcessor(size={"shortest_edge": size}, crop_size={"height": size, "width": size},
-                                                image_grid_pinpoints=shape.pinpoints),
-        tokenizer=build_onevision_tokenizer(shape), patch_size=shape.patch, vision_feature_select_strategy="default",
-        num_additional_image_tokens=1, chat_template=ONEVISION_TEMPLATE,
-    )
-    proc.save_pretrained(folder)
+    weights = load_file(folder / "model.safetensors")
+    prefix = "vision_tower."
+    save_file({prefix + "vision_model." + k[len(prefix):] if k.startswith(prefix) and "vision_model." not in k else k: v
+               for k, v in weights.items()}, folder / "model.safetensors", metadata={"format": "pt"})
     return folder
