@@ -102,6 +102,8 @@ LLAVA = "LlavaForConditionalGeneration"
 ONEVISION = "LlavaOnevisionForConditionalGeneration"
 QWEN = "Qwen2VLForConditionalGeneration"
 QWEN3 = "Qwen3VLForConditionalGeneration"
+NEXT = "LlavaNextForConditionalGeneration"
+NEXT_VIDEO = "LlavaNextVideoForConditionalGeneration"
 
 
 def _spec(**over) -> str:
@@ -151,6 +153,15 @@ def _spec(**over) -> str:
     (_spec(method="hired"), QWEN, "vlm_prune.method", "hired ranks an image's patches by the vision tower's [CLS] "
      "attention, which wrap() reads on LLaVA-NeXT and LLaVA-1.5 images only"),
     (_spec(method="hired", keep=None), QWEN3, "vlm_prune.method", "hired ranks an image's patches"),
+    # issue 29: LLaVA-NeXT refuses what wrap() refuses there, and HiRED's official count (known after the tower)
+    (_spec(method="visionzip"), NEXT, "vlm_prune.method", "visionzip reads one tower row per image, but a LLaVA-NeXT "
+     "image is a base image plus anyres tiles"),
+    (_spec(method="hired", keep=None), NEXT, "vlm_prune.method", "hired without keep / budget keeps the official "
+     "count on LLaVA-NeXT"),
+    (_spec(method="uniform"), NEXT, "vlm_prune.method", "frames method 'uniform' chooses video frames"),
+    (_spec(method="hired"), NEXT_VIDEO, "vlm_prune.method", "hired is refused on LLaVA-NeXT-Video's video"),
+    (_spec(method="quota"), NEXT_VIDEO, "vlm_prune.method", "quota is not wired into vLLM for LLaVA-NeXT-Video"),
+    (_spec(method="holitom"), NEXT_VIDEO, "vlm_prune.method", "holitom supports llava_onevision"),
     (_spec(keep=-1), None, "vlm_prune", "keep must be a fraction in (0, 1], got -1"),
     (_spec(keep="abc"), None, "vlm_prune", "keep must be a fraction"),
     (_spec(keep=None, budget=0), None, "vlm_prune", "budget must be a whole number of tokens >= 1, got 0"),
@@ -166,6 +177,21 @@ def test_a_bad_spec_is_refused_naming_the_field_and_what_it_allows(raw, arch, fi
         validate_spec(raw, arch)
     assert err.value.field == f"mm_processor_kwargs.{field}"
     assert str(err.value).startswith(f"mm_processor_kwargs.{field}: ") and message in str(err.value)
+
+
+def test_llava_next_checkpoints_get_their_plugin_classes(tmp_path):
+    """issue 29: LLaVA-NeXT and LLaVA-NeXT-Video checkpoints are served by their plugin classes, with the
+    one-row M-RoPE override; HiRED with a budget on NeXT passes, without one it is refused before vLLM starts."""
+    from vlm_prune.vllm.tiny import write_llava_next, write_llava_next_video
+
+    for write, name, method in ((write_llava_next, "VlmPruneLlavaNextForConditionalGeneration", "hired"),
+                                (write_llava_next_video, "VlmPruneLlavaNextVideoForConditionalGeneration", "uniform")):
+        folder = write(tmp_path / name)
+        over = vp.engine_kwargs(str(folder), method, keep=0.5)["hf_overrides"]
+        assert over["architectures"] == [name] and over["vlm_prune"]["method"] == method
+        assert sum(over["text_config"]["rope_parameters"]["mrope_section"]) == 16
+    with pytest.raises(ValueError, match="hired without keep / budget keeps the official count on LLaVA-NeXT"):
+        vp.engine_kwargs(str(tmp_path / "VlmPruneLlavaNextForConditionalGeneration"), "hired")
 
 
 def test_valid_specs_pass_with_their_defaults_and_any_integer_seed():
