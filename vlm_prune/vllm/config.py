@@ -142,9 +142,10 @@ REFUSALS = {
         "is fixed before the choice; use uniform (its slices follow from the budget) or a vision-stage method, or "
         "keyscore with vlm_prune.wrap() on the Hugging Face model"))],
     "quota": [(NEXT_VIDEO, (
-        "quota is not wired into vLLM for LLaVA-NeXT-Video (its two passes - frame scores in the same engine, then "
-        "the plan - run on LLaVA-OneVision and Qwen2-VL / Qwen2.5-VL); use uniform, keyscore, vidcom2 or dycoke, or "
-        "quota with vlm_prune.wrap()")), (QWEN3, (
+        "quota is not wired into vLLM for LLaVA-NeXT-Video: wrap() runs QuoTA on this family only with a custom "
+        "scorer (QuoTA(scorer=...)), which a request cannot send - its default scorer, the model itself, exists for "
+        "LLaVA-OneVision and Qwen2-VL / Qwen2.5-VL only (where vLLM runs its two passes); use uniform, keyscore, "
+        "vidcom2 or dycoke")), (QWEN3, (
         "quota is refused on Qwen3-VL, as wrap() refuses it: it packs resized frames into the video's first slots, "
         "which on Qwen3-VL lie behind other slices' timestamps; use uniform or a vision-stage method"))],
 }

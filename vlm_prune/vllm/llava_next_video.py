@@ -16,7 +16,8 @@ maps without newline tokens.
 
 Refused per request (config.validate_spec): the tower-attention methods (wrap() refuses them on this
 family; HiRED runs on its images only, which vLLM's class does not take), fastvid / holitom (as wrap()),
-and quota (its two passes are not wired for this family).
+and quota (wrap() runs it here only with a custom scorer, which a request cannot carry: the default scorer,
+the model itself, is an adapter feature of LLaVA-OneVision and Qwen2-VL only).
 """
 from __future__ import annotations
 
