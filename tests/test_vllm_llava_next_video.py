@@ -57,7 +57,9 @@ def _video(frames: int) -> np.ndarray:
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     """The tiny checkpoint in the hub's naming, which vLLM's own class loads too."""
-    return hub_naming(write_llava_next_video(tmp_path_factory.mktemp("llava_next_video") / "tiny", LlavaNextVideoShape()))
+    folder = write_llava_next_video(tmp_path_factory.mktemp("llava_next_video") / "tiny", LlavaNextVideoShape())
+    hub_naming(folder / "model.safetensors")
+    return folder
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,6 @@ How a fixed budget fits vLLM (see docs/vllm.md):
 """
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
 import re
@@ -343,30 +342,6 @@ class PrunedLlavaMultiModalProcessor(LlavaMultiModalProcessor):
         return tag_items(super().apply(inputs, timing_ctx), spec, method, self._template_suffix())
 
 
-def one_row_rope(language_model: torch.nn.Module) -> None:
-    """Make the language model's M-RoPE with three identical position rows run vLLM's own 1-D rotary kernel on
-    CPU. The plugin gives LLaVA-1.5 / LLaVA-NeXT M-RoPE only to set each token's position; its three rows are
-    always equal, i.e. the model's 1-D RoPE, but vLLM's ``MRotaryEmbedding.forward_cpu`` computes it in PyTorch
-    while its ``RotaryEmbedding.forward_cpu`` (what vLLM's own class runs) calls the C++ ``rotary_embedding``
-    op, and the two round differently (log-probabilities up to 8e-7 apart). Same cos / sin cache rows, same
-    op: nothing pruned, the plugin is then vLLM's own model bit for bit. Other devices keep M-RoPE's path."""
-    from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
-    from vllm.model_executor.layers.rotary_embedding.mrope import MRotaryEmbedding
-
-    def forward(rope: Any, fallback: Any, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor | None = None,
-                offsets: torch.Tensor | None = None) -> Any:
-        if positions.ndim == 2 and offsets is None:
-            if not (torch.equal(positions[0], positions[1]) and torch.equal(positions[0], positions[2])):
-                raise RuntimeError("vlm_prune: one_row_rope on position rows that differ")
-            return RotaryEmbedding.forward_cpu(rope, positions[0], query, key)
-        return fallback(positions, query, key, offsets)
-
-    for module in language_model.modules():
-        if (isinstance(module, MRotaryEmbedding) and not module.mrope_interleaved and module.scaling_factor is None
-                and module._forward_method == module.forward_cpu):
-            module._forward_method = functools.partial(forward, module, module._forward_method)
-
-
 class OffsetChannels:
     """The position side of a pruned vLLM model: each kept token's (t, h, w) offset from its slot
     travels in the last ``offset_channels`` embedding channels from the encoder; ``embed_input_ids``
@@ -444,7 +419,7 @@ def plain_rotary(layers: Any, params: Any) -> None:
 @MULTIMODAL_REGISTRY.register_processor(
     PrunedLlavaMultiModalProcessor, info=PrunedLlavaProcessingInfo, dummy_inputs=LlavaDummyInputsBuilder
 )
-class VlmPruneLlavaForConditionalGeneration(OffsetChannels, LlavaForConditionalGeneration, SupportsMRoPE):
+class VlmPruneLlavaForConditionalGeneration(OffsetChannels, FirstPositionRow, LlavaForConditionalGeneration, SupportsMRoPE):
     """vLLM's LLaVA-1.5 with a vlm_prune vision-stage method (random, pool, divprune, cdpruner, visionzip,
     fastervlm, vispruner, hired - one partition, prumerge - with keep / budget)."""
 
@@ -462,7 +437,8 @@ class VlmPruneLlavaForConditionalGeneration(OffsetChannels, LlavaForConditionalG
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
         super().__init__(vllm_config=vllm_config, prefix=prefix)
         self.method = method_of(spec_of(self.config))
-        one_row_rope(self.language_model)
+        text = self.config.text_config  # vLLM's own rotary embeddings on one position row (FirstPositionRow)
+        plain_rotary(self.language_model.model.layers, lambda i: text.rope_parameters)
         vc = self.config.vision_config
         self.side = vc.image_size // vc.patch_size
         self.drop_cls = self.config.vision_feature_select_strategy == "default"

@@ -49,6 +49,7 @@ from vlm_prune.vllm.llava import (
     QUERY_KEY,
     RANK_KEY,
     SPEC_KEY,
+    FirstPositionRow,
     OffsetChannels,
     item_inputs,
     pack_kept,
@@ -56,7 +57,7 @@ from vlm_prune.vllm.llava import (
     check_cls_method,
     layer_attention,
     method_of,
-    one_row_rope,
+    plain_rotary,
     spec_from,
     spec_of,
     tag_items,
@@ -120,7 +121,7 @@ class PrunedLlavaNextMultiModalProcessor(LlavaNextMultiModalProcessor):
 
 @MULTIMODAL_REGISTRY.register_processor(PrunedLlavaNextMultiModalProcessor, info=PrunedLlavaNextProcessingInfo,
                                         dummy_inputs=LlavaDummyInputsBuilder)
-class VlmPruneLlavaNextForConditionalGeneration(OffsetChannels, LlavaNextForConditionalGeneration, SupportsMRoPE):
+class VlmPruneLlavaNextForConditionalGeneration(OffsetChannels, FirstPositionRow, LlavaNextForConditionalGeneration, SupportsMRoPE):
     """vLLM's LLaVA-NeXT with a vlm_prune vision-stage method (random, pool, divprune, cdpruner, hired with
     keep / budget)."""
 
@@ -129,7 +130,8 @@ class VlmPruneLlavaNextForConditionalGeneration(OffsetChannels, LlavaNextForCond
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
         super().__init__(vllm_config=vllm_config, prefix=prefix)
-        one_row_rope(self.language_model)
+        text = self.config.text_config  # vLLM's own rotary embeddings on one position row (FirstPositionRow)
+        plain_rotary(self.language_model.model.layers, lambda i: text.rope_parameters)
         layers = self.vision_tower.vision_model.encoder.layers
         #: tower layers whose inputs the current encoder call keeps (HiRED's early and feature layers)
         self._wanted: set[int] = set()

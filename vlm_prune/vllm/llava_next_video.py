@@ -44,12 +44,13 @@ from vlm_prune.vllm.llava import (
     QUERY_KEY,
     RANK_KEY,
     SPEC_KEY,
+    FirstPositionRow,
     OffsetChannels,
     item_inputs,
     pack_kept,
     PrunedLlavaMultiModalProcessor,
     method_of,
-    one_row_rope,
+    plain_rotary,
     spec_of,
     tag_items,
 )
@@ -111,7 +112,7 @@ class PrunedLlavaNextVideoMultiModalProcessor(LlavaNextVideoMultiModalProcessor)
 @MULTIMODAL_REGISTRY.register_processor(PrunedLlavaNextVideoMultiModalProcessor,
                                         info=PrunedLlavaNextVideoProcessingInfo,
                                         dummy_inputs=LlavaNextVideoDummyInputsBuilder)
-class VlmPruneLlavaNextVideoForConditionalGeneration(OffsetChannels, LlavaNextVideoForConditionalGeneration,
+class VlmPruneLlavaNextVideoForConditionalGeneration(OffsetChannels, FirstPositionRow, LlavaNextVideoForConditionalGeneration,
                                                      SupportsMRoPE):
     """vLLM's LLaVA-NeXT-Video with a vlm_prune method on its videos (random, pool, divprune, cdpruner per
     frame; the frames methods uniform, keyscore, vidcom2, dycoke)."""
@@ -121,7 +122,8 @@ class VlmPruneLlavaNextVideoForConditionalGeneration(OffsetChannels, LlavaNextVi
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
         super().__init__(vllm_config=vllm_config, prefix=prefix)
-        one_row_rope(self.language_model)
+        text = self.config.text_config  # vLLM's own rotary embeddings on one position row (FirstPositionRow)
+        plain_rotary(self.language_model.model.layers, lambda i: text.rope_parameters)
         self.frame_grid = (self.pooled_grid_length, self.pooled_grid_length)
 
     def embed_multimodal(self, **kwargs: object) -> Any:

@@ -728,15 +728,3 @@ def write_llava_next_video(folder: str | Path, shape: LlavaNextVideoShape = Llav
     """Save a random LLaVA-NeXT-Video-layout model of ``shape`` with tokenizer and processor to ``folder``."""
     return write_llava_next(folder, shape, seed, video=True)
 
-
-def hub_naming(folder: str | Path) -> Path:
-    """Rewrite a saved checkpoint's CLIP tower keys in place to the hub's naming (``vision_tower.vision_model.*``),
-    which vLLM's own LLaVA classes load (the plugin's mappers take either naming)."""
-    from safetensors.torch import load_file, save_file
-
-    folder = Path(folder)
-    weights = load_file(folder / "model.safetensors")
-    prefix = "vision_tower."
-    save_file({prefix + "vision_model." + k[len(prefix):] if k.startswith(prefix) and "vision_model." not in k else k: v
-               for k, v in weights.items()}, folder / "model.safetensors", metadata={"format": "pt"})
-    return folder
