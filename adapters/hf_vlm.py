@@ -27,6 +27,7 @@ from types import SimpleNamespace
 from typing import Any, Callable, ClassVar
 
 import torch
+from transformers.modeling_outputs import BaseModelOutputWithPooling
 
 from vlm_prune.adapters.base import Adapter, ContextSlot
 from vlm_prune.adapters.vision_towers import FeatureLayerTap, pool_grid
@@ -757,6 +758,15 @@ class HFVLMAdapter(Adapter):
             ids[i, width - s.numel():] = s
             mask[i, width - s.numel():] = 1
         return ids, mask
+
+    def score_frame_videos(self, frames: torch.Tensor, prompts: list[str], tokens: list[str], **extra: Any) -> torch.Tensor:
+        """QuoTA's default scorer on families whose video is a run of frame tokens: the unpruned model
+        on one-frame videos made of each frame's already computed tokens ``frames`` [T, n, D], one
+        prompt per frame (or one shared), all in one batch. Returns probabilities [T, len(tokens)]."""
+        t = frames.shape[0]
+        prompts = prompts * t if len(prompts) == 1 else prompts
+        ids, mask = self.chat_batch(prompts, "video", frames.shape[1])
+        return self.score_prompts(ids, mask, tokens, BaseModelOutputWithPooling(pooler_output=list(frames)), **extra)
 
     def score_prompts(self, ids: torch.Tensor, mask: torch.Tensor, tokens: list[str], encoded: Any, **extra: Any
                       ) -> torch.Tensor:

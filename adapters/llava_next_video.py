@@ -17,7 +17,9 @@ from __future__ import annotations
 import copy
 from typing import Any, ClassVar
 
-from vlm_prune.adapters.hf_vlm import HFVLMAdapter, Item, source_of
+import torch
+
+from vlm_prune.adapters.hf_vlm import HFVLMAdapter, Item, fit_grid, source_of
 from vlm_prune.adapters import FAMILY_STAGES
 from vlm_prune.adapters.llava_next import LlavaNextAdapter
 from vlm_prune.methods.base import FramesContext
@@ -81,4 +83,13 @@ class LlavaNextVideoAdapter(LlavaNextAdapter):
         videos = getattr(self.request.out, "vlm_prune_call", {}).get("pixel_values_videos")
         if videos is not None:
             ctx.pixels = videos[source_of(self.request.out, index)]
+        if self.state.processor is not None:
+            frames = ctx.features
+            ctx.score_frames = lambda prompts, tokens, grid=None: self.score_frames(frames, prompts, tokens, grid)
         return ctx
+
+    def score_frames(self, frames: torch.Tensor, prompts: list[str], tokens: list[str],
+                     grid: tuple[int, int] | None = None) -> torch.Tensor:
+        """QuoTA's default scorer: one-frame videos of each frame's tokens [T, n, D], bilinearly
+        resized to at most ``grid`` (:meth:`score_frame_videos`)."""
+        return self.score_frame_videos(fit_grid(frames, self.frame_grid(), grid), prompts, tokens)

@@ -17,8 +17,10 @@ from __future__ import annotations
 from types import SimpleNamespace
 from typing import Any
 
+import torch
+
 from vlm_prune.adapters.generic import FamilyTable, TableAdapter
-from vlm_prune.adapters.hf_vlm import Item, source_of
+from vlm_prune.adapters.hf_vlm import Item, fit_grid, source_of
 from vlm_prune.adapters.qwen2_vl import video_pixels
 from vlm_prune.methods.base import FramesContext
 
@@ -50,4 +52,13 @@ class LlavaOnevision15Adapter(TableAdapter):
         layout = SimpleNamespace(spatial_merge_size=vc.spatial_merge_size, patch_size=vc.patch_size,
                                  temporal_patch_size=1)  # Qwen2-VL's patch order without temporal patches
         ctx.pixels = video_pixels(self.request.out, index, layout)
+        if self.state.processor is not None:
+            frames = ctx.features
+            ctx.score_frames = lambda prompts, tokens, grid=None: self.score_frames(frames, it.grid, prompts, tokens, grid)
         return ctx
+
+    def score_frames(self, frames: torch.Tensor, grid: tuple[int, int], prompts: list[str], tokens: list[str],
+                     limit: tuple[int, int] | None = None) -> torch.Tensor:
+        """QuoTA's default scorer: one-frame videos of each frame's tokens [T, rows*cols, D],
+        bilinearly resized to at most ``limit`` (:meth:`score_frame_videos`; 1-D positions)."""
+        return self.score_frame_videos(fit_grid(frames, grid, limit), prompts, tokens)

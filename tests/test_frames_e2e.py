@@ -382,3 +382,31 @@ def test_a_separate_qwen2_vl_scores_frames_as_images_as_the_official_code():
             logits = scorer_model(**proc(images=[img], text=[text], return_tensors="pt")).logits
         expected.append(torch.softmax(logits[0, -1], -1)[a])
     torch.testing.assert_close(p, torch.stack(expected), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("family", ["llava_next_video", "llava_onevision15"])
+def test_quota_scores_frames_with_the_model_itself_on_frame_run_families(family):
+    """Default scorer where a video is the run of its frames' tokens (LLaVA-NeXT-Video,
+    LLaVA-OneVision-1.5): each frame's score is the unwrapped model's P("A") on that frame alone,
+    sent through the processor as a one-frame video with the frame prompt."""
+    import tiny_processors as P
+    from vlm_prune.frames.scorers import vocab_id
+
+    make, make_processor, _ = P.FAMILIES[family]
+    model, proc = make(), make_processor()
+    frames = (torch.rand(4, 32, 32, 3, generator=torch.Generator().manual_seed(3)) * 255).to(torch.uint8).numpy()
+
+    def chat(text):
+        return proc.apply_chat_template([{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": text}]}],
+                                        add_generation_prompt=True)
+
+    inp = proc(text=[chat("what colour is the shape ?")], videos=[frames], return_tensors="pt")
+    _, stats = run(model, QuoTA(decouple=False), inp, steps=2, keep=0.5, processor=proc)
+    scores = torch.tensor(stats["stages"][0]["videos"][0]["frame_scores"])
+    single = proc(text=[chat(frame_prompt("what colour is the shape ?", []))] * 4,
+                  videos=[frames[i : i + 1] for i in range(4)], return_tensors="pt")
+    with torch.no_grad():
+        logits = model(**single).logits[:, -1]
+    expected = torch.softmax(logits.float(), -1)[:, vocab_id(proc.tokenizer, "A")]
+    assert len(set(scores.tolist())) == 4  # the frames differ
+    torch.testing.assert_close(scores, expected, atol=1e-5, rtol=0)
