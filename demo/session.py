@@ -836,7 +836,7 @@ class Session:
         if into is None:
             col.merge_note = (f"no merge picture for {col.name}: no stage recorded which token merged into which "
                               "(the method only keeps or drops tokens; FastVID folds a token into several anchors, "
-                              "HoliTom's outer merges are not recorded)")
+                              "HoliTom(inner=False)'s merges are not recorded)")
         elif into.size != n_tokens:
             col.merge_note = f"merges of {col.name} not drawn: they cover {into.size} tokens, the picture {n_tokens}"
             return None

@@ -28,7 +28,7 @@ from vlm_prune.demo.app import EXAMPLES_DIR, MAX_COLUMNS, build_app, launch
 from vlm_prune.demo.session import Session, load_synthetic
 
 REQUEST_TIMEOUT_MS = 240_000
-MERGING = ("pact", "tome", "visionzip", "prumerge", "framefusion", "sparsevlm", "prunevid")  # methods whose columns show which tokens merged into which
+MERGING = ("pact", "tome", "visionzip", "prumerge", "framefusion", "sparsevlm", "prunevid", "holitom")  # methods whose columns show which tokens merged into which
 
 
 @pytest.fixture(scope="module")

@@ -23,6 +23,16 @@ TARGETS = [("keep", 1.0), ("keep", 0.5), ("keep", 0.25), ("keep", 0.11), ("budge
 MODELS = {"onevision_video": "llava_onevision", "qwen2_vl_video": "qwen2_vl"}
 
 
+def _frames_spec(frames):
+    """The frames method of a pair: HoliTom's outer stage (its inner merge takes the llm stage and
+    refuses other methods), the others as test_budgets builds them."""
+    if frames == "holitom":
+        from vlm_prune.frames.holitom import HoliTom
+
+        return HoliTom(inner=False)
+    return _spec(frames)
+
+
 def _refusal(frames, vision, family):
     """The message wrap() must refuse the pair with on this family, or None."""
     if method_class(frames).resizes_frames and method_class(vision).needs_tower_attention:
@@ -43,12 +53,12 @@ def test_frames_and_vision_pipeline_meets_the_target(frames, vision, model_name,
     refusal = _refusal(frames, vision, MODELS[model_name])
     if refusal:
         with pytest.raises(ValueError, match=refusal):
-            vlm_prune.wrap(model, [_spec(frames), vision], **{kind: value})
+            vlm_prune.wrap(model, [_frames_spec(frames), vision], **{kind: value})
         assert not vlm_prune.api.is_wrapped(model)
         return
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", BudgetWarning)
-        vlm_prune.wrap(model, [_spec(frames), vision], **{kind: value})
+        vlm_prune.wrap(model, [_frames_spec(frames), vision], **{kind: value})
     try:
         with torch.no_grad():
             out = model(**inp)
