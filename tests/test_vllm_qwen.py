@@ -72,14 +72,16 @@ CASES_25 = [("image", "divprune", {"keep": 0.5}), ("image", "pool", {"keep": 0.2
             ("video", "fastvid_qwen", {"keep": 0.27})]
 
 
-def _media(kind: str, frames: int = 8) -> list[dict]:
-    """Per prompt of ``kind``: {"image": PIL image} and / or {"video": frames [4, H, W, 3] uint8}."""
+def _media(kind: str, frames: int = 8, prompts: dict | None = None) -> list[dict]:
+    """Per prompt of ``kind``: {"image": PIL image} and / or {"video": frames [4, H, W, 3] uint8}; the first
+    video prompt's image only where ``prompts`` (another family's) do not say ``"image_in_video": False``."""
     rng = np.random.RandomState(0)
     images = [Image.fromarray((rng.rand(h, w, 3) * 255).astype("uint8")) for w, h in SIZES]
     if kind == "image":
         return [{"image": im} for im in images]
     video = (rng.rand(frames, 32, 48, 3) * 255).astype("uint8")
-    return [{"image": images[0], "video": video}, {"video": video[::-1].copy()}]
+    first = {"image": images[0], "video": video} if (prompts or {}).get("image_in_video", True) else {"video": video}
+    return [first, {"video": video[::-1].copy()}]
 
 
 def _method(name):
@@ -137,12 +139,14 @@ def hf(arch):
     return load_hf(arch[0])
 
 
-def run_vllm(llm, kind: str, method, frames: int = 8, **budget):
+def run_vllm(llm, kind: str, method, frames: int = 8, prompts: dict | None = None, **budget):
+    """Greedy tokens and their log-probabilities of the two prompts of ``kind`` (``prompts``: another
+    family's two prompts per kind; default :data:`PROMPTS`) in one batch."""
     from vllm import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=STEPS, min_tokens=STEPS, logprobs=0)
     requests = [vllm_request(prompt, media, method, llm=llm, **budget)
-                for prompt, media in zip(PROMPTS[kind], _media(kind, frames))]
+                for prompt, media in zip((prompts or PROMPTS)[kind], _media(kind, frames, prompts))]
     outs = llm.generate(requests, params, use_tqdm=False)
     tokens = [list(o.outputs[0].token_ids) for o in outs]
     logprobs = [[step[t].logprob for step, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)] for o in outs]
@@ -162,7 +166,7 @@ def vllm_request(prompt: str, media: dict, method, llm=None, **budget) -> dict:
     return req
 
 
-def run_hf(hf, kind: str, method, frames: int = 8, stats: list | None = None, **budget):
+def run_hf(hf, kind: str, method, frames: int = 8, stats: list | None = None, prompts: dict | None = None, **budget):
     """Greedy tokens, their log-probabilities and the (t, h, w) positions of the kept visual rows
     of the wrapped HF model (its M-RoPE positions of the unpruned prompt at ``last_rows``, with the
     engine's position rewrites of resized frame maps applied: QuoTA). ``stats``: each prompt's
@@ -182,7 +186,7 @@ def run_hf(hf, kind: str, method, frames: int = 8, stats: list | None = None, **
         vlm_prune.wrap(model, _method(method), processor=proc, **budget)
     try:
         tokens, logprobs, kept = [], [], []
-        for prompt, media in zip(PROMPTS[kind], _media(kind, frames)):
+        for prompt, media in zip((prompts or PROMPTS)[kind], _media(kind, frames, prompts)):
             extra = {}
             if "video" in media:
                 info = VideoMetadata(**{k: v for k, v in meta(len(media["video"])).items() if k != "do_sample_frames"})
@@ -230,20 +234,22 @@ def test_keep_all_equals_unwrapped_hf(arch, llm, hf, kind):
     np.testing.assert_allclose(logprobs, ref_logprobs, atol=2e-4)
 
 
-def plain_vllm_main(model: str, out: str) -> None:
-    """The child of :func:`test_keep_all_equals_plain_vllm`: vLLM's own class on ``model``."""
+def plain_vllm_main(model: str, out: str, prompts: str = "null", dtype: str = "float32") -> None:
+    """The child of :func:`test_keep_all_equals_plain_vllm`: vLLM's own class on ``model`` (``prompts``:
+    JSON of another family's prompts, or null)."""
     import json
 
     import vllm
 
-    llm = vllm.LLM(model=model, **ENGINE_ARGS)
+    llm = vllm.LLM(model=model, **dict(ENGINE_ARGS, dtype=dtype))
     served = type(llm.apply_model(lambda m: m)[0]).__name__
+    prompts = json.loads(prompts)
     with open(out, "w") as f:
-        json.dump({"class": served, **{kind: run_vllm(llm, kind, None) for kind in PROMPTS}}, f)
+        json.dump({"class": served, **{kind: run_vllm(llm, kind, None, prompts=prompts) for kind in PROMPTS}}, f)
     llm.llm_engine.engine_core.shutdown()
 
 
-def check_plain_vllm(folder, llm, tmp_path, served: str) -> None:
+def check_plain_vllm(folder, llm, tmp_path, served: str, prompts: dict | None = None, dtype: str = "float32") -> None:
     """The plugin's engine ``llm`` (nothing pruned) gives vLLM's own class ``served`` on ``folder`` bit for
     bit on the image and the video prompts; vLLM's engine runs in a child process (a second engine in
     this one would share its global state)."""
@@ -254,7 +260,8 @@ def check_plain_vllm(folder, llm, tmp_path, served: str) -> None:
 
     out = tmp_path / "result.json"
     code = "import sys; sys.path.insert(0, sys.argv[1]); import test_vllm_qwen as t; t.plain_vllm_main(*sys.argv[2:])"
-    child = Child([sys.executable, "-c", code, os.path.dirname(__file__), str(folder), str(out)], tmp_path / "log")
+    child = Child([sys.executable, "-c", code, os.path.dirname(__file__), str(folder), str(out), json.dumps(prompts), dtype],
+                  tmp_path / "log")
     try:
         child.proc.wait(500)
     except subprocess.TimeoutExpired:
@@ -266,7 +273,7 @@ def check_plain_vllm(folder, llm, tmp_path, served: str) -> None:
     assert plain["class"] == served
     for kind in PROMPTS:
         tokens, logprobs = plain[kind]
-        ref_tokens, ref_logprobs = run_vllm(llm, kind, None)
+        ref_tokens, ref_logprobs = run_vllm(llm, kind, None, prompts=prompts)
         assert tokens == ref_tokens
         np.testing.assert_array_equal(logprobs, ref_logprobs)
 
@@ -338,4 +345,34 @@ def test_quota_two_pass_equals_wrapped_hf(arch, llm, hf, knobs, budget):
         scores = json.loads(req["mm_processor_kwargs"]["vlm_prune"])["quota"]["scores"]
         np.testing.assert_allclose(scores, stats[i]["frame_scores"], rtol=1e-4)
         llm.generate(req, SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)
+        assert image_positions(llm) == ref_kept[i]
+
+
+def check_batch_equals_alone(llm, requests: list[dict]) -> None:
+    """``requests`` (each with its own method and budget, or none) in one batch: every answer (prompt ids, so
+    its slot count, greedy tokens, log-probabilities) is what the request gets alone; no two prompts alike."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=STEPS, min_tokens=STEPS, logprobs=0)
+
+    def answer(out):
+        ids = list(out.outputs[0].token_ids)
+        return out.prompt_token_ids, ids, [step[t].logprob for step, t in zip(out.outputs[0].logprobs, ids)]
+
+    together = [answer(o) for o in llm.generate(requests, params, use_tqdm=False)]
+    assert len({tuple(p) for p, _, _ in together}) == len(requests)
+    for req, (prompt, tokens, logprobs) in zip(requests, together):
+        alone_prompt, alone_tokens, alone_logprobs = answer(llm.generate(req, params, use_tqdm=False)[0])
+        assert prompt == alone_prompt
+        assert tokens == alone_tokens
+        np.testing.assert_allclose(logprobs, alone_logprobs, atol=1e-5)
+
+
+def check_positions(llm, kind: str, method, frames: int, ref_kept: list, prompts: dict | None = None, **budget) -> None:
+    """Each prompt of ``kind`` alone: the engine's visual rows sit at ``ref_kept``'s (t, h, w) positions (run_hf's)."""
+    from vllm import SamplingParams
+
+    for i, (prompt, media) in enumerate(zip((prompts or PROMPTS)[kind], _media(kind, frames, prompts))):
+        llm.generate(vllm_request(prompt, media, method, **budget), SamplingParams(temperature=0.0, max_tokens=1),
+                     use_tqdm=False)
         assert image_positions(llm) == ref_kept[i]

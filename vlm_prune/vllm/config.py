@@ -35,6 +35,11 @@ ARCHITECTURES = {
     "SmolVLMForConditionalGeneration": "VlmPruneSmolVLMForConditionalGeneration",
     "LlavaNextForConditionalGeneration": "VlmPruneLlavaNextForConditionalGeneration",
     "LlavaNextVideoForConditionalGeneration": "VlmPruneLlavaNextVideoForConditionalGeneration",
+    "Glm4vForConditionalGeneration": "VlmPruneGlm4vForConditionalGeneration",
+    "Qwen3_5ForConditionalGeneration": "VlmPruneQwen3_5ForConditionalGeneration",
+    "Qwen3VLMoeForConditionalGeneration": "VlmPruneQwen3VLMoeForConditionalGeneration",
+    "Qwen3_5MoeForConditionalGeneration": "VlmPruneQwen3_5MoeForConditionalGeneration",
+    "Glm4vMoeForConditionalGeneration": "VlmPruneGlm4vMoeForConditionalGeneration",
 }
 #: the plugin's model class -> its module in vlm_prune.vllm
 MODULES = {
@@ -50,11 +55,16 @@ MODULES = {
     "VlmPruneSmolVLMForConditionalGeneration": "idefics3",
     "VlmPruneLlavaNextForConditionalGeneration": "llava_next",
     "VlmPruneLlavaNextVideoForConditionalGeneration": "llava_next_video",
+    "VlmPruneGlm4vForConditionalGeneration": "glm4v",
+    "VlmPruneQwen3_5ForConditionalGeneration": "qwen3_5",
+    "VlmPruneQwen3VLMoeForConditionalGeneration": "qwen3_vl",
+    "VlmPruneQwen3_5MoeForConditionalGeneration": "qwen3_5",
+    "VlmPruneGlm4vMoeForConditionalGeneration": "glm4v",
 }
 #: checkpoints whose language model has M-RoPE of its own (no mrope_section override)
-NATIVE_MROPE = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration", "Qwen3VLForConditionalGeneration")
-#: Qwen3-VL: a timestamp and start / end tokens around every temporal slice of a video
-QWEN3 = ("Qwen3VLForConditionalGeneration",)
+NATIVE_MROPE = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration", "Qwen3VLForConditionalGeneration",
+                "Glm4vForConditionalGeneration", "Qwen3_5ForConditionalGeneration", "Qwen3VLMoeForConditionalGeneration",
+                "Qwen3_5MoeForConditionalGeneration", "Glm4vMoeForConditionalGeneration")
 #: checkpoints whose vision methods are those wrap()'s adapter allows (the registry's families): a method
 #: wrap() refuses there is refused in vLLM with that reason
 WRAP_FAMILIES = {"Gemma3ForConditionalGeneration": (
@@ -65,6 +75,8 @@ WRAP_FAMILIES = {"Gemma3ForConditionalGeneration": (
 #: rope_scaling / rope_local_base_freq; Gemma 3 has one per layer type) and whose plugin runs the language
 #: model on one position row with vLLM's own rotary embeddings
 ROPE_FROM_CONFIG = ("Gemma3ForConditionalGeneration", "Mistral3ForConditionalGeneration")
+#: Qwen3-VL: a timestamp and start / end tokens around every temporal slice of a video
+QWEN3 = ("Qwen3VLForConditionalGeneration", "Qwen3VLMoeForConditionalGeneration")
 #: VisionZip (FasterVLM, VisPruner) on a LLaVA-OneVision image request (its video runs them)
 ONEVISION_VISIONZIP_REFUSAL = (
     "{name} runs on LLaVA-OneVision video only, as in wrap(): OneVision's anyres image tiles have no per-token "
@@ -156,6 +168,14 @@ for _name in TOWER_METHODS:
         f"{_name} ranks an image's tokens by the vision tower's feature-layer attention, which vlm_prune reads on "
         "LLaVA-1.5 and LLaVA-OneVision only (wrap() refuses it on InternVL and Idefics3 / SmolVLM too: their tower's "
         "tokens are pixel-shuffled, 2 x 2 patches folded into one); use divprune, cdpruner, pool or random")))
+
+#: other checkpoints whose processor writes each temporal slice of a video as its own run behind text (GLM-4.1V:
+#: and GLM-4.5V: start / end tokens and its second; Qwen3.5: Qwen3-VL's): refused what Qwen3-VL refuses there, for the same reasons
+SLICED_VIDEO = {"Glm4vForConditionalGeneration": "GLM-4.1V", "Qwen3_5ForConditionalGeneration": "Qwen3.5",
+                "Qwen3_5MoeForConditionalGeneration": "Qwen3.5", "Glm4vMoeForConditionalGeneration": "GLM-4.5V"}
+for _name in ("fastvid", "holitom", "vidcom2", "keyscore", "quota"):
+    _reason = next(reason for archs, reason in REFUSALS[_name] if archs == QWEN3)
+    REFUSALS[_name] += [((arch,), _reason.replace("Qwen3-VL", title)) for arch, title in SLICED_VIDEO.items()]
 #: families whose vLLM support is not written yet, with what it needs
 PLANNED: dict[str, str] = {}
 #: methods that run in vLLM (vision stage, a fixed count per image)
@@ -382,7 +402,7 @@ def _refusal(arch: str | None, name: str, spec: dict[str, Any]) -> str | None:
             return (f"frames method 'quota' chooses video frames; vlm_prune.vllm runs the frames methods on the video "
                     f"of {', '.join(VIDEO_ARCHITECTURES)}, not of {checkpoint} (use a vision-stage method there: "
                     f"{', '.join(SUPPORTED)})")
-        if checkpoint in QWEN3 + NEXT_VIDEO:
+        if checkpoint in QWEN3 + NEXT_VIDEO or checkpoint in SLICED_VIDEO:
             return refusal(checkpoint, name)
         if "quota" in spec or spec["keep"] == 1.0 or spec["budget"] is not None:
             return None  # a budget alone: the processor refuses it where the video has more tokens (no scores)

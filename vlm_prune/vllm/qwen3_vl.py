@@ -21,6 +21,10 @@ handled as ``wrap()`` handles them (``adapters/qwen3_vl.py``):
   largest position + 1 (transformers' ``get_rope_index`` and vLLM's layout). KeyScore chooses
   slices from the tower's features, after the processor has fixed how many tokens each slice's
   run holds, so it is refused on Qwen3-VL video; QuoTA is refused as ``wrap()`` refuses it there.
+
+The slice machinery (``_SlicedProcessor``, ``_SlicedVideo``) also serves GLM-4.1V (vlm_prune/vllm/glm4v.py:
+another slice token and other tokens around a slice); Qwen3-VL-MoE (below) and Qwen3.5 / Qwen3.5-MoE
+(vlm_prune/vllm/qwen3_5.py) are the Qwen3-VL classes on vLLM's classes of those models.
 """
 from __future__ import annotations
 
@@ -35,6 +39,7 @@ from vllm.model_executor.models.qwen3_vl import (
     Qwen3VLMultiModalProcessor,
     Qwen3VLProcessingInfo,
 )
+from vllm.model_executor.models.qwen3_vl_moe import Qwen3VLMoeForConditionalGeneration, Qwen3VLMoeProcessingInfo
 from vllm.multimodal import MULTIMODAL_REGISTRY
 from vllm.multimodal.inputs import MultiModalFeatureSpec
 from vllm.multimodal.processing import PromptUpdateDetails
@@ -84,9 +89,14 @@ class PrunedQwen3VLProcessingInfo(_PrunedInfo, Qwen3VLProcessingInfo):
     pass
 
 
-class PrunedQwen3VLMultiModalProcessor(_PrunedProcessor, Qwen3VLMultiModalProcessor):
-    """Qwen3-VL's processor with the method's slots: per image as on Qwen2-VL, per temporal slice of a
-    video between its timestamp and start / end tokens."""
+class _SlicedProcessor(_PrunedProcessor):
+    """A processor that writes each temporal slice of a video as its own run of ``slice_token``
+    between other tokens (Qwen3-VL, GLM-4.1V): the method's slots per image as on Qwen2-VL, per slice
+    of a video inside that slice's run (its timestamp and start / end tokens stay)."""
+
+    def slice_token(self) -> int:
+        """The placeholder id of a video's slices."""
+        return self.info.get_hf_config().video_token_id
 
     def _apply_hf_processor_main(self, mm_items: Any, hf_kwargs: Mapping[str, object]) -> Any:
         return super()._apply_hf_processor_main(mm_items, _without_spec(hf_kwargs))
@@ -95,16 +105,63 @@ class PrunedQwen3VLMultiModalProcessor(_PrunedProcessor, Qwen3VLMultiModalProces
                spec: dict[str, Any]) -> Any:
         if modality == "image":
             return super()._slots(modality, ids, t, grid, method, spec)
-        token = self.info.get_hf_config().video_token_id
+        token = self.slice_token()
         full = ids.full if isinstance(ids, PromptUpdateDetails) else ids
         counts = slice_counts(method, t, grid[0] * grid[1], grid)
         return PromptUpdateDetails.select_token_id(with_slice_counts(list(full), token, counts), token)
 
 
-class _PrunedQwen3(_PrunedQwen):
-    """The model side: the method scores the merger's channels, DeepStack's follow; slices at their own origins."""
+class PrunedQwen3VLMultiModalProcessor(_SlicedProcessor, Qwen3VLMultiModalProcessor):
+    """Qwen3-VL's processor with the method's slots: per image as on Qwen2-VL, per temporal slice of a
+    video between its timestamp and start / end tokens."""
+
+
+class _SlicedVideo(_PrunedQwen):
+    """The model side of a processor that writes a video's temporal slices as separate runs: every
+    slice's slots at the slice's own M-RoPE origin (the start token before it found from the item's
+    offset on), the text after it from the unpruned slice's largest position + 1."""
 
     slice_origins = True
+
+    def slice_bounds(self) -> tuple[int, int]:
+        """The ids of the tokens just before and just after a video slice's run of placeholders."""
+        return self.config.vision_start_token_id, self.config.vision_end_token_id
+
+    def get_mrope_input_positions(self, input_tokens: list[int], mm_features: list[MultiModalFeatureSpec]
+                                  ) -> tuple[torch.Tensor, int]:
+        """The unpruned prompt's positions (Qwen3-VL's and GLM-4.1V's layout): an image's slots at its
+        first position, a video's slots of each slice at the slice's first position (after its start token),
+        the text after an image / slice from its unpruned grid's largest position + 1; decoding from there."""
+        m = self.config.vision_config.spatial_merge_size
+        begin, finish = self.slice_bounds()
+        n_tokens = len(input_tokens)
+        pos = torch.empty(3, n_tokens, dtype=torch.long)
+        cursor, nxt = 0, 0
+
+        def place(start: int, k: int, rows: int, cols: int) -> None:
+            nonlocal cursor, nxt
+            pos[:, cursor:start] = torch.arange(start - cursor) + nxt
+            base = nxt + start - cursor
+            pos[:, start : start + k] = base
+            nxt, cursor = base + max(rows, cols), start + k
+
+        for f in sorted(mm_features, key=lambda f: f.mm_position.offset):
+            t, h, w = (int(x) for x in f.data[f"{f.modality}_grid_thw"].data)
+            if f.modality == "image":
+                place(f.mm_position.offset, f.mm_position.length, h // m, w // m)
+                continue
+            at = f.mm_position.offset
+            for _ in range(t):
+                start = input_tokens.index(begin, at) + 1
+                end = input_tokens.index(finish, start)
+                place(start, end - start, h // m, w // m)
+                at = end + 1
+        pos[:, cursor:] = torch.arange(n_tokens - cursor) + nxt
+        return pos, nxt + (n_tokens - cursor) - n_tokens
+
+
+class _PrunedQwen3(_SlicedVideo):
+    """Qwen3-VL's model side: the method scores the merger's channels, DeepStack's follow."""
 
     def _scored(self, features: torch.Tensor) -> torch.Tensor:
         return features[:, : self.visual_dim]
@@ -125,41 +182,21 @@ class _PrunedQwen3(_PrunedQwen):
             out.append(replay.features.to(frame.dtype))
         return torch.cat(out, dim=1)
 
-    def get_mrope_input_positions(self, input_tokens: list[int], mm_features: list[MultiModalFeatureSpec]
-                                  ) -> tuple[torch.Tensor, int]:
-        """The unpruned prompt's positions (Qwen3-VL's layout): an image's slots at its first position, a
-        video's slots of each slice at the slice's first position (after its timestamp and start token),
-        the text after an image / slice from its unpruned grid's largest position + 1; decoding from there."""
-        cfg = self.config
-        m = cfg.vision_config.spatial_merge_size
-        n_tokens = len(input_tokens)
-        pos = torch.empty(3, n_tokens, dtype=torch.long)
-        cursor, nxt = 0, 0
-
-        def place(start: int, k: int, rows: int, cols: int) -> None:
-            nonlocal cursor, nxt
-            pos[:, cursor:start] = torch.arange(start - cursor) + nxt
-            base = nxt + start - cursor
-            pos[:, start : start + k] = base
-            nxt, cursor = base + max(rows, cols), start + k
-
-        for f in sorted(mm_features, key=lambda f: f.mm_position.offset):
-            t, h, w = (int(x) for x in f.data[f"{f.modality}_grid_thw"].data)
-            if f.modality == "image":
-                place(f.mm_position.offset, f.mm_position.length, h // m, w // m)
-                continue
-            at = f.mm_position.offset
-            for _ in range(t):
-                start = input_tokens.index(cfg.vision_start_token_id, at) + 1
-                end = input_tokens.index(cfg.vision_end_token_id, start)
-                place(start, end - start, h // m, w // m)
-                at = end + 1
-        pos[:, cursor:] = torch.arange(n_tokens - cursor) + nxt
-        return pos, nxt + (n_tokens - cursor) - n_tokens
-
 
 @MULTIMODAL_REGISTRY.register_processor(
     PrunedQwen3VLMultiModalProcessor, info=PrunedQwen3VLProcessingInfo, dummy_inputs=Qwen3VLDummyInputsBuilder
 )
 class VlmPruneQwen3VLForConditionalGeneration(_PrunedQwen3, Qwen3VLForConditionalGeneration):
     """vLLM's Qwen3-VL with a vlm_prune method (random, pool, divprune, cdpruner; video: uniform, dycoke)."""
+
+
+class PrunedQwen3VLMoeProcessingInfo(_PrunedInfo, Qwen3VLMoeProcessingInfo):
+    pass
+
+
+@MULTIMODAL_REGISTRY.register_processor(
+    PrunedQwen3VLMultiModalProcessor, info=PrunedQwen3VLMoeProcessingInfo, dummy_inputs=Qwen3VLDummyInputsBuilder
+)
+class VlmPruneQwen3VLMoeForConditionalGeneration(_PrunedQwen3, Qwen3VLMoeForConditionalGeneration):
+    """vLLM's Qwen3-VL-MoE with a vlm_prune method: the Qwen3-VL plugin (the language model routes each kept
+    token as it comes; nothing of the plugin touches it)."""

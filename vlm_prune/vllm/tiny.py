@@ -1,6 +1,5 @@
-"""Small LLaVA-1.5-, LLaVA-NeXT(-Video)-, LLaVA-OneVision-, Qwen2-VL-, Qwen2.5-VL-, Qwen3-VL-, Gemma 3- and Mistral 3-layout
-checkpoints written to a folder
-vLLM can load.
+"""Small LLaVA-1.5-, LLaVA-NeXT(-Video)-, LLaVA-OneVision-, Qwen2-VL-, Qwen2.5-VL-, Qwen3-VL(-MoE)-, Gemma 3-,
+Mistral 3-, GLM-4.1V / 4.5V- and Qwen3.5(-MoE)-layout checkpoints written to a folder vLLM can load.
 
 No hub here: tests and ``vlm-prune bench --serve`` build randomly initialised models from the real
 transformers config classes and save them with ``save_pretrained`` (transformers 5's key naming; the
@@ -12,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -189,9 +189,9 @@ def build_qwen_tokenizer(shape: QwenShape):
 
 
 def qwen_config(config_class: type, shape: QwenShape, vision: dict, head_dim: int | None = None,
-                mrope_interleaved: bool = False):
-    """A Qwen-VL config of ``shape``: its decoder (M-RoPE sections 3/8, 3/8 of the half-dim for h, w),
-    the ``vision`` tower and the special token ids."""
+                mrope_interleaved: bool = False, text_extra: dict | None = None):
+    """A Qwen-VL config of ``shape``: its decoder (M-RoPE sections 3/8, 3/8 of the half-dim for h, w, on the
+    rotary half-dim; ``text_extra``: more of its keys), the ``vision`` tower and the special token ids."""
     half = shape.hidden // shape.heads // 2
     a = half * 3 // 8
     rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [half - 2 * a, a, a]}
@@ -200,6 +200,7 @@ def qwen_config(config_class: type, shape: QwenShape, vision: dict, head_dim: in
     text = dict(text_config(shape), tie_word_embeddings=False, rope_parameters=rope)
     if head_dim is not None:
         text["head_dim"] = head_dim
+    text.update(text_extra or {})
     ids = qwen_token_ids(shape)
     return config_class(text_config=text, vision_config=vision, image_token_id=ids["<|image_pad|>"],
                         video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
@@ -327,6 +328,17 @@ class Qwen3Shape(QwenShape):
     deepstack: tuple[int, ...] = (0, 1)  # tower blocks whose features are added after decoder layers 0, 1
 
 
+def qwen3_vision(shape: Qwen3Shape, deepstack: bool = True) -> dict:
+    """Qwen3-VL's tower of ``shape`` (learned position embeddings, 2 x 2 merger; DeepStack mergers after
+    ``shape.deepstack`` blocks, or none: Qwen3.5's)."""
+    vision = dict(depth=shape.vision_layers, hidden_size=shape.vision_hidden, intermediate_size=2 * shape.vision_hidden,
+                  num_heads=shape.vision_heads, out_hidden_size=shape.hidden, patch_size=shape.patch,
+                  temporal_patch_size=2, spatial_merge_size=2, num_position_embeddings=64)
+    if deepstack:
+        vision["deepstack_visual_indexes"] = list(shape.deepstack)
+    return vision
+
+
 def build_qwen3_tokenizer(shape: Qwen3Shape):
     """Qwen2-VL's word-level tokenizer plus the timestamp words (:data:`QWEN3_TIMESTAMPS`)."""
     names = {i: tok for tok, i in qwen_token_ids(shape).items()}
@@ -337,22 +349,24 @@ def build_qwen3_tokenizer(shape: Qwen3Shape):
                           {"image_token": "<|image_pad|>", "video_token": "<|video_pad|>"}, added=QWEN_SPECIAL)
 
 
+def sharpen_qwen3(model: torch.nn.Module) -> torch.nn.Module:
+    """:func:`sharpen`, and the DeepStack mergers scaled as the merger (their features must matter too)."""
+    with torch.no_grad():
+        for merger in model.model.visual.deepstack_merger_list:
+            for p in merger.parameters():
+                p.mul_(4.0)
+    return sharpen(model, model.model.visual.merger)
+
+
 def build_qwen3_model(shape: Qwen3Shape, seed: int = 0):
     """A randomly initialised ``Qwen3VLForConditionalGeneration`` of ``shape`` (float32, eval)."""
     from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
 
     torch.manual_seed(seed)
-    vision = dict(depth=shape.vision_layers, hidden_size=shape.vision_hidden, intermediate_size=2 * shape.vision_hidden,
-                  num_heads=shape.vision_heads, out_hidden_size=shape.hidden, patch_size=shape.patch,
-                  temporal_patch_size=2, spatial_merge_size=2, num_position_embeddings=64,
-                  deepstack_visual_indexes=list(shape.deepstack))
+    vision = qwen3_vision(shape)
     cfg = qwen_config(Qwen3VLConfig, shape, vision, head_dim=shape.hidden // shape.heads, mrope_interleaved=True)
     model = Qwen3VLForConditionalGeneration(cfg).eval()
-    with torch.no_grad():
-        for merger in model.model.visual.deepstack_merger_list:  # DeepStack features must matter too
-            for p in merger.parameters():
-                p.mul_(4.0)
-    return sharpen(model, model.model.visual.merger)
+    return sharpen_qwen3(model)
 
 
 def write_qwen3_vl(folder: str | Path, shape: Qwen3Shape = Qwen3Shape(), seed: int = 0) -> Path:
@@ -580,6 +594,79 @@ def write_internvl(folder: str | Path, shape: InternVLShape = InternVLShape(), s
     return folder
 
 
+# ---- GLM-4.1V -------------------------------------------------------------------------------------
+GLM_SPECIAL = ("<|begin_of_image|>", "<|image|>", "<|end_of_image|>", "<|begin_of_video|>", "<|video|>",
+               "<|end_of_video|>")
+GLM_CHAT_TEMPLATE = chat_template("<|begin_of_image|><|image|><|end_of_image|>",
+                                  "<|begin_of_video|><|video|><|end_of_video|>")
+#: GLM-4.1V's processor writes each temporal slice's whole second after it ("0", "1", ...): words for 8 s
+GLM_TIMESTAMPS = tuple(str(t) for t in range(8))
+
+
+def glm_token_ids(shape: QwenShape) -> dict[str, int]:
+    """Ids of GLM-4.1V's image / video tokens: the ids before ``user assistant :`` at the vocabulary's end."""
+    return {tok: shape.vocab - 3 - len(GLM_SPECIAL) + i for i, tok in enumerate(GLM_SPECIAL)}
+
+
+def build_glm4v_tokenizer(shape: QwenShape):
+    """Word-level tokenizer: GLM's image / video tokens as added special tokens, the timestamp words
+    (:data:`GLM_TIMESTAMPS`) before them, ``user assistant :`` last."""
+    names = {i: tok for tok, i in glm_token_ids(shape).items()}
+    names.update({shape.vocab - 3: "user", shape.vocab - 2: "assistant", shape.vocab - 1: ":"})
+    first = min(names) - len(GLM_TIMESTAMPS)
+    names.update({first + i: word for i, word in enumerate(GLM_TIMESTAMPS)})
+    return word_tokenizer(shape.vocab, names, GLM_CHAT_TEMPLATE,
+                          {"image_token": "<|image|>", "video_token": "<|video|>"}, added=GLM_SPECIAL)
+
+
+def build_glm4v_model(shape: QwenShape, seed: int = 0, moe: dict | None = None):
+    """A randomly initialised ``Glm4vForConditionalGeneration`` of ``shape`` (float32, eval): GLM's tower
+    (learned position embeddings interpolated to the grid, a 2 x 2 downsampling convolution and merger)
+    and GLM-4's decoder with partial rotary (half of each head) on M-RoPE's three axes. ``moe``: GLM-4.5V's
+    ``Glm4vMoeForConditionalGeneration`` with these MoE keys in its decoder's config."""
+    if moe is None:
+        from transformers import Glm4vConfig, Glm4vForConditionalGeneration
+    else:
+        from transformers import Glm4vMoeConfig as Glm4vConfig, Glm4vMoeForConditionalGeneration as Glm4vForConditionalGeneration
+
+    torch.manual_seed(seed)
+    head = shape.hidden // shape.heads
+    a = head // 4 // 4  # M-RoPE sections of the rotary half-dim (head / 4): t 2a, h a, w a
+    vision = dict(depth=shape.vision_layers, hidden_size=shape.vision_hidden, intermediate_size=2 * shape.vision_hidden,
+                  num_heads=shape.vision_heads, out_hidden_size=shape.hidden, patch_size=shape.patch, image_size=32,
+                  temporal_patch_size=2, spatial_merge_size=2)
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [head // 4 - 2 * a, a, a],
+            "partial_rotary_factor": 0.5}
+    text = dict(text_config(shape), rope_parameters=rope, **(moe or {}))
+    ids = glm_token_ids(shape)
+    cfg = Glm4vConfig(text_config=text, vision_config=vision, image_token_id=ids["<|image|>"],
+                      video_token_id=ids["<|video|>"], image_start_token_id=ids["<|begin_of_image|>"],
+                      image_end_token_id=ids["<|end_of_image|>"], video_start_token_id=ids["<|begin_of_video|>"],
+                      video_end_token_id=ids["<|end_of_video|>"], pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                      tie_word_embeddings=False)
+    model = Glm4vForConditionalGeneration(cfg).eval()
+    return sharpen(model, model.model.visual.merger)
+
+
+def write_glm4v(folder: str | Path, shape: QwenShape = QwenShape(), seed: int = 0, moe: dict | None = None) -> Path:
+    """Save a random GLM-4.1V model (``moe``: GLM-4.5V's MoE classes, build_glm4v_model) with tokenizer and
+    processor (GLM-4.1V's processor classes) to ``folder``."""
+    from transformers import Glm4vImageProcessor, Glm4vProcessor, Glm4vVideoProcessor
+
+    folder = Path(folder)
+    build_glm4v_model(shape, seed, moe).save_pretrained(folder)
+    unit = shape.patch * 2
+    sizes = dict(patch_size=shape.patch, temporal_patch_size=2, merge_size=2, image_mean=[0.5, 0.5, 0.5],
+                 image_std=[0.5, 0.5, 0.5])  # one normalisation: vLLM 0.32 applies the image processor's to both
+    image = Glm4vImageProcessor(size={"shortest_edge": unit * unit, "longest_edge": 64 * unit * unit}, **sizes)
+    video = Glm4vVideoProcessor(size={"shortest_edge": unit * unit, "longest_edge": 1024 * unit * unit},
+                                max_image_size={"longest_edge": 1024 * unit * unit}, **sizes)
+    proc = Glm4vProcessor(image_processor=image, video_processor=video, tokenizer=build_glm4v_tokenizer(shape),
+                          chat_template=GLM_CHAT_TEMPLATE)
+    proc.save_pretrained(folder)
+    return folder
+
+
 # ---- Idefics3 / SmolVLM ---------------------------------------------------------------------------
 IDEFICS3_SPECIAL = ("<image>", "<fake_token_around_image>", "<global-img>", "<row_1_col_1>", "<row_1_col_2>",
                     "<row_2_col_1>", "<row_2_col_2>", "<end_of_utterance>")
@@ -728,3 +815,133 @@ def write_llava_next_video(folder: str | Path, shape: LlavaNextVideoShape = Llav
     """Save a random LLaVA-NeXT-Video-layout model of ``shape`` with tokenizer and processor to ``folder``."""
     return write_llava_next(folder, shape, seed, video=True)
 
+# ---- Qwen3.5 --------------------------------------------------------------------------------------
+#: channels of a Gated DeltaNet head (keys and values) in the tiny Qwen3.5 models
+LINEAR_HEAD = 128
+
+
+def qwen3_5_config(config_class: type, shape: Qwen3Shape, text_extra: dict | None = None):
+    """A Qwen3.5(-MoE) config of ``shape``: Qwen3-VL's tower without DeepStack; ``shape.layers`` decoder layers
+    alternating Gated DeltaNet and full attention (the first linear), M-RoPE over the whole head."""
+    vision = qwen3_vision(shape, deepstack=False)
+    head = shape.hidden // shape.heads
+    # linear heads of 128 channels: vLLM 0.32's CPU kernel of the gated delta rule takes no other size
+    linear = dict(layer_types=["linear_attention", "full_attention"] * (shape.layers // 2), linear_conv_kernel_dim=4,
+                  linear_key_head_dim=LINEAR_HEAD, linear_value_head_dim=LINEAR_HEAD, linear_num_key_heads=1,
+                  linear_num_value_heads=2, **(text_extra or {}))
+    cfg = qwen_config(config_class, shape, vision, head_dim=head, mrope_interleaved=True, text_extra=linear)
+    cfg.text_config.rope_parameters["partial_rotary_factor"] = 1.0  # (Qwen3.5's default is 0.25)
+    return cfg
+
+
+def build_qwen3_5_model(shape: Qwen3Shape, seed: int = 0):
+    """A randomly initialised ``Qwen3_5ForConditionalGeneration`` of ``shape`` (float32, eval): Qwen3-VL's
+    tower without DeepStack, a decoder alternating Gated DeltaNet (linear attention) and full-attention
+    layers (``shape.layers`` of them, the first linear)."""
+    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+
+    torch.manual_seed(seed)
+    model = Qwen3_5ForConditionalGeneration(qwen3_5_config(Qwen3_5Config, shape)).eval()
+    return sharpen(model, model.model.visual.merger)
+
+
+def write_qwen3_5(folder: str | Path, shape: Qwen3Shape = Qwen3Shape(), seed: int = 0) -> Path:
+    """Save a random Qwen3.5 model with tokenizer and processor (Qwen3-VL's processor classes, as
+    Qwen3.5's checkpoints name them) to ``folder``."""
+    folder = Path(folder)
+    write_qwen3_vl(folder, shape, seed)  # the processor and tokenizer (the model is replaced below)
+    for weights in folder.glob("*.safetensors"):
+        weights.unlink()
+    build_qwen3_5_model(shape, seed).save_pretrained(folder)
+    return folder
+
+
+# ---- MoE language models, saved as the hub's checkpoints lay their experts out ---------------------
+#: experts of the tiny MoE decoders: 4, two per token, 16 wide (no square weight: a transposed layout is unambiguous)
+MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)
+
+
+def _rewrite_checkpoint(folder: Path, weights: Any, text_config: dict) -> None:
+    """Rewrite a saved checkpoint's tensors (``weights``: name, tensor -> [(name, tensor)]) and add
+    ``text_config``'s keys to its config.json."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    for path in folder.glob("*.safetensors"):
+        tensors = load_file(path)
+        save_file({k: v.contiguous() for name, t in tensors.items() for k, v in weights(name, t)}, path,
+                  metadata={"format": "pt"})
+    config = json.loads((folder / "config.json").read_text())
+    config["text_config"].update(text_config)
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+
+
+def write_qwen3_vl_moe(folder: str | Path, shape: Qwen3Shape = Qwen3Shape(), seed: int = 0) -> Path:
+    """Save a random Qwen3-VL-MoE model (:data:`MOE` experts in every decoder layer) with tokenizer and processor
+    to ``folder``, laid out as the hub's Qwen3-VL-MoE checkpoints: each layer's experts fused and transposed
+    (``gate_up_proj`` [E, hidden, 2 * moe_intermediate], ``down_proj`` [E, moe_intermediate, hidden]; transformers 5
+    transposes them on load, and vLLM 0.32 loads only this layout) and ``norm_topk_prob`` in the config (vLLM
+    reads it; transformers 5's Qwen3-VL-MoE always renormalises the top-k weights, as true)."""
+    from transformers import Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration
+
+    folder = Path(folder)
+    write_qwen3_vl(folder, shape, seed)  # the processor and tokenizer (the model is replaced below)
+    torch.manual_seed(seed)
+    vision = qwen3_vision(shape)
+    cfg = qwen_config(Qwen3VLMoeConfig, shape, vision, head_dim=shape.hidden // shape.heads, mrope_interleaved=True,
+                      text_extra=dict(MOE, decoder_sparse_step=1))
+    model = Qwen3VLMoeForConditionalGeneration(cfg).eval()
+    for weights in folder.glob("*.safetensors"):
+        weights.unlink()
+    sharpen_qwen3(model).save_pretrained(folder)
+
+    def hub_layout(name: str, t: torch.Tensor) -> list:
+        fused = name.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj"))
+        return [(name, t.transpose(1, 2) if fused else t)]
+
+    _rewrite_checkpoint(folder, hub_layout, {"norm_topk_prob": True})
+    return folder
+
+
+def write_qwen3_5_moe(folder: str | Path, shape: Qwen3Shape = Qwen3Shape(), seed: int = 0) -> Path:
+    """Save a random Qwen3.5-MoE model (:data:`MOE` experts and a shared expert in every decoder layer) with
+    tokenizer and processor to ``folder``, laid out as the hub's Qwen3.5-MoE checkpoints: one
+    ``experts.<e>.gate_proj / up_proj / down_proj`` Linear weight per expert (transformers 5 fuses them on load)."""
+    from transformers import Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration
+
+    folder = Path(folder)
+    write_qwen3_vl(folder, shape, seed)
+    torch.manual_seed(seed)
+    cfg = qwen3_5_config(Qwen3_5MoeConfig, shape, dict(MOE, shared_expert_intermediate_size=32))
+    model = Qwen3_5MoeForConditionalGeneration(cfg).eval()
+    for weights in folder.glob("*.safetensors"):
+        weights.unlink()
+    sharpen(model, model.model.visual.merger).save_pretrained(folder)
+    _rewrite_checkpoint(folder, per_expert, {})
+    return folder
+
+
+def per_expert(name: str, t: torch.Tensor) -> list:
+    """transformers 5's fused experts of one layer as the hub's one Linear weight per expert:
+    ``gate_up_proj`` [E, 2 * inter, hidden] (gate rows, then up rows), ``down_proj`` [E, hidden, inter]."""
+    base = name.rsplit(".", 1)[0]
+    if name.endswith("mlp.experts.gate_up_proj"):
+        inter = t.shape[1] // 2
+        return [(f"{base}.{e}.{proj}.weight", t[e, i * inter : (i + 1) * inter])
+                for e in range(t.shape[0]) for i, proj in enumerate(("gate_proj", "up_proj"))]
+    if name.endswith("mlp.experts.down_proj"):
+        return [(f"{base}.{e}.down_proj.weight", t[e]) for e in range(t.shape[0])]
+    return [(name, t)]
+
+
+def write_glm4v_moe(folder: str | Path, shape: QwenShape = QwenShape(), seed: int = 0) -> Path:
+    """Save a random GLM-4.5V model (``Glm4vMoeForConditionalGeneration``: :data:`MOE`'s routed experts, a shared
+    expert, the first decoder layer dense) with tokenizer and processor to ``folder``, laid out as the hub's
+    GLM-4.5V checkpoints: one Linear weight per expert (transformers 5 fuses them on load)."""
+    moe = {"n_routed_experts": MOE["num_experts"], "num_experts_per_tok": MOE["num_experts_per_tok"],
+           "moe_intermediate_size": MOE["moe_intermediate_size"], "n_shared_experts": 1, "first_k_dense_replace": 1,
+           "head_dim": shape.hidden // shape.heads, "use_qk_norm": False}  # (the hub's configs state them; vLLM reads them)
+    folder = write_glm4v(folder, shape, seed, moe=moe)
+    _rewrite_checkpoint(folder, per_expert, {})
+    return folder
