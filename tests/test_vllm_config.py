@@ -160,7 +160,7 @@ def _spec(**over) -> str:
      "count on LLaVA-NeXT"),
     (_spec(method="uniform"), NEXT, "vlm_prune.method", "frames method 'uniform' chooses video frames"),
     (_spec(method="hired"), NEXT_VIDEO, "vlm_prune.method", "hired is refused on LLaVA-NeXT-Video's video"),
-    (_spec(method="quota"), NEXT_VIDEO, "vlm_prune.method", "quota is not wired into vLLM for LLaVA-NeXT-Video"),
+    (_spec(method="quota"), NEXT_VIDEO, "vlm_prune.method", "send each QuoTA request through vlm_prune.vllm.quota_request"),
     (_spec(method="holitom"), NEXT_VIDEO, "vlm_prune.method", "holitom supports llava_onevision"),
     (_spec(keep=-1), None, "vlm_prune", "keep must be a fraction in (0, 1], got -1"),
     (_spec(keep="abc"), None, "vlm_prune", "keep must be a fraction"),

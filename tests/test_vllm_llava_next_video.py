@@ -1,6 +1,6 @@
 """vlm_prune inside vLLM on LLaVA-NeXT-Video (issue 29): its videos (CLIP frames pooled by 2, no newline
 tokens), the vision methods per frame and the frames methods, against the Hugging Face model wrapped with
-vlm_prune.wrap(). One engine on a tiny checkpoint (vlm_prune.vllm.tiny.write_llava_next_video), shared by
+vlm_prune.wrap() (QuoTA in its two passes through vp.quota_request). One engine on a tiny checkpoint (vlm_prune.vllm.tiny.write_llava_next_video), shared by
 every test here; each request picks its method and budget (``mm_processor_kwargs``). vLLM's own class takes
 video only (no images), so images are not served on this family.
 
@@ -23,6 +23,7 @@ os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 
 import numpy as np  # noqa: E402
 
+import vlm_prune  # noqa: E402
 import vlm_prune.vllm as vp  # noqa: E402
 from vlm_prune.vllm.tiny import LlavaNextVideoShape, hub_naming, video_token_id, write_llava_next_video  # noqa: E402
 
@@ -134,7 +135,7 @@ def test_mixed_batch_equals_each_alone(llm):
     ({"method": "visionzip", "keep": 0.5}, "visionzip supports llava, llava_onevision"),
     ({"method": "prumerge", "keep": 0.5}, "prumerge supports llava"),
     ({"method": "fastvid", "keep": 0.5}, "fastvid supports llava_onevision"),
-    ({"method": "quota", "keep": 0.5}, "quota is not wired into vLLM for LLaVA-NeXT-Video"),
+    ({"method": "quota", "keep": 0.5}, "send each QuoTA request through vlm_prune.vllm.quota_request"),  # no scores
     ({"method": "dycoke", "keep": 0.5, "knobs": {"decode_pruning": True}}, "dycoke's decode-time KV pruning"),
 ])
 def test_refusals_per_request(llm, spec, message):
@@ -149,6 +150,41 @@ def test_refusals_per_request(llm, spec, message):
     assert message in str(err.value)
     tokens, _, _ = run_vllm(llm, requests([CASES[0]]))
     assert len(tokens[0]) == STEPS
+
+
+QUOTA_CASES = [({"decouple": False}, {"keep": 0.5}),
+               ({"decouple": False, "variant": "v2", "score_grid": (2, 2)}, {"budget": 40})]
+
+
+@pytest.mark.parametrize("knobs,budget", QUOTA_CASES, ids=["v1-keep0.5", "v2-grid2-budget40"])
+def test_quota_two_pass_equals_wrapped_hf(llm, hf, knobs, budget):
+    """QuoTA through vp.quota_request: pass 1 scores each frame in the same engine (one-frame video requests,
+    the pooled 4 x 4 maps fitted into score_grid, P("A") from the prompt log-probabilities), pass 2 serves the
+    plan on the pooled maps: the same frame scores as wrap(model, QuoTA(...)) with the model itself as its
+    scorer (adapters/llava_next_video.py score_frames), the same greedy tokens, video slots and kept rows."""
+    from vlm_prune.frames import QuoTA
+
+    model, proc = hf
+    prompt, frames = PROMPTS[0]
+    video = _video(frames)
+    req = vp.quota_request(llm, {"prompt": prompt, "multi_modal_data": {"video": video}}, QuoTA(**knobs), **budget)
+    scores = json.loads(req["mm_processor_kwargs"]["vlm_prune"])["quota"]["scores"]
+    vlm_prune.wrap(model, QuoTA(**knobs), processor=proc, **budget)
+    try:
+        with torch.no_grad():
+            model(**proc(text=prompt, videos=[video], return_tensors="pt"))
+        record = model.vlm_prune.last_stats["stages"][0]["videos"][0]
+    finally:
+        vlm_prune.unwrap(model)
+    np.testing.assert_allclose(scores, record["frame_scores"], rtol=1e-4)
+    assert len(set(record["tokens_per_frame"])) > 1  # the scores made a difference
+
+    ref_tokens, ref_logprobs, ref_kept, ref_slots = run_hf(hf, ("quota", knobs, budget), prompts=[PROMPTS[0]])
+    tokens, logprobs, prompt_ids = run_vllm(llm, [req])
+    assert tokens == ref_tokens
+    np.testing.assert_allclose(logprobs, ref_logprobs, atol=2e-4)
+    assert [ids.count(video_token_id(LlavaNextVideoShape())) for ids in prompt_ids] == ref_slots
+    assert llm.apply_model(lambda m: m.last_image_positions)[0] == ref_kept[0]
 
 
 def plain_vllm_main(model: str, out: str) -> None:

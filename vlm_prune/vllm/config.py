@@ -122,7 +122,7 @@ NEXT_VIDEO = ("LlavaNextVideoForConditionalGeneration",)
 NEXT_VIDEO_REFUSAL = (
     "{name} is refused on LLaVA-NeXT-Video's video, as wrap() refuses it there ({why}); vLLM's "
     "LlavaNextVideoForConditionalGeneration takes video only: use random, pool, divprune, cdpruner or the frames "
-    "methods uniform, keyscore, vidcom2, dycoke"
+    "methods uniform, keyscore, vidcom2, dycoke, quota (through vlm_prune.vllm.quota_request)"
 )
 #: method -> [(checkpoint classes that cannot run it, the reason)]
 REFUSALS = {
@@ -153,11 +153,7 @@ REFUSALS = {
         "written each slice's tokens between that slice's timestamp and start / end tokens, so the count per slice "
         "is fixed before the choice; use uniform (its slices follow from the budget) or a vision-stage method, or "
         "keyscore with vlm_prune.wrap() on the Hugging Face model"))],
-    "quota": [(NEXT_VIDEO, (
-        "quota is not wired into vLLM for LLaVA-NeXT-Video: wrap() runs QuoTA on this family only with a custom "
-        "scorer (QuoTA(scorer=...)), which a request cannot send - its default scorer, the model itself, exists for "
-        "LLaVA-OneVision and Qwen2-VL / Qwen2.5-VL only (where vLLM runs its two passes); use uniform, keyscore, "
-        "vidcom2 or dycoke")), (QWEN3, (
+    "quota": [(QWEN3, (
         "quota is refused on Qwen3-VL, as wrap() refuses it: it packs resized frames into the video's first slots, "
         "which on Qwen3-VL lie behind other slices' timestamps; use uniform or a vision-stage method"))],
 }
@@ -402,7 +398,7 @@ def _refusal(arch: str | None, name: str, spec: dict[str, Any]) -> str | None:
             return (f"frames method 'quota' chooses video frames; vlm_prune.vllm runs the frames methods on the video "
                     f"of {', '.join(VIDEO_ARCHITECTURES)}, not of {checkpoint} (use a vision-stage method there: "
                     f"{', '.join(SUPPORTED)})")
-        if checkpoint in QWEN3 + NEXT_VIDEO or checkpoint in SLICED_VIDEO:
+        if checkpoint in QWEN3 or checkpoint in SLICED_VIDEO:
             return refusal(checkpoint, name)
         if "quota" in spec or spec["keep"] == 1.0 or spec["budget"] is not None:
             return None  # a budget alone: the processor refuses it where the video has more tokens (no scores)

@@ -358,9 +358,10 @@ def question_text(request: dict[str, Any], processor: Any, hf_config: Any) -> st
     return tok.decode(question_ids(list(ids), [(last, 1)], suffix), skip_special_tokens=True).strip()
 
 
-def _onevision_frame_tokens(hf_config: Any, processor: Any, frames: Any) -> int:
+def _pooled_frame_tokens(hf_config: Any, processor: Any, frames: Any) -> int:
+    """Tokens of a frame pooled by ``spatial_pool_stride`` (LLaVA-NeXT-Video; OneVision: 2, bilinear)."""
     vc = hf_config.vision_config
-    return math.ceil((vc.image_size // vc.patch_size) / 2) ** 2
+    return math.ceil((vc.image_size // vc.patch_size) / getattr(hf_config, "spatial_pool_stride", 2)) ** 2
 
 
 def _qwen_slice_tokens(hf_config: Any, processor: Any, frames: Any) -> int:
@@ -379,10 +380,9 @@ def _qwen_video_model() -> dict[str, Any]:
 
 #: video models quota_request knows: tokens per frame, the video placeholder text
 VIDEO_MODELS: dict[str, dict[str, Any]] = {
-    "VlmPruneLlavaOnevisionForConditionalGeneration": {
-        "frame_tokens": _onevision_frame_tokens,
-        "placeholder": lambda processor: getattr(processor, "video_token", "<video>"),
-    },
+    **{arch: {"frame_tokens": _pooled_frame_tokens,
+              "placeholder": lambda processor: getattr(processor, "video_token", "<video>")}
+       for arch in ("VlmPruneLlavaOnevisionForConditionalGeneration", "VlmPruneLlavaNextVideoForConditionalGeneration")},
     # a scored unit is a temporal slice (two frames), as wrap()'s QuoTA on Qwen: group frames per request
     "VlmPruneQwen2VLForConditionalGeneration": _qwen_video_model(),
     "VlmPruneQwen2_5_VLForConditionalGeneration": _qwen_video_model(),

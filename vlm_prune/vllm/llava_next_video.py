@@ -11,13 +11,15 @@ maps without newline tokens.
 - A frames method (uniform, keyscore, vidcom2, dycoke: vlm_prune/vllm/frames.py) plans the whole video
   on its [T, N, D] frame maps, with the processor's pixels and the question's embeddings, as wrap().
   Unlike on OneVision, uniform here lets the tower encode every frame (the kept ones are picked after).
+- QuoTA runs per request in two passes (frames.quota_request), as wrap() with its default scorer
+  (adapters/llava_next_video.py ``score_frames``): pass 1 asks the engine, unpruned, about each frame as a
+  one-frame video whose pooled map the encoder fits into ``score_grid``; pass 2's plan (``quota_plan`` on
+  the pooled frame maps: this family has no unpooled ones) follows the scores its spec carries.
 - Slots per video: the kept count, known from the frame count and the budget in the processor; kept rows
   keep their original positions (or are renumbered where the method's official code does), as llava.py.
 
 Refused per request (config.validate_spec): the tower-attention methods (wrap() refuses them on this
-family; HiRED runs on its images only, which vLLM's class does not take), fastvid / holitom (as wrap()),
-and quota (wrap() runs it here only with a custom scorer, which a request cannot carry: the default scorer,
-the model itself, is an adapter feature of LLaVA-OneVision and Qwen2-VL only).
+family; HiRED runs on its images only, which vLLM's class does not take) and fastvid / holitom (as wrap()).
 """
 from __future__ import annotations
 
@@ -39,7 +41,8 @@ from vllm.multimodal.parse import VideoProcessorItems
 from vllm.multimodal.processing import PromptReplacement, PromptUpdate
 
 from vlm_prune.methods.base import Method, Reduction, VisionContext
-from vlm_prune.vllm.frames import frames_reduction, frames_slots, is_frames
+from vlm_prune.adapters.hf_vlm import fit_grid
+from vlm_prune.vllm.frames import frames_reduction, frames_slots, is_frames, quota_phase, strip_quota
 from vlm_prune.vllm.llava import (
     QUERY_KEY,
     RANK_KEY,
@@ -54,7 +57,13 @@ from vlm_prune.vllm.llava import (
     spec_of,
     tag_items,
 )
-from vlm_prune.vllm.onevision import FULL_KEY, VlmPruneLlavaOnevisionForConditionalGeneration, _item, _scatter
+from vlm_prune.vllm.onevision import (
+    FULL_KEY,
+    VlmPruneLlavaOnevisionForConditionalGeneration,
+    _item,
+    _scatter,
+    score_rows,
+)
 
 
 class PrunedLlavaNextVideoProcessingInfo(LlavaNextVideoProcessingInfo):
@@ -68,7 +77,9 @@ class PrunedLlavaNextVideoProcessingInfo(LlavaNextVideoProcessingInfo):
                              mm_kwargs: Mapping[str, object] | None = None) -> int:
         per_frame = self._get_num_frame_tokens(image_width=image_width, image_height=image_height)
         spec = spec_of(self.get_hf_config(), mm_kwargs)
-        method = method_of(spec)
+        method = method_of(strip_quota(spec))
+        if quota_phase(spec) == "score":  # QuoTA's pass 1: each frame's map fitted into score_grid
+            return score_rows(self.frame_grid(), spec) * num_frames
         if is_frames(method):
             return frames_slots(method, num_frames, per_frame, spec, grid=self.frame_grid())
         return method.n_keep(per_frame, 1) * num_frames
@@ -104,9 +115,12 @@ class PrunedLlavaNextVideoMultiModalProcessor(LlavaNextVideoMultiModalProcessor)
             videos = inputs.mm_data_items.get_items("video", VideoProcessorItems)
             size = videos.get_frame_size(rank)
             per_frame = self.info._get_num_frame_tokens(image_width=size.width, image_height=size.height)
+            if quota_phase(spec) == "score":  # a scoring request is its own (fitted) video: nothing shifts
+                per_frame = score_rows(self.info.frame_grid(), spec)
             return {FULL_KEY: per_frame * videos.get_num_frames(rank)}
 
-        return tag_items(super().apply(inputs, timing_ctx), spec, method_of(spec), self._template_suffix(), full)
+        return tag_items(super().apply(inputs, timing_ctx), spec, method_of(strip_quota(spec)), self._template_suffix(),
+                         full)
 
 
 @MULTIMODAL_REGISTRY.register_processor(PrunedLlavaNextVideoMultiModalProcessor,
@@ -115,7 +129,7 @@ class PrunedLlavaNextVideoMultiModalProcessor(LlavaNextVideoMultiModalProcessor)
 class VlmPruneLlavaNextVideoForConditionalGeneration(OffsetChannels, FirstPositionRow, LlavaNextVideoForConditionalGeneration,
                                                      SupportsMRoPE):
     """vLLM's LLaVA-NeXT-Video with a vlm_prune method on its videos (random, pool, divprune, cdpruner per
-    frame; the frames methods uniform, keyscore, vidcom2, dycoke)."""
+    frame; the frames methods uniform, keyscore, vidcom2, dycoke, quota)."""
 
     #: OneVision's: the CLIP tower in every naming, ``image_newline``, the language model
     hf_to_vllm_mapper = VlmPruneLlavaOnevisionForConditionalGeneration.hf_to_vllm_mapper
@@ -137,9 +151,14 @@ class VlmPruneLlavaNextVideoForConditionalGeneration(OffsetChannels, FirstPositi
 
     def _reduce(self, feats: torch.Tensor, item: dict[str, Any], pixels: torch.Tensor) -> torch.Tensor:
         """One video's kept rows (in order) with their offsets from their slots in three extra channels."""
-        spec, method, gen, rank, text = item_inputs(self, item, feats.device)
+        spec, method, gen, rank, text = item_inputs(self, item, feats.device, strip_quota)
         n = self.frame_grid[0] * self.frame_grid[1]
         t = feats.shape[0] // n
+        if quota_phase(spec) == "score":  # QuoTA's pass 1: the frame maps fitted into score_grid (wrap()'s scorer)
+            grid = spec["quota"].get("grid")
+            maps = fit_grid(feats.reshape(t, n, -1), self.frame_grid, tuple(grid) if grid else None)
+            rows = maps.reshape(-1, feats.shape[-1])
+            return pack_kept(torch.ones(rows.shape[0], dtype=torch.bool, device=feats.device), rows, method)
         with torch.no_grad():
             if is_frames(method):
                 red = frames_reduction(method, feats.reshape(t, n, -1), self.frame_grid, text_features=text,
