@@ -319,3 +319,37 @@ def test_qwen_video_decode_steps_equal_the_official_loop(v25, attn, keep):
         assert any(len(k) < int(visual.sum()) for k in kept)  # some step pruned
         for step in range(STEPS):
             torch.testing.assert_close(gen.scores[step][b], expected[step], atol=1e-5, rtol=0, msg=f"sample {b}, step {step}")
+
+
+def test_qwen3_5_gated_query_scores_with_the_query_half_of_each_head():
+    """Qwen3.5's q_proj gives each head its query and an output gate side by side: the engine's side
+    attention (DyCoke's per-step scores) uses the query halves only, and equals the attention
+    probabilities the model's own eager attention computes in that layer."""
+    import tiny_models_qwen3 as Q
+
+    model = Q.tiny_qwen3_5(attn="eager")
+    inp = Q.qwen3_vl_inputs(model, batch=1, video=True)
+    lm = lm_of(model)
+    layer = lm.layers[1]
+    assert layer.self_attn.q_proj.out_features == 2 * model.config.text_config.num_attention_heads * layer.self_attn.head_dim
+    seen = {}
+    hooks = [layer.register_forward_pre_hook(lambda m, a, kw: seen.update(h=a[0] if a else kw["hidden_states"]), with_kwargs=True),
+             layer.self_attn.register_forward_hook(lambda m, a, out: seen.update(probs=out[1]))]
+    try:
+        with torch.no_grad(), capture_lm_inputs(model) as lm_in:
+            model(**inp)
+    finally:
+        for h in hooks:
+            h.remove()
+    pos = positions_of(lm_in[0], 1, seen["h"].shape[1])
+    pos = pos[-3:] if pos.shape[0] == 4 else pos
+    vlm_prune.wrap(model, DyCoke(decode_pruning=True, layer=2), keep=1.0)
+    try:
+        q, k = model.vlm_prune.adapter.decoder.project_qk(1)(seen["h"], pos, rope=True)
+    finally:
+        vlm_prune.unwrap(model)
+    s = q.shape[2]
+    logits = (q @ k.transpose(-1, -2)) * layer.self_attn.scaling
+    probs = torch.softmax(logits.masked_fill(~torch.ones(s, s, dtype=torch.bool).tril(), float("-inf")), -1)
+    assert q.shape[1] == model.config.text_config.num_attention_heads
+    torch.testing.assert_close(probs, seen["probs"], atol=1e-5, rtol=0)
