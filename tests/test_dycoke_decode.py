@@ -1,6 +1,8 @@
 """DyCoke's decode stage (KD-TAO/DyCoke@dd74634, llava/model/language_model/modeling_qwen2.py
 ``PrunableDynamicCache.dycoke_pruning`` / ``update_cache`` and ``Qwen2Model.forward``) against an
-independent step-by-step re-statement on the tiny LLaVA-OneVision (Qwen2 language model), video input.
+independent step-by-step re-statement on the tiny LLaVA-OneVision (Qwen2 language model) and the tiny
+Qwen2-VL / Qwen2.5-VL (M-RoPE), video input. The official code runs on LLaVA-OneVision only; on Qwen2-VL
+the rule is the same, on the language model's own layers and positions.
 
 Re-statement: every decode step re-runs the whole sequence through the plain decoder layers with an
 explicit mask per row - the prompt causal, each generated row as its own step saw the cache: full in

@@ -10,10 +10,16 @@ mask), use_cache=False. Each equals its reference, which never runs vlm_prune:
   hand-built shorter input - each sample's kept rows only (reduced features in place), left-padded,
   at the positions the method defines (original ids; renumbered without gaps for VisionZip;
   QuoTA's resized frames on M-RoPE), merged tokens' log sizes added to their keys.
-- pruned, in-LLM (FastV, PACT, AdaptInfer): the unwrapped model's generate() on the whole input,
-  the dropped rows masked as keys from each pruning layer on (merged centres replaced, log sizes
-  added, positions renumbered per layer where the method says so).
-  Both through :class:`reference.HookedReference` (hooks that only set positions and masks).
+- pruned, in-LLM (FastV, PACT, AdaptInfer, ...): the unwrapped model's generate() on the whole input,
+  the dropped rows masked as keys from each pruning layer on (merged rows replaced at every merging
+  layer, log sizes added, positions renumbered per layer where the method says so; rows a method
+  moves - SparseVLM's recycled tokens after the kept ones - attend in their new order, renumbered in
+  it on LLaVA).
+- the prefill's last logits equal the reference's (atol 2e-4) before the paths compare tokens.
+- decode-time KV pruning: MustDrop's output-aware cache (generated rows miss the non-final rows from
+  its layer on); DyCoke's per-step choice (:class:`reference.DyCokeSteps`, the official rule re-stated
+  on each decode call), its refused paths (prompt lookup, assistant, use_cache=False) as refusals.
+  All through :class:`reference.HookedReference` (hooks that only set positions, masks and rows).
 - prompt lookup and the assistant model must give the reference's greedy answer; multi-turn
   equals the reference continuing its own cache token by token.
 - cache_implementation="static", output_attentions / output_hidden_states: refused with a
