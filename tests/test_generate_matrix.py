@@ -521,7 +521,7 @@ def pipeline_reference(model, inp: dict, rec: dict):
             feats[i, col[red.indices[grew]]] = red.features[grew].float()
     hooks.hidden = [None if i < layer else dropped for i in range(len(hooks.hidden))]
     if centre.any():
-        hooks.replace = (layer, centre, feats)
+        hooks.replace = [(layer, centre, feats)]
     return ref, hooks
 
 
