@@ -142,12 +142,17 @@ def masked_llm_reference(model, inputs, layer: int, kept: torch.Tensor, merged=N
 
 
 # ---- generate() references: the unwrapped model driven by its own generate(), with hooks -------------
-def renumber(pos: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+def renumber(pos: torch.Tensor, keep: torch.Tensor, rank: torch.Tensor | None = None) -> torch.Tensor:
     """[P, B, k] positions of the rows ``keep`` [B, k] counted up without gaps from each sample's
-    first kept position (what a method that renumbers after a removal defines); others unchanged."""
+    first kept position (what a method that renumbers after a removal defines), in column order or
+    in the order of ``rank`` [B, k] (rows a method moved); others unchanged."""
     big = torch.iinfo(pos.dtype).max
     first = pos.masked_fill(~keep, big).amin(-1, keepdim=True)
-    return torch.where(keep, first + keep.long().cumsum(-1) - 1, pos)
+    if rank is None:
+        count = keep.long().cumsum(-1) - 1
+    else:  # each kept row's place among the kept rows, by rank
+        count = ((rank[:, None, :] < rank[:, :, None]) & keep[:, None, :]).sum(-1)
+    return torch.where(keep, first + count, pos)
 
 
 class HookedReference:
@@ -161,19 +166,28 @@ class HookedReference:
       model's own mask (None: the layer's mask is left alone);
     - per layer, rope positions ``layer_positions[i]`` [P, B, k] (renumbered after a removal;
       later columns continue from their last one);
-    - ``replace`` = (layer, rows [B, k] bool, feats [B, k, D]): the prompt rows' hidden states
-      entering that layer (merged cluster centres), in calls that hold the prompt;
+    - ``replace`` = (layer, rows [B, k] bool, feats [B, k, D]), or a list of them (merges at several
+      layers): the prompt rows' hidden states entering that layer (merged cluster centres), in calls
+      that hold the prompt;
+    - per layer, ``order[i]`` [B, k] long: the causal rank of each prompt column in that layer (a
+      method that moves rows, as SparseVLM's recycled tokens after the kept ones): a prompt row
+      attends to the prompt keys of lower or equal rank (and, as the model's own mask, to the keys of
+      its bidirectional block); None: column order;
     - ``inject`` = (mask [B, k], features [n, B, k, D]): the prompt rows' DeepStack additions
       (Qwen3-VL), given to calls that hold the prompt;
     - decode-time KV pruning (MustDrop's output-aware cache): per layer, the prompt key columns
       ``decode_hidden[i]`` [B, k] that rows AFTER the prompt (generated tokens) also miss, and the
       table ``decode_positions[i]`` [P, B, k] whose last column the generated rows continue from.
 
+    - ``steps``: a per-step decode rule (:class:`DyCokeSteps`): at every single-token decode call it
+      reads the new row's attention in layer ``steps.layer - 1`` and hides, for that row only, the
+      prompt keys it returns in the layers from ``steps.layer`` on.
+
     Batch rows repeated by generate() (beams, num_return_sequences) take their sample's plan.
     """
 
     def __init__(self, model, k: int, positions=None, hidden=None, bias=None, layer_positions=None, replace=None,
-                 inject=None, decode_hidden=None, decode_positions=None):
+                 inject=None, decode_hidden=None, decode_positions=None, order=None, steps=None):
         self.model, self.k = model, k
         self.lm = language_model_of(model)
         n = len(self.lm.layers)
@@ -183,8 +197,12 @@ class HookedReference:
         self.decode_positions = decode_positions or [None] * n
         self.bias = bias or [None] * n
         self.layer_positions = layer_positions or [None] * n
-        self.replace = replace
+        self.replace = [] if not replace else [replace] if isinstance(replace[0], int) else list(replace)
+        self.order = order or [None] * n
         self.inject = inject  # (mask [B, k], features [n, B, k, D]): DeepStack additions of the prompt rows
+        self.steps = steps
+        self.step_hidden: torch.Tensor | None = None  # [B, kv] keys the current decode row misses from steps.layer on
+        self.cache = None
         self.handles: list = []
         self.call = (0, 0, 1)
 
@@ -206,8 +224,9 @@ class HookedReference:
         if x is None:
             x = kwargs.get("input_ids", args[0] if args else None)
         b, q = x.shape[:2]
-        past = cache.get_seq_length() if cache is not None else 0
+        past = int(cache.get_seq_length()) if cache is not None else 0  # (Qwen3.5: a tensor the cache grows in place)
         self.call = (past, q, b)
+        self.cache, self.step_hidden = cache, None
         if self.inject is not None and past == 0:  # the prompt (again, without a cache): its DeepStack rows
             mask = self._per_sample(self.inject[0], b)[:, :q]
             mask = torch.cat([mask, mask.new_zeros(b, q - mask.shape[1])], 1)
@@ -230,7 +249,11 @@ class HookedReference:
             past, q, b = self.call
             h = args[0] if args else kwargs.pop("hidden_states")
             hide, bias, later_hide = self.hidden[i], self.bias[i], self.decode_hidden[i]
-            if hide is not None or bias is not None or later_hide is not None:
+            order = self.order[i] if past < self.k else None  # only calls holding prompt queries
+            # (a linear-attention layer, Qwen3.5's, keeps its own state: no keys to hide)
+            step_hide = self.step_hidden if self.steps is not None and i >= self.steps.layer and \
+                getattr(mod, "self_attn", None) is not None else None
+            if hide is not None or bias is not None or later_hide is not None or order is not None or step_hide is not None:
                 mask = kwargs.get("attention_mask")
                 kv = past + q if mask is None else mask.shape[-1]
                 if mask is None:
@@ -247,25 +270,43 @@ class HookedReference:
                     cols_hidden[:, :n] = self._per_sample(hide, b)[:, :n]
                 if bias is not None:
                     cols_bias[:, :n] = self._per_sample(bias, b)[:, :n]
+                if order is not None:
+                    allowed = self._ordered(allowed.expand(b, 1, q, kv).clone(), self._per_sample(order, b), past, n)
                 allowed = allowed & ~cols_hidden[:, None, None, :]
                 if later_hide is not None:  # rows after the prompt (generated tokens) also miss these prompt keys
                     later = torch.zeros(b, kv, dtype=torch.bool)
                     later[:, :n] = self._per_sample(later_hide, b)[:, :n]
                     after_prompt = (torch.arange(past, past + q) >= self.k)[None, None, :, None]
                     allowed = allowed & ~(after_prompt & later[:, None, None, :])
+                if step_hide is not None:  # the decode row's keys chosen away in this step
+                    allowed = allowed & ~step_hide[:, None, None, :kv]
                 dtype = h.dtype
                 kwargs["attention_mask"] = cols_bias[:, None, None, :].to(dtype).masked_fill(~allowed, torch.finfo(dtype).min)
             if self.layer_positions[i] is not None:
                 pos = self._at(self.layer_positions[i], past, q, b, self.decode_positions[i])
                 kwargs["position_embeddings"] = self.lm.rotary_emb(h, pos if pos.shape[0] > 1 else pos[0])
-            if self.replace is not None and i == self.replace[0] and past == 0:
-                rows = self._per_sample(self.replace[1], b)[:, : min(q, self.k)]
-                feats = self._per_sample(self.replace[2], b)[:, : rows.shape[1]].to(h.dtype)
-                h = h.clone()
-                h[:, : rows.shape[1]] = torch.where(rows[..., None], feats, h[:, : rows.shape[1]])
+            if self.steps is not None and i == self.steps.layer - 1 and q == 1 and past >= self.k:
+                self.probe = (h, kwargs.get("attention_mask"), kwargs["position_embeddings"])
+            for at, rows, feats in self.replace:
+                if i == at and past == 0:
+                    rows = self._per_sample(rows, b)[:, : min(q, self.k)]
+                    feats = self._per_sample(feats, b)[:, : rows.shape[1]].to(h.dtype)
+                    h = h.clone()
+                    h[:, : rows.shape[1]] = torch.where(rows[..., None], feats, h[:, : rows.shape[1]])
             return (h, *args[1:]), kwargs
 
         return hook
+
+    def _ordered(self, allowed: torch.Tensor, rank: torch.Tensor, past: int, n: int) -> torch.Tensor:
+        """``allowed`` [B, 1, q, kv] of a call holding the whole prompt (past 0) with the prompt rows'
+        prompt keys (the first ``n``) chosen by ``rank`` [B, k]: keys of lower or equal rank, and the
+        keys the model's own mask lets the row see both ways (a bidirectional block, Gemma 3's image)."""
+        if past != 0 or allowed.shape[2] < n:
+            raise ValueError("a moved row order applies to calls that hold the whole prompt")
+        own = allowed[:, 0, :n, :n]
+        by_rank = rank[:, None, :n] <= rank[:, :n, None]  # [B, n, n]: query row, key column
+        allowed[:, 0, :n, :n] = by_rank | (own & own.transpose(1, 2))
+        return allowed
 
     def __enter__(self) -> "HookedReference":
         self.handles.append(self.lm.register_forward_pre_hook(self._lm_hook, with_kwargs=True))
@@ -278,6 +319,9 @@ class HookedReference:
             self.named_embeds = True
         for i, layer in enumerate(self.lm.layers):
             self.handles.append(layer.register_forward_pre_hook(self._layer_hook(i), with_kwargs=True))
+        if self.steps is not None:
+            self.probe = None
+            self.handles.append(self.lm.layers[self.steps.layer - 1].register_forward_hook(self._step_hook))
         return self
 
     def __exit__(self, *exc) -> None:
@@ -287,6 +331,74 @@ class HookedReference:
         if getattr(self, "named_embeds", False):
             del self.model.prepare_inputs_for_generation
             self.named_embeds = False
+
+    def _step_hook(self, mod, args, out) -> None:
+        """After layer L - 1 of a decode call: the new row's head-averaged attention over that layer's
+        cached keys (its own weights and mask), handed to the step rule."""
+        if self.probe is None:
+            return
+        h, mask, (cos, sin) = self.probe
+        self.probe = None
+        attn = mod.self_attn
+        x = mod.input_layernorm(h)
+        b, hd = x.shape[0], attn.head_dim
+        q = attn.q_proj(x)
+        heads = attn.config.num_attention_heads
+        if q.shape[-1] == 2 * heads * hd:  # a gated query (Qwen3.5): the query half of each head
+            q = q.view(b, 1, heads, 2 * hd)[..., :hd]
+        q = q.reshape(b, 1, heads, hd)
+        if hasattr(attn, "q_norm"):
+            q = attn.q_norm(q)
+        q = q.transpose(1, 2)
+        rope = importlib.import_module(type(attn).__module__).apply_rotary_pos_emb
+        q = rope(q, q, cos, sin)[0]
+        keys = self.cache.layers[self.steps.layer - 1].keys  # [B, H_kv, kv, d], rotated
+        keys = keys.repeat_interleave(heads // keys.shape[1], dim=1)
+        logits = (q @ keys.transpose(-1, -2))[:, :, 0] * attn.scaling  # [B, H, kv]
+        kv = keys.shape[2]
+        if mask is None:
+            allowed = torch.ones(b, kv, dtype=torch.bool)
+        elif mask.dtype == torch.bool:
+            allowed = mask[:, 0, -1].expand(b, kv)
+        else:
+            allowed = (mask[:, 0, -1] > torch.finfo(mask.dtype).min / 2).expand(b, kv)
+        attention = torch.softmax(logits.masked_fill(~allowed[:, None], float("-inf")), -1).mean(1)  # [B, kv]
+        self.step_hidden = self.steps(attention, keys, self._per_sample(self.steps.visual, b), self.k)
+
+
+class DyCokeSteps:
+    """DyCoke's decode-time KV pruning, re-stated from the official code (KD-TAO/DyCoke@dd74634,
+    llava/model/language_model/modeling_qwen2.py ``PrunableDynamicCache.dycoke_pruning`` /
+    ``update_cache``), one decode row at a time: the row's attention over the visual prompt keys is
+    compared (cosine) with the one its previous step remembered (none after a prompt or a new turn:
+    0); below ``threshold`` only the top int(n (1 - p)) of the n visual keys stay for this step in the
+    layers from ``layer`` on; the row's attention is remembered either way. The memory follows each
+    sequence through beams and repeated rows: it is keyed by the cached key of the row that made it,
+    in layer ``layer`` - 1 (a function of the tokens so far, as the attention itself).
+
+    ``visual`` [B, k]: the visual columns of the prompt."""
+
+    def __init__(self, visual: torch.Tensor, layer: int = 3, p: float = 0.8, threshold: float = 0.9) -> None:
+        self.visual, self.layer, self.p, self.threshold = visual, layer, p, threshold
+        self.memory: dict[bytes, torch.Tensor] = {}
+        self.pruned = 0  # decode rows that dropped visual keys (a test asserts the rule acted)
+
+    def __call__(self, attention: torch.Tensor, keys: torch.Tensor, visual: torch.Tensor, k: int) -> torch.Tensor:
+        b, kv = attention.shape
+        hide = torch.zeros(b, kv, dtype=torch.bool)
+        for i in range(b):
+            cols = torch.nonzero(visual[i]).squeeze(1)
+            att = attention[i, cols]
+            previous = self.memory.get(keys[i, :, -2].numpy().tobytes()) if kv >= 2 else None
+            self.memory[keys[i, :, -1].numpy().tobytes()] = att
+            similarity = 0.0 if previous is None else float(torch.nn.functional.cosine_similarity(att, previous, dim=0))
+            if similarity < self.threshold:
+                top = torch.topk(att, int(cols.numel() * (1 - self.p))).indices
+                hide[i, cols] = True
+                hide[i, cols[top]] = False
+                self.pruned += 1
+        return hide
+
 
 
 def recording(method_cls, **knobs):

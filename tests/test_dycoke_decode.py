@@ -1,6 +1,8 @@
 """DyCoke's decode stage (KD-TAO/DyCoke@dd74634, llava/model/language_model/modeling_qwen2.py
 ``PrunableDynamicCache.dycoke_pruning`` / ``update_cache`` and ``Qwen2Model.forward``) against an
-independent step-by-step re-statement on the tiny LLaVA-OneVision (Qwen2 language model), video input.
+independent step-by-step re-statement on the tiny LLaVA-OneVision (Qwen2 language model) and the tiny
+Qwen2-VL / Qwen2.5-VL (M-RoPE), video input. The official code runs on LLaVA-OneVision only; on Qwen2-VL
+the rule is the same, on the language model's own layers and positions.
 
 Re-statement: every decode step re-runs the whole sequence through the plain decoder layers with an
 explicit mask per row - the prompt causal, each generated row as its own step saw the cache: full in
@@ -34,30 +36,36 @@ def lm_of(model):
     return model.model.language_model
 
 
+def rope(lm, x: torch.Tensor, pos: torch.Tensor):
+    """(cos, sin) of the rows ``x`` [1, S, D] at positions ``pos`` [P, S] (P = 1, or M-RoPE's 3 axes)."""
+    return lm.rotary_emb(x, pos[0][None] if pos.shape[0] == 1 else pos[:, None])
+
+
 def forward_rows(model, embeds, pos0, tokens, missing, layer, decide=None):
-    """Logits of the last row of the prompt ``embeds`` [S, D] followed by ``tokens``, every row through
-    the plain decoder layers with its own mask: causal, and in layers >= ``layer`` without the visual
-    keys ``missing[j]`` for the row of tokens[j] (what its decode step pruned). ``decide``: the last
-    row is a decode step: called with its head-averaged attention in layer ``layer`` - 1, it returns the
-    keys that row misses (appended to ``missing``)."""
+    """Logits of the last row of the prompt ``embeds`` [S, D] (positions ``pos0`` [P, S]) followed by
+    ``tokens`` (each one further on every axis), every row through the plain decoder layers with its
+    own mask: causal, and in layers >= ``layer`` without the visual keys ``missing[j]`` for the row of
+    tokens[j] (what its decode step pruned). ``decide``: the last row is a decode step: called with its
+    head-averaged attention in layer ``layer`` - 1, it returns the keys that row misses (appended to
+    ``missing``)."""
     lm = lm_of(model)
     s = embeds.shape[0]
     x = torch.cat([embeds, lm.embed_tokens(torch.tensor(tokens, dtype=torch.long))]) if tokens else embeds
     n = x.shape[0]
-    pos = torch.cat([pos0, pos0[-1] + 1 + torch.arange(n - s)])
+    pos = torch.cat([pos0, pos0[:, -1:] + 1 + torch.arange(n - s)], 1)
     causal = torch.ones(n, n, dtype=torch.bool).tril()
     late = causal.clone()
     for j, miss in enumerate(missing):
         late[s + j, miss] = False
-    pe = lm.rotary_emb(x[None], pos[None])
+    pe = rope(lm, x[None], pos)
     h = x[None]
     for idx, dec in enumerate(lm.layers):
         if decide is not None and idx == layer - 1:
-            miss = decide(attention_probs(dec, lm.rotary_emb, h[0], pos).mean(0)[-1])
+            miss = decide(attention_probs(dec, lambda x, p: rope(lm, x, p[0]), h[0], pos).mean(0)[-1])
             late[n - 1, miss] = False
             missing.append(miss)
         mask = torch.zeros(n, n).masked_fill(~(late if idx >= layer else causal), float("-inf"))[None, None]
-        out = dec(h, attention_mask=mask, position_ids=pos[None], position_embeddings=pe)
+        out = dec(h, attention_mask=mask, position_ids=pos[:1], position_embeddings=pe)
         h = out[0] if isinstance(out, tuple) else out
     return model.lm_head(lm.norm(h[0, -1:]))[0]
 
@@ -81,19 +89,31 @@ class OfficialSteps:
         return miss
 
 
-def prompt_of(model, inp) -> tuple[torch.Tensor, torch.Tensor]:
+def prompts_of(model, inp) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per sample, the unwrapped model's language-model input without its padding: (embeddings [S, D],
+    positions [P, S]: 1-D, or M-RoPE's three axes)."""
     with torch.no_grad(), capture_lm_inputs(model) as seen:
         model(**inp)
-    embeds = seen[0]["inputs_embeds"][0]
-    return embeds, positions_of(seen[0], 1, embeds.shape[0])[0, 0]
+    embeds = seen[0]["inputs_embeds"]
+    b, s = embeds.shape[:2]
+    pos = positions_of(seen[0], b, s)
+    pos = pos[-3:] if pos.shape[0] == 4 else pos  # Qwen2-VL: the M-RoPE axes after its text row
+    valid = inp["attention_mask"].bool()
+    return [(embeds[i, valid[i]], pos[:, i, valid[i]]) for i in range(b)]
+
+
+def prompt_of(model, inp) -> tuple[torch.Tensor, torch.Tensor]:
+    return prompts_of(model, inp)[0]
 
 
 def official_decode(model, inp, visual: torch.Tensor, layer: int, p: float, steps: int,
-                    turn: list[int] | None = None) -> tuple[list, list]:
+                    turn: list[int] | None = None, prompt: tuple[torch.Tensor, torch.Tensor] | None = None
+                    ) -> tuple[list, list]:
     """(logits of each generated step, the visual keys kept at each decode step), batch 1. ``turn``:
     after the steps, a second turn's new tokens arrive in one chunk (the last answer token first, then
-    ``turn``): they attend to the whole cache, the memory starts afresh, and ``steps`` more follow."""
-    embeds, pos0 = prompt_of(model, inp)
+    ``turn``): they attend to the whole cache, the memory starts afresh, and ``steps`` more follow.
+    ``prompt``: (embeddings, positions) of the prompt rows (default: those of ``inp``)."""
+    embeds, pos0 = prompt if prompt is not None else prompt_of(model, inp)
     rule = OfficialSteps(visual, p)
     logits, tokens, missing = [], [], []
     with torch.no_grad():
@@ -263,3 +283,75 @@ def test_a_layer_without_softmax_attention_is_refused_with_the_choices():
                     model.generate(**inp, max_new_tokens=3, min_new_tokens=3, do_sample=False)
         finally:
             vlm_prune.unwrap(model)
+
+
+@pytest.mark.parametrize("v25, attn, keep", [(False, "sdpa", 0.75), (False, "eager", 1.0), (True, "sdpa", 1.0),
+                                             (True, "eager", 0.75)])
+def test_qwen_video_decode_steps_equal_the_official_loop(v25, attn, keep):
+    """Qwen2-VL / Qwen2.5-VL video (M-RoPE), batch 2 with left padding, TTM (keep 0.75: the second
+    frame keeps 8 of its 16 tokens) then the decode stage: every step's logits of each sample equal the
+    re-statement on that sample's kept rows alone, at their M-RoPE positions (generated tokens one
+    further on all three axes), its visual keys the video tokens among them."""
+    model = T.tiny_qwen2_vl(attn=attn, v25=v25)
+    inp = T.qwen2_vl_inputs(model, batch=2, video=True)
+
+    def generate(decode_pruning: bool):
+        vlm_prune.wrap(model, DyCoke(decode_pruning=decode_pruning, p=0.5), keep=keep)
+        try:
+            with torch.no_grad():
+                out = model.generate(**inp, max_new_tokens=STEPS, min_new_tokens=STEPS, do_sample=False,
+                                     output_scores=True, return_dict_in_generate=True)
+            return out, model.vlm_prune.last_rows
+        finally:
+            vlm_prune.unwrap(model)
+
+    gen, rows = generate(True)
+    plain, plain_rows = generate(False)
+    assert torch.equal(rows, plain_rows) and torch.equal(gen.scores[0], plain.scores[0])  # the prefill is TTM's alone
+    assert not torch.allclose(torch.stack(gen.scores[1:]), torch.stack(plain.scores[1:]), atol=1e-4)  # decode steps differ
+    pad = (inp["attention_mask"] == 0).sum(1)
+    assert int(pad.max()) > 0  # the samples differ in length
+    for b, (embeds, pos) in enumerate(prompts_of(model, inp)):
+        cols = rows[b][rows[b] >= 0]  # the input columns the frames stage kept, in order
+        visual = inp["input_ids"][b, cols] == T.VIDEO_TOKEN
+        n_video = int((inp["input_ids"][b] == T.VIDEO_TOKEN).sum())
+        assert int(visual.sum()) == (n_video if keep == 1.0 else 24)
+        sel = cols - pad[b]
+        expected, kept = official_decode(model, None, visual, 3, 0.5, STEPS, prompt=(embeds[sel], pos[:, sel]))
+        assert any(len(k) < int(visual.sum()) for k in kept)  # some step pruned
+        for step in range(STEPS):
+            torch.testing.assert_close(gen.scores[step][b], expected[step], atol=1e-5, rtol=0, msg=f"sample {b}, step {step}")
+
+
+def test_qwen3_5_gated_query_scores_with_the_query_half_of_each_head():
+    """Qwen3.5's q_proj gives each head its query and an output gate side by side: the engine's side
+    attention (DyCoke's per-step scores) uses the query halves only, and equals the attention
+    probabilities the model's own eager attention computes in that layer."""
+    import tiny_models_qwen3 as Q
+
+    model = Q.tiny_qwen3_5(attn="eager")
+    inp = Q.qwen3_vl_inputs(model, batch=1, video=True)
+    lm = lm_of(model)
+    layer = lm.layers[1]
+    assert layer.self_attn.q_proj.out_features == 2 * model.config.text_config.num_attention_heads * layer.self_attn.head_dim
+    seen = {}
+    hooks = [layer.register_forward_pre_hook(lambda m, a, kw: seen.update(h=a[0] if a else kw["hidden_states"]), with_kwargs=True),
+             layer.self_attn.register_forward_hook(lambda m, a, out: seen.update(probs=out[1]))]
+    try:
+        with torch.no_grad(), capture_lm_inputs(model) as lm_in:
+            model(**inp)
+    finally:
+        for h in hooks:
+            h.remove()
+    pos = positions_of(lm_in[0], 1, seen["h"].shape[1])
+    pos = pos[-3:] if pos.shape[0] == 4 else pos
+    vlm_prune.wrap(model, DyCoke(decode_pruning=True, layer=2), keep=1.0)
+    try:
+        q, k = model.vlm_prune.adapter.decoder.project_qk(1)(seen["h"], pos, rope=True)
+    finally:
+        vlm_prune.unwrap(model)
+    s = q.shape[2]
+    logits = (q @ k.transpose(-1, -2)) * layer.self_attn.scaling
+    probs = torch.softmax(logits.masked_fill(~torch.ones(s, s, dtype=torch.bool).tril(), float("-inf")), -1)
+    assert q.shape[1] == model.config.text_config.num_attention_heads
+    torch.testing.assert_close(probs, seen["probs"], atol=1e-5, rtol=0)

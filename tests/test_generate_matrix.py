@@ -10,10 +10,16 @@ mask), use_cache=False. Each equals its reference, which never runs vlm_prune:
   hand-built shorter input - each sample's kept rows only (reduced features in place), left-padded,
   at the positions the method defines (original ids; renumbered without gaps for VisionZip;
   QuoTA's resized frames on M-RoPE), merged tokens' log sizes added to their keys.
-- pruned, in-LLM (FastV, PACT, AdaptInfer): the unwrapped model's generate() on the whole input,
-  the dropped rows masked as keys from each pruning layer on (merged centres replaced, log sizes
-  added, positions renumbered per layer where the method says so).
-  Both through :class:`reference.HookedReference` (hooks that only set positions and masks).
+- pruned, in-LLM (FastV, PACT, AdaptInfer, ...): the unwrapped model's generate() on the whole input,
+  the dropped rows masked as keys from each pruning layer on (merged rows replaced at every merging
+  layer, log sizes added, positions renumbered per layer where the method says so; rows a method
+  moves - SparseVLM's recycled tokens after the kept ones - attend in their new order, renumbered in
+  it on LLaVA).
+- the prefill's last logits equal the reference's (atol 2e-4) before the paths compare tokens.
+- decode-time KV pruning: MustDrop's output-aware cache (generated rows miss the non-final rows from
+  its layer on); DyCoke's per-step choice (:class:`reference.DyCokeSteps`, the official rule re-stated
+  on each decode call), its refused paths (prompt lookup, assistant, use_cache=False) as refusals.
+  All through :class:`reference.HookedReference` (hooks that only set positions, masks and rows).
 - prompt lookup and the assistant model must give the reference's greedy answer; multi-turn
   equals the reference continuing its own cache token by token.
 - cache_implementation="static", output_attentions / output_hidden_states: refused with a
@@ -28,14 +34,15 @@ import tiny_models as T
 import tiny_models_llavalike as L
 import tiny_models_qwen3 as Q
 import vlm_prune
-from reference import (HookedReference, capture_lm_inputs, injection_kwargs, injections_of, language_model_of, multi_axis,
+from reference import (DyCokeSteps, HookedReference, capture_lm_inputs, injection_kwargs, injections_of, language_model_of, multi_axis,
                        positions_of, renumber)
 from vlm_prune import engine
+from vlm_prune.frames.dycoke import DyCoke
 from vlm_prune.frames.fastvid import FastVID
 from vlm_prune.frames.holitom import HoliTom
 from vlm_prune.frames.prunevid import PruneVid
 from vlm_prune.frames.quota import QuoTA
-from vlm_prune.methods import PACT, MustDrop, SparseVLM
+from vlm_prune.methods import PACT, MustDrop
 from vlm_prune.methods.framefusion import FrameFusion
 from vlm_prune.registry import method_stages
 
@@ -94,9 +101,11 @@ CALL_REFUSALS = {**{("onevision_image", name): f"{title} runs on LLaVA-1.5 image
 _cache: dict = {}
 
 
-def _method(name: str, keep: float):
+def _method(name: str, keep: float, adapter: str = ""):
     """The method as the matrix wraps it. At keep=1.0 the two methods that reshape what they keep
-    get their identity setting: PACT clusters nothing (cutoff 0), QuoTA scores frames alike."""
+    get their identity setting: PACT clusters nothing (cutoff 0), QuoTA scores frames alike. The
+    video methods' knobs below make the tiny random videos exercise their merges (the official
+    thresholds rarely fire on random features); none of them narrows what the reference can check."""
     if name == "quota":  # a fixed scorer: no processor needed
         flat = keep == 1.0
         return QuoTA(scorer=lambda pixels, prompt: torch.full((pixels.shape[0],), 0.5) if flat
@@ -111,12 +120,11 @@ def _method(name: str, keep: float):
         return PruneVid(layer=2, tau=0.0)
     if name == "pact" and keep == 1.0:
         return PACT(cutoff=0.0)
-    if name == "framefusion":  # every slot similar enough: the first merge reaches the target (one merging layer)
-        return FrameFusion(similarity=-1.0)
+    if name == "framefusion":  # two merging layers, then the importance pruning: the official S_th 0.6 on
+        # OneVision's video, 0.1 on the other families' (their random frames are less alike)
+        return FrameFusion() if adapter == "onevision_video" else FrameFusion(similarity=0.1)
     if name == "mustdrop" and keep < 1.0:  # every 2 x 2 window similar enough: on LLaVA-1.5 the tower merges the two
         return MustDrop(merge_thr=-1.0, window=2)  # the budget allows (16 -> 10), the LLM stages drop to 8, then decoding
-    if name == "sparsevlm" and keep < 1.0:  # staged drops only: the masked reference cannot move recycled rows after the kept
-        return SparseVLM(recycle=0.0)  # ones (their decoding: tests/test_fidelity_sparsevlm.py)
     return name
 
 
@@ -257,7 +265,7 @@ def wrapped(adapter: str, method: str, keep: float):
 def wrap_or_refuse(model, method, adapter, inp, **kw) -> bool:
     """Wrap; False when wrap() (or the call) refuses the combination with its documented message."""
     try:
-        vlm_prune.wrap(model, _method(method, kw["keep"]), **kw)
+        vlm_prune.wrap(model, _method(method, kw["keep"], adapter), **kw)
     except ValueError as e:
         assert any(s in str(e) for s in ("does not offer", "supports", "needs", "CLS")), str(e)
         return False
@@ -340,7 +348,7 @@ def record_prefill(model, inp) -> dict:
     adapter._commit_vision = recording_commit
     try:
         with torch.no_grad(), capture_lm_inputs(model) as seen:
-            model(**inp)
+            logits = model(**inp).logits[:, -1]
     finally:
         engine.PositionRewrite.apply = apply
         del adapter._commit_vision
@@ -351,7 +359,7 @@ def record_prefill(model, inp) -> dict:
     if rewritten:
         pos = rewritten[-1]
     pos = pos[-3:] if pos.shape[0] == 4 else pos  # Qwen2-VL: the M-RoPE axes
-    return {"embeds": seen[0]["inputs_embeds"], "pos": pos, "rows": state.last_rows.clone(), "inject": injections_of(seen[0]),
+    return {"embeds": seen[0]["inputs_embeds"], "pos": pos, "logits": logits, "rows": state.last_rows.clone(), "inject": injections_of(seen[0]),
             "stats": state.last_stats, "selects": selects, "methods": dict(state.methods),
             "sizes": sizes[-1] if sizes and bool((sizes[-1] > 1).any()) else None}
 
@@ -408,43 +416,54 @@ def llm_reference(model, inp: dict, rec: dict):
     n = len(language_model_of(model).layers)
     method = rec["methods"]["llm"]
     pos = rec["pos"]
-    hidden, bias, layer_pos = [None] * n, [None] * n, [None] * n
-    replace = None
+    hidden, bias, layer_pos, order = [None] * n, [None] * n, [None] * n, [None] * n
+    replace = []
     kept = valid.clone()
     sizes = torch.ones(b, s)
     plan = {}
     inject = None if rec["inject"] is None else (rec["inject"][0], rec["inject"][1].clone())
+    moved = any(red.order is not None for _, _, reds in rec["selects"] for red in reds)
     for layer, origin, reds in sorted(rec["selects"], key=lambda t: t[0]):
         kept = torch.zeros(b, s, dtype=torch.bool)
         centre = torch.zeros(b, s, dtype=torch.bool)
         feats = torch.zeros(b, s, rec["embeds"].shape[-1])
+        rank = torch.arange(s).repeat(b, 1) + s  # rows a method moves: each column's rank in its new order
         for i, red in enumerate(reds):
-            if inject is not None and red.merged_into is not None and layer < inject[1].shape[0]:
+            src = dst = None
+            if red.merged_into is not None:
                 members = torch.nonzero(red.merged_into >= 0).squeeze(1)
                 src, dst = origin[i][members], origin[i][red.merged_into[members]]
+            if inject is not None and src is not None and layer < inject[1].shape[0]:
                 w = sizes[i, src]
+                changed = torch.zeros(s, dtype=torch.bool)
+                changed[dst[src != dst]] = True  # rows that absorbed others (a recycled row may hold none of its own)
                 for j in range(layer, inject[1].shape[0]):  # the additions after layers j >= the merge
                     total = torch.zeros(s, inject[1].shape[-1]).index_add_(0, dst, inject[1][j, i, src].float() * w[:, None])
                     norm = torch.zeros(s).index_add_(0, dst, w)
-                    changed = torch.bincount(dst, minlength=s) > 1
                     inject[1][j, i, changed] = (total[changed] / norm[changed, None]).to(inject[1].dtype)
             o = origin[i][red.indices]
             kept[i, o] = True
             if red.features is not None:
-                centre[i, o] = True
+                # the rows whose hidden state the merge set: those that absorbed others where the method names them
+                rows = o if src is None else dst[src != dst].unique()
+                centre[i, rows] = True
                 feats[i, o] = red.features.float()
             if red.sizes is not None:
                 sizes[i, o] = red.sizes.float()
+            if moved:
+                new_order = red.indices if red.order is None else red.indices[red.order]
+                rank[i, origin[i][new_order]] = torch.arange(new_order.numel())
         if centre.any():
-            replace = (layer, centre, feats)
-        plan[layer] = (kept, torch.log(sizes).masked_fill(~kept, 0.0) if bool((sizes > 1).any()) else None)
+            replace.append((layer, centre, feats))
+        plan[layer] = (kept, torch.log(sizes).masked_fill(~kept, 0.0) if bool((sizes > 1).any()) else None,
+                       rank if moved else None)
     current = None
     for i in range(n):
         current = plan.get(i, current)
         if current is not None:
-            hidden[i], bias[i] = ~current[0], current[1]
+            hidden[i], bias[i], order[i] = ~current[0], current[1], current[2]
             if getattr(method, "renumber_positions", False):
-                layer_pos[i] = renumber(pos, current[0] & valid)
+                layer_pos[i] = renumber(pos, current[0] & valid, current[2])
     # decode-time KV pruning (MustDrop): generated rows see only the rows that reached the last layer from F on
     first = method.decode_final_rows_from(n) if getattr(method, "decode_kv", False) else None
     decode_hidden, decode_pos = [None] * n, [None] * n
@@ -457,7 +476,7 @@ def llm_reference(model, inp: dict, rec: dict):
                 layer_pos[i] = layer_pos[i] if layer_pos[i] is not None else pos
     return dict(inp), HookedReference(model, s, positions=pos, hidden=hidden, bias=bias, layer_positions=layer_pos,
                                       replace=replace, inject=inject if rec["inject"] is not None and replace else None,
-                                      decode_hidden=decode_hidden, decode_positions=decode_pos)
+                                      decode_hidden=decode_hidden, decode_positions=decode_pos, order=order)
 
 
 def staged_reference(model, inp: dict, rec: dict):
@@ -502,7 +521,7 @@ def pipeline_reference(model, inp: dict, rec: dict):
             feats[i, col[red.indices[grew]]] = red.features[grew].float()
     hooks.hidden = [None if i < layer else dropped for i in range(len(hooks.hidden))]
     if centre.any():
-        hooks.replace = (layer, centre, feats)
+        hooks.replace = [(layer, centre, feats)]
     return ref, hooks
 
 
@@ -607,6 +626,8 @@ def test_every_path_when_pruning_equals_its_reference(adapter, method):
     s, s1 = inp["input_ids"].shape[1], inp1["input_ids"].shape[1]
     answer = first[:, s:]
     with torch.no_grad():
+        with hooks:  # the prefill's last logits first (tokens below: every path)
+            torch.testing.assert_close(model(**ref_inp).logits[:, -1], rec["logits"], atol=2e-4, rtol=1e-4)
         ref = reference_paths(model, ref_inp, hooks, ref_inp1, hooks1, answer, UNWRAPPED_FAILS.get(adapter, ()))
     in_llm = in_llm and not two_stage  # the reference's input: the whole one, or a shorter one of embeddings
     cut = 0 if in_llm else s  # generate() on inputs_embeds returns the new tokens only
@@ -617,5 +638,77 @@ def test_every_path_when_pruning_equals_its_reference(adapter, method):
     cut1 = 0 if in_llm else s1
     for name in ("greedy1", "prompt_lookup", "assistant"):
         assert torch.equal(got[name][:, cut1:], ref[name]), f"{name} differs from the reference"
+    for name in ("turn_whole", "turn_new"):
+        assert same_answer(got[name], ref["turn"], model), f"multi-turn ({name}) differs from the reference"
+
+
+# ---- decode-time KV pruning chosen per step (DyCoke decode_pruning=True) ---------------------------
+#: paths a per-step decode method refuses at the call (they verify or recompute several tokens in one
+#: forward, where the official code prunes nothing: docs/decode-kv.md)
+STEP_REFUSALS = {"prompt_lookup": "prompt_lookup_num_tokens.*decode_pruning=False",
+                 "no_cache": "use_cache=False.*decode_pruning=False"}
+
+
+def dycoke_decode(adapter: str) -> DyCoke:
+    """DyCoke with its decode stage (p 0.5, so that each pruning step keeps half the visual keys);
+    Qwen3.5's layer 2 is linear attention, so its L - 1 is layer 1 (L = 2)."""
+    return DyCoke(decode_pruning=True, p=0.5, layer=2 if adapter == "qwen3_5_video" else 3)
+
+
+def visual_columns(model, inp: dict, rec: dict) -> torch.Tensor:
+    """[B, k] the visual rows of the vision reference's short input: the image / video placeholders
+    among the kept rows, but for LLaVA-OneVision's newline rows (no visual token)."""
+    cfg = model.config
+    ids = [t for t in (getattr(cfg, "image_token_id", None), getattr(cfg, "video_token_id", None)) if t is not None]
+    placeholder = torch.isin(inp["input_ids"], torch.tensor(ids))
+    newline = getattr(model.model, "image_newline", None)
+    if newline is not None:
+        placeholder &= ~(rec["embeds"] == newline.to(rec["embeds"].dtype)).all(-1)
+    kept = [r[r >= 0] for r in rec["rows"]]
+    k = max(len(r) for r in kept)
+    out = torch.zeros(len(kept), k, dtype=torch.bool)
+    for i, r in enumerate(kept):
+        out[i, k - len(r):] = placeholder[i, r]
+    return out
+
+
+@pytest.mark.parametrize("keep", [1.0, 0.5])
+@pytest.mark.parametrize("adapter", sorted(VIDEO))
+def test_decode_step_pruning_every_path_equals_its_reference(adapter, keep):
+    """DyCoke with decode_pruning=True (TTM, then the per-step KV choice): greedy, sampling with a seed,
+    beams 3, num_return_sequences 2 and both multi-turn spellings equal the unwrapped model on the
+    vision reference's input whose decode rows follow the official rule on their own (reference.
+    DyCokeSteps: each row's attention in layer L - 1 from the layer's weights, its memory following its
+    sequence through beams); prompt lookup, an assistant model and use_cache=False are refused at the
+    call with the knob to change, as are a static cache and output_attentions."""
+    model, inp, inp1 = setup(adapter)
+    method = dycoke_decode(adapter)
+    vlm_prune.wrap(model, method, keep=keep)
+    compared = [name for name in paths(adapter) if name not in STEP_REFUSALS]
+    try:
+        rec, rec1 = record_prefill(model, inp), record_prefill(model, inp1)
+        with torch.no_grad():
+            got = {name: PATHS[name](model, inp, inp1) for name in compared}
+            got["greedy1"] = model.generate(**inp1, max_new_tokens=2 * STEPS, do_sample=False)
+            first = model.generate(**inp, max_new_tokens=STEPS, do_sample=False)
+            for name, message in STEP_REFUSALS.items():
+                with pytest.raises(ValueError, match=message):
+                    PATHS[name](model, inp, inp1)
+            with pytest.raises(ValueError, match="assistant_model.*decode_pruning=False"):
+                assisted(model, inp1, adapter)
+            _assert_refusals(model, inp)
+    finally:
+        vlm_prune.unwrap(model)
+    s, s1 = inp["input_ids"].shape[1], inp1["input_ids"].shape[1]
+    (ref_inp, hooks), (ref_inp1, hooks1) = vision_reference(model, inp, rec), vision_reference(model, inp1, rec1)
+    hooks.steps = DyCokeSteps(visual_columns(model, inp, rec), method.layer, method.p, method.threshold)
+    hooks1.steps = DyCokeSteps(visual_columns(model, inp1, rec1), method.layer, method.p, method.threshold)
+    with torch.no_grad():
+        ref = reference_paths(model, ref_inp, hooks, ref_inp1, hooks1, first[:, s:], UNWRAPPED_FAILS.get(adapter, ()))
+    assert hooks.steps.pruned and hooks1.steps.pruned  # the rule dropped visual keys in some steps
+    for name in ("greedy", "sampling", "beams3", "return2"):
+        if name in compared:
+            assert torch.equal(got[name][:, s:], ref[name]), f"{name} differs from the reference"
+    assert torch.equal(got["greedy1"][:, s1:], ref["greedy1"]), "greedy (batch 1) differs from the reference"
     for name in ("turn_whole", "turn_new"):
         assert same_answer(got[name], ref["turn"], model), f"multi-turn ({name}) differs from the reference"

@@ -282,7 +282,11 @@ class PrunedDecoder:
             b, s, dim = x.shape
             hd = attn.head_dim
             xq = x if q_rows is None else torch.gather(x, 1, q_rows[..., None].expand(b, q_rows.shape[1], dim))
-            q = attn.q_proj(xq).view(b, xq.shape[1], -1, hd)
+            q = attn.q_proj(xq)
+            heads = getattr(getattr(attn, "config", None), "num_attention_heads", None)
+            if heads is not None and q.shape[-1] == 2 * heads * hd:  # a gated query (Qwen3.5): each head's query half
+                q = q.view(b, xq.shape[1], heads, 2 * hd)[..., :hd]
+            q = q.reshape(b, xq.shape[1], -1, hd)
             k = attn.k_proj(x).view(b, s, -1, hd)
             if hasattr(attn, "q_norm"):
                 q, k = attn.q_norm(q), attn.k_norm(k)

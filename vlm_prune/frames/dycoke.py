@@ -108,7 +108,10 @@ class DyCoke(DecodeKV, FramesMethod):
     so a later step may choose others (:func:`dycoke_step`). Unlike the official code (batch row 0, one
     remembered attention shared by every request), each sample scores and remembers its own, and a new
     prompt on the cache starts afresh. generate() with an assistant model, prompt lookup or
-    use_cache=False is refused (they verify or recompute several tokens per step).
+    use_cache=False is refused (they verify or recompute several tokens per step). Runs on every video
+    family (LLaVA-OneVision, Qwen2-VL / 2.5-VL, Qwen3-VL, GLM-4.1V, Qwen3.5, whose L - 1 must be a
+    full-attention layer); tested against the official rule (tests/test_dycoke_decode.py) and in the
+    generate() matrix.
     Budget: the official k (0.3: a compared frame keeps int(0.7 N) tokens) follows from the budget:
     the pivots keep N tokens each and the compared frames share the rest (within a token of each
     other). Pivots are about T / 4 + 1 of T frames, so a budget below their tokens cannot be met by

@@ -119,7 +119,9 @@ class SparseVLM(LLMMethod):
 
     As in the official code the recycled tokens follow the kept visual tokens (before the text); each
     holds the slot of one of the last deleted visual rows (its origin and, with positions="keep", its
-    position id; :attr:`Reduction.order` moves it after the kept ones, :func:`appended_order`).
+    position id; :attr:`Reduction.order` moves it after the kept ones, :func:`appended_order`); every
+    later layer, its KV cache and so every generate() path (beams, sampling, a continued cache, prompt
+    lookup, an assistant model) see the rows in that order (tests/test_generate_matrix.py, recycling on).
     Differences from the official code, by design: the attention rows are computed on the side
     (only the raters' rows), so the model keeps SDPA / FlashAttention; the density ties the
     official code breaks with 1e-6 random noise break by index here, and clusters average exactly
