@@ -69,12 +69,9 @@ def llm(checkpoint):
 
 @pytest.fixture(scope="module")
 def hf(checkpoint):
-    from transformers import AutoProcessor, LlavaNextForConditionalGeneration
+    from test_vllm_qwen import load_hf
 
-    torch.set_num_threads(1)
-    model = LlavaNextForConditionalGeneration.from_pretrained(checkpoint, dtype=torch.float32).eval()
-    model.set_attn_implementation("sdpa")
-    return model, AutoProcessor.from_pretrained(checkpoint)
+    return load_hf(checkpoint)
 
 
 def _method(name: str, knobs: dict):
