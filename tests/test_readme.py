@@ -72,6 +72,7 @@ def substitutions(clip_dir: str) -> dict[str, str]:
 
     return {
         '"llava-hf/llava-onevision-qwen2-7b-ov-hf"': repr(str(model_path("video"))),  # the shipped OneVision toy
+        '"llava-hf/llava-onevision-qwen2-0.5b-ov-hf"': repr(str(model_path("video"))),
         "pretrained=True": "pretrained=False",  # no hub here: random weights
         "steps=200": "steps=2, progress=False",
         '"clip.mp4"': repr(str(ROOT / "demo" / "examples" / "synthetic_clip.mp4")),
