@@ -3,7 +3,7 @@ in two passes) inside vLLM, for any video model of the plugin.
 
 vLLM fixes a video's placeholder count when it processes the prompt, before the tower runs. The
 frames methods that choose WHICH frames to keep from the video's features, but keep a count fixed
-by the budget alone, fit that as the vision methods do (docs/vllm.md, "Frames methods"):
+by the budget alone, fit that as the vision methods do (docs/design/vllm-plugin.md, "Frames methods"):
 
 - :func:`frames_slots` (processor): the visual tokens the method keeps of a T x N video, the
   same number ``wrap()`` keeps: ``n_total = method.n_keep(T * N)``, whole frames
