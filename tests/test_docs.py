@@ -60,3 +60,10 @@ def test_every_relative_readme_link_exists():
     assert links
     missing = [link for link in links if "://" not in link and not (ROOT / link).exists()]
     assert not missing, f"README links to files that do not exist: {missing}"
+
+
+def test_no_page_points_outside_the_repository():
+    """A path like `../shared/...` names a file a user of the repository does not have."""
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+    outside = [str(p.relative_to(ROOT)) for p in pages if re.search(r"\.\./shared/|/work/", p.read_text())]
+    assert not outside, f"pages naming paths outside the repository: {outside}"
