@@ -67,3 +67,14 @@ def test_no_page_points_outside_the_repository():
     pages = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
     outside = [str(p.relative_to(ROOT)) for p in pages if re.search(r"\.\./shared/|/work/", p.read_text())]
     assert not outside, f"pages naming paths outside the repository: {outside}"
+
+
+def test_sphinx_roles_in_docstrings_become_code_spans():
+    import griffe
+
+    spec = importlib.util.spec_from_file_location("docs_griffe", ROOT / "docs" / "griffe_extensions.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    obj = griffe.Function("f", docstring=griffe.Docstring("Returns one :class:`Reduction`; see :meth:`~a.B.n_keep`."))
+    module.SphinxRoles().on_object(obj=obj, loader=None)
+    assert obj.docstring.value == "Returns one `Reduction`; see `a.B.n_keep`."

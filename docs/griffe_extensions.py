@@ -1,11 +1,15 @@
-"""Griffe extension for the API reference: the subpackages that live in top-level folders.
+"""Griffe extensions for the API reference (mkdocs.yml: mkdocstrings' ``extensions``).
 
-``pyproject.toml`` installs ``adapters/``, ``kernels/``, ``eval/`` and ``demo/`` as
+``MappedPackages``: the subpackages that live in top-level folders. ``pyproject.toml`` installs ``adapters/``, ``kernels/``, ``eval/`` and ``demo/`` as
 ``vlm_prune.adapters``, ... (``[tool.setuptools.package-dir]``); griffe reads ``vlm_prune/`` alone, so
 this loads each folder and attaches it to ``vlm_prune`` under its installed name.
+
+``SphinxRoles``: the docstrings cross-reference with Sphinx roles (``:class:`Reduction```), which
+Markdown would print as they are; each becomes a code span.
 """
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -25,3 +29,15 @@ class MappedPackages(griffe.Extension):
         for name, folder in FOLDERS.items():
             module = loader.load(ROOT / folder)
             pkg.set_member(name, module)
+
+
+#: a Sphinx cross-reference role and its target: :class:`Name`, :meth:`~mod.Class.name`, ...
+SPHINX_ROLE = re.compile(r":(?:class|meth|func|data|attr|mod|exc|obj):`~?([^`]+)`")
+
+
+class SphinxRoles(griffe.Extension):
+    """Turn Sphinx roles in docstrings into code spans."""
+
+    def on_object(self, *, obj: griffe.Object, **kwargs: Any) -> None:
+        if obj.docstring is not None:
+            obj.docstring.value = SPHINX_ROLE.sub(r"`\1`", obj.docstring.value)
