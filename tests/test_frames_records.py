@@ -22,7 +22,7 @@ import torch
 import tiny_models as T
 import tiny_models_qwen3 as Q
 import vlm_prune
-from vlm_prune.frames.dycoke import ttm_plan, ttm_references
+from vlm_prune.frames.dycoke import DyCoke, ttm_plan, ttm_references
 from vlm_prune.frames.fastvid import FastVID, fastvid_plan, frame_counts
 from vlm_prune.frames.holitom import HoliTom, holitom_plan, static_windows
 from vlm_prune.frames.vidcom2 import VidCom2, apportion
@@ -433,13 +433,18 @@ def official_ttm(video: torch.Tensor, k: float) -> list[set[int]]:
     return kept
 
 
-def test_dycoke_ttm_equals_the_official_at_its_k():
-    t, n = 8, 16
+@pytest.mark.parametrize("t, n, k, n_total", [
+    (8, 16, 0.3, 3 * 16 + 5 * 11),  # compared frames keep int(0.7 * 16) = 11; pivots 0, 4, 6 keep 16
+    (32, 196, 0.7, 3098),  # the official evaluation's k at 32 x 196: budget=3098 (keep=0.494), as the docstring says
+])
+def test_dycoke_ttm_equals_the_official_at_its_k(t, n, k, n_total):
     video = _video(t, n, 12, distinct=None, seed=2)
-    assert ttm_references(t) == [None, 0, 0, 2, None, 4, None, 6]
-    ref = official_ttm(video, k=0.3)  # compared frames keep int(0.7 * 16) = 11; pivots 0, 4, 6 keep 16
-    n_total = sum(len(r) for r in ref)
-    assert n_total == 3 * 16 + 5 * 11
+    if t == 8:
+        assert ttm_references(t) == [None, 0, 0, 2, None, 4, None, 6]
+    ref = official_ttm(video, k=k)
+    assert sum(len(r) for r in ref) == n_total
+    if t == 32:
+        assert DyCoke(keep=0.494).n_keep(t * n) == n_total
     plan = ttm_plan(video, n_total)
     got = [set(((plan.reduction.indices[(plan.reduction.indices >= i * n) & (plan.reduction.indices < (i + 1) * n)])
                 - i * n).tolist()) for i in range(t)]
