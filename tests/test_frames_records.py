@@ -257,6 +257,8 @@ def test_fastvid_counts_spend_the_budget_exactly():
     assert frame_counts([3, 1], n=16, n_total=20, d=0.4, p=4) == ([3, 3, 3, 3], [0, 0, 6, 2])
     sal, ctx = frame_counts([3, 1], n=16, n_total=23, d=0.4, p=4)  # 3 left by the floors go to salient tokens
     assert sal == [4, 4, 4, 3] and sum(sal) + sum(ctx) == 23
+    # top_up=False: the official counts, retain int(23 / 4) = 5 per frame as at 20, 3 short
+    assert frame_counts([3, 1], n=16, n_total=23, d=0.4, p=4, top_up=False) == ([3, 3, 3, 3], [0, 0, 6, 2])
     sal, ctx = frame_counts([2], n=4, n_total=3, d=0.4, p=4)  # below a token per frame
     assert sum(sal) + sum(ctx) == 3 and all(s + c <= 4 for s, c in zip(sal, ctx))
 
