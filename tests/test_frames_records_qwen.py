@@ -346,6 +346,11 @@ def test_fastvid_qwen_top_up_false_is_the_official_short_count():
     torch.testing.assert_close(plan.reduction.features, ref_feats, atol=1e-6, rtol=1e-6)
     full = fastvid_plan(video, attn, 64, c=2, tau=0.5, d=0.4, p=4, beta=0.6, ignore=0.95)
     assert full.reduction.indices.numel() == 64
+    # the docstring's figures: near-duplicate slices (one run per segment) cut into c = 8 segments
+    for sizes, n, n_total, reached in (([1, 1, 1, 1, 1, 9, 1, 1], 416, 1664, 1144), ([21, 1, 1, 1, 5, 1, 1, 1], 256, 2211, 926)):
+        sim = torch.full((sum(sizes) - 1,), 0.99)
+        assert sum(map(sum, qwen_frame_counts(sizes, sim, n, n_total, 0.4, 4, 0.95, top_up=False))) == reached
+        assert sum(map(sum, qwen_frame_counts(sizes, sim, n, n_total, 0.4, 4, 0.95))) == n_total
     with pytest.raises(ValueError, match="top_up must be True"):
         FastVID(top_up=None)
 
