@@ -399,6 +399,21 @@ def test_holitom_equals_the_official_outer_stage():
     assert plan.tokens_per_frame == [8, 4, 4, 8]  # static tokens sit in the window's first frame
 
 
+def test_holitom_tau_065_equals_the_official_outer_stage_at_its_10_percent_setting():
+    """The official 10% scripts run T=0.65 (the others 0.8): slots 8-11 drift (cosine 0.71 - 0.90
+    through frames 0-2), static at 0.65 only; HoliTom(tau=0.65) keeps the official T=0.65 tokens."""
+    video = _static_video()
+    g = torch.Generator().manual_seed(10)
+    video[:3, 8:12] = torch.randn(4, 12, generator=g) + 0.5 * torch.randn(3, 4, 12, generator=g)
+    attn = torch.rand(4, 16, generator=torch.Generator().manual_seed(3))
+    ref_slots, ref_feats = official_holitom(video, attn, retain=20 / 64, tau=0.65, beta=0.6, k=7)
+    assert ref_slots.numel() == 20  # the official counts spend the budget: the case holds
+    assert not torch.equal(official_holitom(video, attn, retain=20 / 64, tau=0.8, beta=0.6, k=7)[0], ref_slots)
+    plan = holitom_plan(video, attn, 20, tau=0.65)
+    assert torch.equal(plan.reduction.indices, ref_slots)
+    torch.testing.assert_close(plan.reduction.features, ref_feats, atol=1e-6, rtol=1e-6)
+
+
 def test_holitom_spends_the_budget_exactly_and_forgoes_windows_that_undercut_it():
     video = _static_video()
     attn = torch.rand(4, 16, generator=torch.Generator().manual_seed(3))
