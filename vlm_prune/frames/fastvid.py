@@ -232,7 +232,8 @@ class FastVID(FramesMethod):
     LLaVA-OneVision and Qwen2-VL / 2.5-VL video (wrap() refuses other models).
     Budget: retention ratio = budget / (T N), the official ``retention_ratio`` (0.10 at the paper's
     headline). ``top_up`` (default True): the tokens the official floors and caps leave unspent go to
-    salient tokens, so the video keeps exactly the budget; ``top_up=False`` keeps the official counts.
+    salient tokens, so the video keeps exactly the budget; ``top_up=False`` keeps the official counts
+    (wrap() only: the vLLM plugin fixes a video's slots before its content is known).
     On OneVision those end a few tokens short (the floors); on Qwen2.5-VL (``ignore``) a run of alike
     frames keeps at most one frame's tokens however many frames it stands for, so near-duplicate
     videos end far short, more so the more frames a segment holds: 16 slices of 416 tokens at keep
