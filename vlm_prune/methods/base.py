@@ -169,6 +169,9 @@ class VisionContext:
     tower_tiles: optional callable returning the tower's per-partition [CLS] attention of an anyres
         image (:class:`vlm_prune.methods.hired.TileAttention`; LLaVA-NeXT, for methods that select
         per crop and need the tower's attention: HiRED).
+    batch_tower_attention: optional callable returning the ``tower_attention`` result of every image
+        (frame) the vision tower ran on in this call, in order, this one included - for a rule the
+        official code applies to the batch as a whole (PruMerge's ``outliers="batch"``).
     """
 
     features: torch.Tensor
@@ -179,6 +182,7 @@ class VisionContext:
     generator: torch.Generator | None = None
     image_index: int = 0
     tower_tiles: Callable[[], Any] | None = None
+    batch_tower_attention: Callable[[], list[tuple[torch.Tensor, ...]]] | None = None
 
 
 @dataclass
