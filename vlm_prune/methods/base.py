@@ -192,7 +192,10 @@ class LayerContext:
     positions: [B, S] (or [3, B, S] for M-RoPE) original position ids of the rows.
     sizes: [B, S] float, how many original tokens each row stands for (1 unless merged).
     n_keep: [B] long, visual tokens to keep per sample at this layer.
-    layer_module: the decoder layer about to run (its input_layernorm, self_attn, ...).
+    layer_module: the decoder layer about to run (its input_layernorm, self_attn, ...); on a hybrid
+        model where that layer is a linear-attention layer, the full-attention layer the engine reads
+        in its place (``PrunedDecoder.attention_layer``), as for ``project_qk`` and
+        "previous_project_qk".
     project_qk: callable(hidden, positions, rope=True, q_rows=None) -> (q [B, H, S, d], k [B, H, S, d]):
         the layer's own normalised query/key projections, GQA keys repeated to H heads,
         rotary embedding applied at ``positions`` when ``rope`` is True. ``q_rows`` [B, R]
