@@ -182,9 +182,10 @@ def test_llm_stage_equals_masked_reference(case, attn):
     *[(case, method) for case in ("llava", "onevision_video") for method in ("fastervlm", "vispruner", "divprune")],
     *[(case, "hired") for case in ("llava", "llava_next", "nextvideo_image")], ("llava", "prumerge"),
     *[(case, "framefusion") for case in ("onevision_video", "qwen2_vl_video", "nextvideo_video", "ov15_video",
-                                         "qwen3_vl_video")],
+                                         "qwen3_vl_video", "qwen3_5_video")],
     *[pytest.param(case, PruneVid(layer=2, tau=0.5), id=f"{case}-prunevid")  # frames merge + llm selection
-      for case in ("onevision_video", "qwen2_vl_video", "nextvideo_video", "ov15_video", "qwen3_vl_video", "glm4v_video")],
+      for case in ("onevision_video", "qwen2_vl_video", "nextvideo_video", "ov15_video", "qwen3_vl_video", "glm4v_video",
+                   "qwen3_5_video")],
     *[(case, "fastvid") for case in ("onevision_video", "qwen2_vl_video", "qwen2_5_vl_video")],  # the tower's salience
     *[pytest.param(case, HoliTom(layer=2), id=f"{case}-holitom")  # outer stage + inner merge
       for case in ("onevision_video", "qwen2_vl_video", "qwen2_5_vl_video")],

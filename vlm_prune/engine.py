@@ -17,7 +17,15 @@ rows between layers:
   to the right keys and continue positions from the unpruned length. A method with
   ``drops_earlier_keys`` (PruneVid's ``early_kv="drop"``, as its official cache) also hides the
   rows it removes from the decode steps of the layers before the removal
-  (:func:`earlier_keys_dropped`).
+  (:func:`earlier_keys_dropped`);
+- hybrid language models (Qwen3.5's Gated DeltaNet linear-attention layers between full-attention
+  ones) need nothing more: a linear layer keeps no keys, so the removal is the physical one and the
+  exact reference is the unwrapped model's layers 0..L-1 on the full sequence followed by layers
+  L..end on the kept rows (their recurrent states, convolution windows and decode-time caches built
+  from those rows only; the linear layers take the 2-D padding mask via ``LMSpec.layer_mask``, the
+  full-attention ones the key masks and log-size biases above). A method reading a linear layer's
+  attention reads the nearest full-attention layer before it (:meth:`PrunedDecoder.attention_layer`),
+  recorded as the stage record's ``attention_layers`` and in ``last_stats["notes"]``.
 
 The layers themselves are called unchanged with the fastest exact mask of each segment
 (:func:`segment_mask`): none where no key is padding or merged (SDPA's and FlashAttention's

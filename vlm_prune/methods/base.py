@@ -25,6 +25,13 @@ from typing import Any, Callable, ClassVar
 import torch
 
 STAGES = ("frames", "vision", "vit", "llm")
+#: adapter families whose language model interleaves linear-attention (recurrent) layers with full attention
+HYBRID_FAMILIES = ("qwen3_5",)
+#: how an llm-stage method runs on those (``Method.note_on``; adapters/qwen3_5.py has the details)
+HYBRID_NOTE = ("where it reads a Gated DeltaNet (linear-attention) layer's attention it reads the nearest "
+               "full-attention layer before it, else the first (last_stats notes say which); later linear layers build "
+               "their states from the kept rows, a merged row counting once there (its log-size bias acts in the "
+               "full-attention layers)")
 
 BUDGET_DEFINITION = (
     "keep / budget: the visual tokens of each image (of each video, for frames methods) that reach "
@@ -370,6 +377,13 @@ class Method:
 
         wrap() emits it once as a :class:`BudgetWarning` and keeps it in ``last_stats``."""
         return None
+
+    @classmethod
+    def note_on(cls, family: str) -> str | None:
+        """What the method runs on, or how, within adapter ``family`` where that needs saying
+        (``family_notes``, and :data:`HYBRID_NOTE` for an llm-stage method on a hybrid family), or None."""
+        notes = [cls.family_notes.get(family), HYBRID_NOTE if cls.stage == "llm" and family in HYBRID_FAMILIES else None]
+        return "; ".join(n for n in notes if n) or None
 
     @classmethod
     def refusal(cls, family: str, stages: tuple[str, ...]) -> str | None:
