@@ -13,7 +13,7 @@ engine removes rows physically on every family, and on this one that is the whol
   its decode-time conv / recurrent caches continue from those; each later full-attention layer sees
   the kept rows at their original M-RoPE positions, with the log-size bias of merged rows as on every
   other family. In a linear layer a merged row is one row (no bias: it has no attention logits).
-  The invariant (DESIGN invariant 6, ``tests/test_hybrid.py``): the pruned model equals the unwrapped
+  The exact reference (``tests/test_hybrid.py``): the pruned model equals the unwrapped
   model's layers 0..L-1 on the full sequence followed by layers L..end on the kept rows with fresh
   caches, in prefill and through ``generate()``.
 - ragged batches: the engine left-pads each sample's kept rows; the linear layers get the 2-D padding

@@ -119,8 +119,9 @@ def _method(name: str, keep: float, adapter: str = ""):
         return HoliTom(layer=2, r=0.25)  # layer 2 (the official 18 is too deep here) lands on the target
     if name == "prunevid":  # slots still through a window (tau 0): static tokens averaged; selection in layer 2
         return PruneVid(layer=2, tau=0.0)
-    if name == "pact" and keep == 1.0:
-        return PACT(cutoff=0.0)
+    if name == "pact":  # the tiny Qwen3.5's 4 layers end before the default L = 4
+        knobs = {"layer": 2} if adapter.startswith("qwen3_5") else {}
+        return PACT(cutoff=0.0, **knobs) if keep == 1.0 else PACT(**knobs) if knobs else name
     if name == "framefusion":  # two merging layers, then the importance pruning: the official S_th 0.6 on
         # OneVision's video, 0.1 on the other families' (their random frames are less alike)
         return FrameFusion() if adapter == "onevision_video" else FrameFusion(similarity=0.1)

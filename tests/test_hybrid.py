@@ -1,4 +1,4 @@
-"""DESIGN invariant 6, in-LLM pruning on hybrid language models (Qwen3.5 / Qwen3.5-MoE: Gated DeltaNet
+"""Invariant 6: in-LLM pruning on hybrid language models (Qwen3.5 / Qwen3.5-MoE: Gated DeltaNet
 linear-attention layers 0 and 2, full attention 1 and 3 in the tiny models).
 
 A removal there is no key mask: the reference is hand-built from transformers' own decoder layers.

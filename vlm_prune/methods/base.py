@@ -29,8 +29,8 @@ STAGES = ("frames", "vision", "vit", "llm")
 HYBRID_FAMILIES = ("qwen3_5",)
 #: how an llm-stage method runs on those (``Method.note_on``; adapters/qwen3_5.py has the details)
 HYBRID_NOTE = ("where it reads a Gated DeltaNet (linear-attention) layer's attention it reads the nearest "
-               "full-attention layer before it, else the first (last_stats notes say which); later linear layers build "
-               "their states from the kept rows, a merged row counting once there (its log-size bias acts in the "
+               "full-attention layer before it or else the first (last_stats notes say which); later linear layers "
+               "build their states from the kept rows and count a merged row once (its log-size bias acts in the "
                "full-attention layers)")
 
 BUDGET_DEFINITION = (
