@@ -659,7 +659,8 @@ class PrunedDecoder:
                 })
                 if merges is not None:
                     records[-1]["merged_into"] = merges
-                read = {r: self.attention_layer(r) for r in {idx - 1 if early else idx} | ({idx - 1} if keep_previous else set())}
+                read = {r: self.attention_layer(r) for r in {idx - 1 if early else idx} | ({idx - 1} if keep_previous else set())
+                        if r >= 0}
                 if any(r != f for r, f in read.items()):  # linear-attention layers read through a full-attention one
                     records[-1]["attention_layers"] = {r: f for r, f in sorted(read.items()) if r != f}
                 mask = None
