@@ -355,7 +355,7 @@ def test_listed_as_one_method_in_two_stages():
     assert entry["knobs"] == {"tau": 0.8, "temporal_ratio": 0.25, "cluster_ratio": 0.5, "alpha": 0.4, "layer": 11, "k": 7,
                               "early_kv": "keep"}
     assert entry["supported"] == ["llava_onevision", "qwen2_vl", "llava_next_video", "llava_onevision15", "qwen3_vl",
-                                  "glm4v"]
+                                  "glm4v", "qwen3_5"]
 
 
 def test_a_deep_copy_keeps_one_method_in_two_stages():
