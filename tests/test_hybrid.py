@@ -52,10 +52,13 @@ def sample_plan(selections, b: int) -> dict[int, tuple[torch.Tensor, torch.Tenso
     return plan
 
 
-def reference(model, embeds: torch.Tensor, pos: torch.Tensor, plan, steps: int) -> tuple[list[int], list[torch.Tensor]]:
+def reference(model, embeds: torch.Tensor, pos: torch.Tensor, plan, steps: int,
+              final_from: int | None = None) -> tuple[list[int], list[torch.Tensor]]:
     """Greedy tokens and the logits of each step for one sample: prompt rows ``embeds`` [S, D] at M-RoPE
     positions ``pos`` [3, S], the removals ``plan`` applied before their layers, through the language
-    model's own decoder layers with one fresh cache."""
+    model's own decoder layers with one fresh cache. ``final_from`` (MustDrop's decoding stage): decode
+    steps of the full-attention layers from there on attend only to the prompt rows that reached the
+    last layer (the linear layers' states keep what they folded in)."""
     from transformers import DynamicCache
 
     lm = model.model.language_model
@@ -63,7 +66,9 @@ def reference(model, embeds: torch.Tensor, pos: torch.Tensor, plan, steps: int) 
     cache = DynamicCache(config=lm.config)
     h, p = embeds[None], pos[:, None]
     sizes = torch.ones(embeds.shape[0])
-    bias: dict[int, torch.Tensor] = {}  # per full-attention layer, the log sizes of its cached keys
+    origin = torch.arange(embeds.shape[0])  # each row's prompt row
+    bias: dict[int, torch.Tensor] = {}  # per layer, the log sizes of its cached keys
+    origins: dict[int, torch.Tensor] = {}
 
     def run(idx: int, x: torch.Tensor, positions: torch.Tensor, key_bias: torch.Tensor) -> torch.Tensor:
         mask = None  # linear-attention layers: no padding, no mask
@@ -80,10 +85,13 @@ def reference(model, embeds: torch.Tensor, pos: torch.Tensor, plan, steps: int) 
             rows, feats, new_sizes = plan[idx]
             h, p = h[:, rows].clone(), p[:, :, rows]
             sizes = sizes[rows] if new_sizes is None else new_sizes.float()
+            origin = origin[rows]
             if feats is not None:
                 h[0] = feats.to(h.dtype)
-        bias[idx] = torch.log(sizes)
+        bias[idx], origins[idx] = torch.log(sizes), origin
         h = run(idx, h, p, bias[idx])
+    for idx in range(final_from if final_from is not None else len(lm.layers), len(lm.layers)):
+        bias[idx] = bias[idx].masked_fill(~torch.isin(origins[idx], origin), torch.finfo(h.dtype).min)
     suppress = list(model.generation_config.suppress_tokens or [])
     tokens, logits = [], []
     nxt = pos[:, -1:] + 1
@@ -127,12 +135,13 @@ CASES = [  # (method, knobs, video, moe, attention implementation)
     ("pact", {"layer": 2}, False, False, "sdpa"), ("pact", {"layer": 3}, False, True, "eager"),
     ("pdrop", {}, False, False, "sdpa"), ("sparsevlm", {}, False, False, "eager"), ("adaptinfer", {}, False, False, "sdpa"),
     ("dart", {}, False, False, "sdpa"), ("mustdrop", {"decode": False}, False, False, "sdpa"),
+    ("mustdrop", {}, False, False, "sdpa"),  # with its decoding stage
     ("framefusion", {"similarity": 0.1}, True, False, "sdpa"),  # a threshold the random frames reach: merges
 ]
 
 
 @pytest.mark.parametrize("name, knobs, video, moe, attn", CASES,
-                         ids=[f"{c[0]}{'_moe' if c[3] else ''}-{c[4]}" for c in CASES])
+                         ids=[f"{c[0]}{'_moe' if c[3] else ''}{'' if c[1].get('decode', True) else '_prefill'}-{c[4]}" for c in CASES])
 def test_in_llm_pruning_equals_the_hand_built_hybrid_reference(name, knobs, video, moe, attn):
     """Batch 2 with left padding, keep 0.25: each sample's greedy tokens and every step's logits equal
     the reference on that sample alone (removals at linear and full-attention layers alike, merged rows
@@ -144,6 +153,8 @@ def test_in_llm_pruning_equals_the_hand_built_hybrid_reference(name, knobs, vide
     vlm_prune.wrap(model, method_class(name)(**knobs), keep=0.25)
     try:
         selections = capture_selections(model)
+        method = model.vlm_prune.methods["llm"]
+        final_from = method.decode_final_rows_from(4) if getattr(method, "decode_kv", False) else None
         with torch.no_grad():
             out = model.generate(**inp, max_new_tokens=STEPS, min_new_tokens=STEPS, do_sample=False,
                                  output_logits=True, return_dict_in_generate=True)
@@ -159,7 +170,7 @@ def test_in_llm_pruning_equals_the_hand_built_hybrid_reference(name, knobs, vide
     width = inp["input_ids"].shape[1]
     for b, (embeds, pos) in enumerate(prompts):
         with torch.no_grad():
-            tokens, logits = reference(model, embeds, pos, sample_plan(selections, b), STEPS)
+            tokens, logits = reference(model, embeds, pos, sample_plan(selections, b), STEPS, final_from)
         assert out.sequences[b, width:].tolist() == tokens, f"sample {b}"
         torch.testing.assert_close(torch.stack([lg[b] for lg in out.logits]), torch.stack(logits), atol=1e-5, rtol=0,
                                    msg=f"sample {b}")
