@@ -57,7 +57,7 @@ def works_with_table() -> str:
         for family in families:
             why = cls.refusal(family, FAMILY_STAGES[family])
             if why is None:
-                note = cls.family_notes.get(family)
+                note = cls.note_on(family)
                 cells.append("yes*" if note else "yes")
                 if note:
                     limits.append(f"- `{name}` on `{family}`: {note}")
