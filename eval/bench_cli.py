@@ -83,7 +83,7 @@ def add_parser(subparsers: Any) -> None:
     s.add_argument("--scale", type=positive_int, default=8,
                    help="divide hidden sizes, heads and layers by S (default 8; 1 = the real 7B shapes)")
     p.add_argument("--train-per-class", type=positive_int, default=None,
-                   help="--kinds vit-real: train images per class and probe draw (default 60; --quick 5)")
+                   help="--kinds vit-real: train images per class and probe draw (default 60; --quick 4)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="cpu (float32) or cuda (bfloat16) for --model and --speed; the shipped models run on CPU")
     s.add_argument("--frames", type=positive_int, default=32, help="video frames of the OneVision shape (default 32)")
