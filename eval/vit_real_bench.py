@@ -278,7 +278,10 @@ def run(args: argparse.Namespace) -> int:
     table = markdown(payload)
     with open(paths["markdown"], "w", encoding="utf-8") as f:
         f.write(table)
-    paths["plot"] = figure(payload, os.path.join(args.out, "vit-real.png"))[0]
+    if vit_stage:
+        paths["plot"] = figure(payload, os.path.join(args.out, "vit-real.png"))[0]
+    if selector_rows:
+        paths["selector plot"] = selector_figure(selector_rows, os.path.join(args.out, "vit-real-selectors.png"))[0]
     print(fit_terminal(table, where=paths["markdown"]))
     print("wrote " + ", ".join(paths.values()))
     return 0
@@ -400,6 +403,39 @@ def figure(payload: dict[str, Any], path: str) -> list[str]:
         ax.grid(alpha=0.3)
     axes[1].legend(fontsize=7, loc="lower right")
     fig.suptitle("DINOv2 ViT-S/14 (real weights) on Fashion-MNIST: AS-ViT and ToMe", fontsize=10)
+    fig.tight_layout()
+    paths = save_figure(fig, path)
+    plt.close(fig)
+    return paths
+
+
+def selector_figure(rows: list[dict[str, Any]], path: str) -> list[str]:
+    """Draw A's accuracy of both probes against the kept fraction, one line per selector."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from vlm_prune.eval.plots import method_style, save_figure
+
+    fig, axes = plt.subplots(1, 2, figsize=(9.5, 3.6), sharey=True)
+    methods = list(dict.fromkeys(r["method"] for r in rows[1:]))
+    for ax, probe, title in zip(axes, ("linear", "refit"), ("probe fitted on all tokens", "probe refitted per selection")):
+        ax.axhline(100 * rows[0]["stats"][0][probe]["accuracy"], color="#444444", lw=1, ls=":", label="all 256 tokens")
+        for m in methods:
+            rs = sorted((r for r in rows if r["method"] == m), key=lambda r: r["fraction"])
+            style = {k: v for k, v in method_style(m, methods).items() if k in ("color", "marker", "ls")}
+            ax.plot([100 * r["fraction"] for r in rs], [100 * r["stats"][0][probe]["accuracy"] for r in rs], label=m,
+                    ms=5, lw=1.4, **style)
+        ax.set_xscale("log")
+        ax.set_xticks([5, 11, 25], ["5%", "11%", "25%"])
+        ax.minorticks_off()
+        ax.set_xlabel("patch tokens kept")
+        ax.set_title(title, fontsize=9)
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("linear-probe accuracy (%)")
+    axes[1].legend(fontsize=7, loc="lower right")
+    fig.suptitle("Vision-stage selectors on DINOv2 ViT-S/14 tokens (Fashion-MNIST): mean of the kept tokens", fontsize=10)
     fig.tight_layout()
     paths = save_figure(fig, path)
     plt.close(fig)
