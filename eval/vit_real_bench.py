@@ -380,8 +380,6 @@ def figure(payload: dict[str, Any], path: str) -> list[str]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from vlm_prune.eval.plots import save_figure
-
     fig, axes = plt.subplots(1, 2, figsize=(9.5, 3.6))
     series: dict[str, list[dict[str, Any]]] = {}
     for r in payload["rows"]:
@@ -402,7 +400,16 @@ def figure(payload: dict[str, Any], path: str) -> list[str]:
         ax.set_xlabel("FLOPs ratio of the blocks")
         ax.grid(alpha=0.3)
     axes[1].legend(fontsize=7, loc="lower right")
-    fig.suptitle("DINOv2 ViT-S/14 (real weights) on Fashion-MNIST: AS-ViT and ToMe", fontsize=10)
+    return finish(fig, "DINOv2 ViT-S/14 (real weights) on Fashion-MNIST: AS-ViT and ToMe", path)
+
+
+def finish(fig: Any, title: str, path: str) -> list[str]:
+    """Title, layout and save (PNG, SVG, PDF) a figure, then close it; the saved paths."""
+    import matplotlib.pyplot as plt
+
+    from vlm_prune.eval.plots import save_figure
+
+    fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     paths = save_figure(fig, path)
     plt.close(fig)
@@ -416,7 +423,7 @@ def selector_figure(rows: list[dict[str, Any]], path: str) -> list[str]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from vlm_prune.eval.plots import method_style, save_figure
+    from vlm_prune.eval.plots import method_style
 
     fig, axes = plt.subplots(1, 2, figsize=(9.5, 3.6), sharey=True)
     methods = list(dict.fromkeys(r["method"] for r in rows[1:]))
@@ -435,11 +442,7 @@ def selector_figure(rows: list[dict[str, Any]], path: str) -> list[str]:
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("linear-probe accuracy (%)")
     axes[1].legend(fontsize=7, loc="lower right")
-    fig.suptitle("Vision-stage selectors on DINOv2 ViT-S/14 tokens (Fashion-MNIST): mean of the kept tokens", fontsize=10)
-    fig.tight_layout()
-    paths = save_figure(fig, path)
-    plt.close(fig)
-    return paths
+    return finish(fig, "Vision-stage selectors on DINOv2 ViT-S/14 tokens (Fashion-MNIST): mean of the kept tokens", path)
 
 
 def render_vit_real(paths: list[str | Path]) -> str:

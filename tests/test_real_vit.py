@@ -69,16 +69,20 @@ def test_timm_conversion_equals_onnxruntime(model, photo_batch):
     assert (shifted - ref).abs().max() > 1e-2
 
 
+@torch.no_grad()
+def pruned_run(model, method, x):
+    """(CLS features, ViT stats) of ``model`` wrapped with ``method`` on ``x``; unwrapped after."""
+    vlm_prune.wrap(model, method)
+    try:
+        return model(x), model.vlm_prune.last_stats["vit"]
+    finally:
+        vlm_prune.unwrap(model)
+
+
 @pytest.mark.parametrize("make", [lambda: ASViT(keep=1.0), lambda: ASViT(mode="threshold", thresholds=(-1.0,) * 3),
                                   lambda: ToMe(r=0)], ids=["asvit-keep1", "asvit-threshold-all", "tome-r0"])
 def test_keep_everything_equals_unpruned(model, photo_batch, unpruned_cls, make):
-    with torch.no_grad():
-        vlm_prune.wrap(model, make())
-        try:
-            got = model(photo_batch)
-            stats = model.vlm_prune.last_stats["vit"]
-        finally:
-            vlm_prune.unwrap(model)
+    got, stats = pruned_run(model, make(), photo_batch)
     assert stats["patches_out"] == 256
     torch.testing.assert_close(got, unpruned_cls, atol=1e-5, rtol=0)
 
@@ -88,13 +92,7 @@ def test_keep_everything_equals_unpruned(model, photo_batch, unpruned_cls, make)
 def test_pruned_runs_keep_the_budget(model, photo_batch, unpruned_cls, make, patches):
     """AS-ViT and ToMe run on the real weights through the timm adapter and leave the planned
     token count; the pruned CLS feature stays close to the unpruned one on a real photo."""
-    with torch.no_grad():
-        vlm_prune.wrap(model, make())
-        try:
-            got = model(photo_batch)
-            stats = model.vlm_prune.last_stats["vit"]
-        finally:
-            vlm_prune.unwrap(model)
+    got, stats = pruned_run(model, make(), photo_batch)
     assert stats["patches_out"] == patches and stats["flops_ratio"] < 0.9
     assert torch.nn.functional.cosine_similarity(got, unpruned_cls).min() > 0.5
 
