@@ -688,6 +688,28 @@ def summary_text(result: TuneResult) -> str:
 
 
 # ---- the entry point ----------------------------------------------------------------------------------
+def check_methods(model: str, methods: Sequence[str] | None) -> None:
+    """Before the model loads: some method of ``methods`` runs on the checkpoint's family (its
+    config.json's class; a checkpoint without a known class is left to the loader)."""
+    if not methods:
+        return
+    from transformers import AutoConfig
+
+    from vlm_prune.adapters import FAMILY_STAGES, family_of
+    from vlm_prune.eval import synthetic
+    from vlm_prune.registry import method_class
+
+    try:
+        architectures = AutoConfig.from_pretrained(
+            str(synthetic.model_path(model)) if model in TOY_MODELS else model).architectures or []
+    except (OSError, ValueError):
+        return
+    family = next(filter(None, map(family_of, architectures)), None)
+    if family is not None and all(method_class(m).refusal(family, FAMILY_STAGES[family]) for m in methods):
+        raise TuneError(f"no method applies to this {family} model among --methods {','.join(methods)}; see "
+                        "`vlm-prune methods` for the families each method runs on")
+
+
 def load_target(model: str, data: str | None, dataset: str | None, n: int, split: str, frames: int | str,
                 max_new_tokens: int, dist: Any) -> tuple[Any, Any, Any, dict[str, Any]]:
     """(model, processor, backend, identity) for ``model`` (a shipped toy model name, a folder or a
@@ -755,6 +777,7 @@ def tune(out: str, model: str = "image", *, data: str | None = None, dataset: st
     if any(not 0 < k <= 1 for k in keeps):
         raise TuneError(f"--keeps must lie in (0, 1], got {','.join(map(str, keeps))}")
     dist = sharding.current()
+    check_methods(model, methods)
     start_cpu = time.process_time()
     if loaded is not None:
         from vlm_prune.eval import synthetic
@@ -790,7 +813,10 @@ def tune(out: str, model: str = "image", *, data: str | None = None, dataset: st
     chosen, closest = recommend(front, goal)
     config_path = None
     if chosen is not None:
-        about = {"written_by": "vlm-prune tune", "model": identity["model"], "data": identity["data"],
+        from vlm_prune.eval.synthetic import model_path
+
+        checkpoint = str(model_path(model)) if model in TOY_MODELS else model
+        about = {"written_by": "vlm-prune tune", "model": checkpoint, "data": identity["data"],
                  "goal": goal.text(), "samples": chosen["n"], "accuracy": chosen["accuracy"],
                  "retention": chosen["retention"], "retention_interval": [chosen["retention_lower"], chosen["retention_upper"]],
                  "flops_ratio": chosen["flops_ratio"], "time_ratio": chosen["time_ratio"]}
