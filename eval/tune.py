@@ -141,7 +141,7 @@ def search_space(model: Any, processor: Any, keeps: Sequence[float], methods: Se
                  max_stages: int = 2, seed: int = 0) -> Space:
     """Every method (``methods``: these only) the model's adapter accepts, at each keep with its knob
     variants; on models with a frames stage the pipelines of up to ``max_stages`` stages (frames
-    first, one method per stage, default knobs). Each candidate is wrapped and unwrapped once here:
+    first, one single-stage method per stage, default knobs). Each candidate is wrapped and unwrapped once here:
     what wrap() refuses is listed as skipped."""
     import vlm_prune
     from vlm_prune.adapters import find_adapter
@@ -172,9 +172,10 @@ def search_space(model: Any, processor: Any, keeps: Sequence[float], methods: Se
         ((n, kv),) for n in names for kv in method_variants(n, n_layers)]
     if "frames" in adapter.stages and max_stages > 1:
         by_stage: dict[str, list[str]] = {}
-        for n in names:
+        for n in names:  # methods spanning stages (HoliTom, PruneVid) take no partner
             stages = method_stages(n)
-            by_stage.setdefault("frames" if "frames" in stages else stages[0], []).append(n)
+            if len(stages) == 1:
+                by_stage.setdefault(stages[0], []).append(n)
         order = [s for s in ("frames", "vision", "vit", "llm") if s in by_stage]
         for k in range(2, max_stages + 1):
             for stages in itertools.combinations(order, k):
