@@ -10,16 +10,7 @@ import os
 from typing import Any
 
 from vlm_prune.cli import UsageError, method_list, module_doc, plain_doc, positive_float, positive_int
-
-
-def _keeps(text: str) -> tuple[float, ...]:
-    try:
-        values = tuple(float(v) for v in text.split(",") if v.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated fractions like 0.5,0.25, got {text!r}") from None
-    if not values or any(not 0 < v <= 1 for v in values):
-        raise argparse.ArgumentTypeError(f"keep fractions must lie in (0, 1], got {text!r}")
-    return values
+from vlm_prune.eval.bench_cli import _keeps
 
 
 def _model(text: str) -> str:

@@ -24,14 +24,6 @@ from vlm_prune.methods import FastV
 SPACE = dict(methods=["random", "pool", "divprune"], keeps=(0.5, 0.11), samples=32, quick=True)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def toy():
     return synthetic.load("image", 0)
