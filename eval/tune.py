@@ -611,6 +611,13 @@ def _fmt(value: Any, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
+def retention_text(e: dict[str, Any]) -> str:
+    """"0.981 [0.962, 1.000]", or "-" when the unpruned model answered nothing right (no ratio)."""
+    if e["retention"] is None:
+        return "-"
+    return f"{e['retention']:.3f} [{e['retention_lower']:.3f}, {e['retention_upper']:.3f}]"
+
+
 def front_table(result: TuneResult) -> str:
     """The front as Markdown, the unpruned model first, the recommendation marked."""
     b = result.baseline
@@ -619,8 +626,7 @@ def front_table(result: TuneResult) -> str:
     lines = [head, f"| unpruned | {b['accuracy']:.3f} | 1 | 1 | {_fmt(b.get('visual_tokens'), '.0f')} | 1 | |"]
     chosen = result.recommended["setting"] if result.recommended else None
     for e in result.front:
-        ret = (f"{e['retention']:.3f} [{e['retention_lower']:.3f}, {e['retention_upper']:.3f}]"
-               if e["retention"] is not None else "-")
+        ret = retention_text(e)
         mark = "**recommended**" if e["setting"] == chosen else ("yes" if meets(e, result.goal) else "no")
         lines.append(f"| {e['setting']} | {e['accuracy']:.3f} | {ret} | {e['flops_ratio']:.3f} | "
                      f"{_fmt(e['visual_tokens'], '.1f')} | {_fmt(e['time_ratio'], '.3f')} | {mark} |")
@@ -669,14 +675,13 @@ def summary_text(result: TuneResult) -> str:
     lines = [f"goal: {result.goal.text()}", "", front_table(result), ""]
     if result.recommended:
         r = result.recommended
-        lines.append(f"recommended: {r['setting']}  accuracy {r['accuracy']:.3f}, retention {r['retention']:.3f} "
-                     f"(95% paired interval {r['retention_lower']:.3f} to {r['retention_upper']:.3f}, {r['n']} samples), "
-                     f"prefill FLOPs ratio {r['flops_ratio']:.3f}")
+        lines.append(f"recommended: {r['setting']}  accuracy {r['accuracy']:.3f}, retention {retention_text(r)} "
+                     f"(paired 95% interval, {r['n']} samples), prefill FLOPs ratio {r['flops_ratio']:.3f}")
         lines.append(f"config: {result.config_path}")
     else:
         lines.append("no setting on the front meets the goal; the closest:")
         for e in result.closest:
-            lines.append(f"  {e['setting']}: retention {e['retention']:.3f} (lower end {e['retention_lower']:.3f}), "
+            lines.append(f"  {e['setting']}: accuracy {e['accuracy']:.3f}, retention {retention_text(e)}, "
                          f"FLOPs ratio {e['flops_ratio']:.3f}")
     for c in result.compositions:
         lines.append(f"keep {c['keep']:g}: the best pipeline {c['composition']} {c['verdict']} the best single method "

@@ -77,37 +77,42 @@ def test_config_errors_name_the_field(raw, needle):
     assert needle in str(err.value)
 
 
-def test_eval_and_serve_take_the_config(toy, tmp_path, capsys):
-    """eval --config answers as wrap() with the config's method and knob; serve --config gives the
-    same vLLM command as --method / --keep."""
+def test_tune_on_a_dataset_then_eval_and_serve_take_its_config(toy, tmp_path, capsys):
+    """tune on a harness layout writes a config; eval --config answers as tune did and as wrap()
+    with that config; serve --config gives the same vLLM command as --method / --keep."""
     from eval_tiny import write_image
+    from PIL import Image
     from vlm_prune.eval.answers import format_prompt
     from vlm_prune.eval.datasets import read_samples
     from vlm_prune.eval.runner import Predictor
 
     model, processor = toy
-    data = tmp_path / "data"
     with open(tmp_path / "qa.jsonl", "w") as f:
         for i in range(2):
-            write_image(str(data / f"{i}.png"), seed=i)
+            write_image(str(tmp_path / "data" / f"{i}.png"), seed=i)
             f.write(json.dumps({"id": f"q{i}", "image": f"data/{i}.png", "question": "which colour ?",
                                 "options": ["red", "blue"], "answer": "A"}) + "\n")
-    cfg = save_config(load_config({"methods": [{"method": "fastv", "layer": 1}], "keep": 0.25}), tmp_path / "c.json")
     ckpt = str(synthetic.model_path("image"))
-    rc, out, err = run_cli(["eval", "--model", ckpt, "--data", str(tmp_path), "--dataset", "image", "--config", cfg,
-                            "--max-new-tokens", "2", "--out", str(tmp_path / "run")], capsys)
+    data = ["--data", str(tmp_path), "--dataset", "image", "--max-new-tokens", "2"]
+    rc, out, err = run_cli(["tune", "--model", ckpt, *data, "--methods", "fastv", "--keeps", "0.25",
+                            "--max-flops", "0.99", "--out", str(tmp_path / "tune")], capsys)
     assert rc == 0, err
-    recs = {r["id"]: r for r in map(json.loads, open(tmp_path / "run" / "fastv-layer1_keep0.25" / "results.jsonl"))}
+    cfg = str(tmp_path / "tune" / "recommended.json")
+    assert f"config: {cfg}" in out and "recommended: fastv-layer" in out
+    label = load_config(cfg).label()
+    rc, out, err = run_cli(["eval", "--model", ckpt, *data, "--config", cfg, "--out", str(tmp_path / "run")], capsys)
+    assert rc == 0, err
+    recs = {r["id"]: r for r in map(json.loads, open(tmp_path / "run" / label / "results.jsonl"))}
+    tuned = {r["id"]: r for r in map(json.loads, open(tmp_path / "tune" / "runs" / label / "samples.rank0.jsonl"))}
     predictor = Predictor(model, processor, 2)
     for sample in read_samples("image", str(tmp_path)):
-        vlm_prune.wrap(model, FastV(layer=1), keep=0.25)
+        vlm_prune.wrap(model, config=cfg)
         try:
-            from PIL import Image
-
             gen = predictor.generate(format_prompt(sample), [Image.open(sample.media[0]).convert("RGB")], "image")
         finally:
             vlm_prune.unwrap(model)
         assert (recs[sample.id]["output"], recs[sample.id]["prefill_flops"]) == (gen.text, gen.prefill_flops)
+        assert (tuned[sample.id]["correct"], tuned[sample.id]["flops"]) == (recs[sample.id]["correct"], gen.prefill_flops)
     serve_cfg = save_config(load_config({"methods": [{"method": "divprune"}], "keep": 0.25, "seed": 2}), tmp_path / "s.json")
     rc, by_config, err = run_cli(["serve", ckpt, "--config", serve_cfg, "--dry-run"], capsys)
     assert rc == 0, err
