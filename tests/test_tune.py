@@ -209,3 +209,18 @@ def test_bad_goals_are_one_line_errors(capsys, tmp_path):
     with pytest.raises(TuneError, match="--keeps"):
         tune(str(tmp_path), keeps=(0.0,))
     assert PruneConfig((("random", ()),), keep=0.5).label() == "random_keep0.5"
+
+
+def test_results_section_from_the_benchmark_files(tmp_path):
+    from vlm_prune.eval.tune_bench import render_tune_results
+
+    run = {"front": [], "recommended": "pool_keep0.25", "calls": 100, "cpu_s": 10.0, "rungs": [], "candidates": 12,
+           "goal": "retention >= 0.95", "baseline_accuracy": 0.7, "compositions": []}
+    result = {"kind": "image", "search": run, "grid": {**run, "calls": 400, "cpu_s": 40.0}, "grid_front_found": 3,
+              "grid_front_size": 4, "same_recommendation": True, "calls_fraction": 0.25, "cpu_fraction": 0.25}
+    path = tmp_path / "tune-image.json"
+    path.write_text(json.dumps({"meta": {"mode": "tune", "command": "python -m vlm_prune.eval.tune_bench", "code": "x",
+                                         "machine": "m", "date": "d"}, "result": result}))
+    text = render_tune_results([str(path)])
+    assert ("| synthetic-image | 12 | retention >= 0.95 | 3 of 4 | yes | pool_keep0.25 | 100 / 400 (0.25) | "
+            "10 / 40 (0.25) |") in text
