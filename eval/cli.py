@@ -63,6 +63,9 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dataset", required=True, choices=sorted(LOADERS), help="layout of --data")
     p.add_argument("--method", default="none",
                    help="comma-separated settings; '+' joins stages: none,random,quota+pact (default none)")
+    p.add_argument("--config", action="append", default=[], metavar="PATH",
+                   help="a config file (docs/config.md; what vlm-prune tune writes): one more setting, methods with "
+                        "their knobs and budget; repeatable; evaluated beside --method (default: none, the baseline)")
     p.add_argument("--keep", type=_floats, default=[], help="kept fractions to sweep, e.g. 1.0,0.5,0.25,0.11")
     p.add_argument("--budget", type=_ints, default=[], help="visual tokens kept per image/frame, to sweep")
     p.add_argument("--frames", type=_frames, default=32, help="frames per video, or 'quota' (default 32)")
@@ -109,7 +112,7 @@ def run(args: argparse.Namespace) -> int:
         skip_missing=args.skip_missing, max_new_tokens=args.max_new_tokens, dtype=args.dtype,
         device_map=args.device_map, attn_implementation=args.attn_implementation, seed=args.seed,
         decode_timeout=args.decode_timeout, decode_workers=args.decode_workers,
-        subtitles=args.subtitles, sync_timeout_min=args.sync_timeout,
+        subtitles=args.subtitles, sync_timeout_min=args.sync_timeout, configs=args.config,
     )
     try:
         rows = run_eval(cfg)

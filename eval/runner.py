@@ -325,6 +325,9 @@ class EvalConfig:
     #: minutes a rank waits for the others at the final sync (several processes; sharding.barrier)
     sync_timeout_min: float = sharding.SYNC_TIMEOUT_MIN
 
+    #: config files (vlm_prune.config), each one more setting of the sweep
+    configs: list[str] = field(default_factory=list)
+
     def __post_init__(self) -> None:  # paths may come as pathlib.Path
         self.model, self.data, self.out = os.fspath(self.model), os.fspath(self.data), os.fspath(self.out)
 
@@ -337,12 +340,18 @@ class Setting:
     keep: float | None = None
     budget: int | None = None
     subtitles: bool = False  # Video-MME "w/ subs": the frame-aligned subtitles in the prompt
+    #: a config file's setting (``--config``), as canonical JSON (vlm_prune.config.PruneConfig.to_json)
+    config: str | None = None
 
     @property
     def name(self) -> str:
         suffix = "_subs" if self.subtitles else ""
         if self.method == "none":
             return "none" + suffix
+        if self.config is not None:
+            from vlm_prune.config import load_config
+
+            return load_config(json.loads(self.config)).label() + suffix
         amount = f"keep{self.keep:g}" if self.keep is not None else f"budget{self.budget}"
         return f"{self.method}_{amount}{suffix}"
 
@@ -365,12 +374,33 @@ def settings(cfg: EvalConfig) -> list[Setting]:
         except (ValueError, TypeError) as err:
             raise EvalConfigError(f"--method {method!r}: {err}") from None
         out += plan
+    out += [config_setting(path) for path in cfg.configs]
     if cfg.subtitles not in SUBTITLES:
         raise EvalConfigError(f"subtitles must be one of {', '.join(SUBTITLES)}, got {cfg.subtitles!r}")
     if cfg.subtitles != "without" and cfg.dataset != "videomme":
         raise EvalConfigError(f"--subtitles {cfg.subtitles} applies to --dataset videomme only, not {cfg.dataset}")
     with_subs = [replace(st, subtitles=True) for st in out]
     return {"without": out, "with": with_subs, "both": [x for pair in zip(out, with_subs) for x in pair]}[cfg.subtitles]
+
+
+def config_setting(path: str) -> Setting:
+    """The setting of a config file (``--config``), validated now."""
+    from vlm_prune.config import ConfigError, load_config
+
+    try:
+        pc = load_config(path)
+    except ConfigError as err:
+        raise EvalConfigError(f"--{err}") from None
+    return Setting(pc.pipeline, keep=pc.keep, budget=pc.budget, config=pc.to_json())
+
+
+def wrap_setting(model: torch.nn.Module, setting: Setting, processor: Any, seed: int = 0) -> None:
+    """wrap() ``model`` for ``setting`` (a config's setting with its own seed)."""
+    if setting.config is not None:
+        vlm_prune.wrap(model, config=json.loads(setting.config), processor=processor)
+    else:
+        vlm_prune.wrap(model, setting.method.split("+"), keep=setting.keep, budget=setting.budget,
+                       processor=processor, seed=seed)
 
 
 def spread(samples: list[Sample], limit: int | None) -> list[Sample]:
@@ -413,8 +443,7 @@ def check_settings(model: torch.nn.Module, plan: list[Setting], processor: Any, 
         if setting.method == "none":
             continue
         try:
-            vlm_prune.wrap(model, setting.method.split("+"), keep=setting.keep, budget=setting.budget,
-                           processor=processor, seed=seed)
+            wrap_setting(model, setting, processor, seed)
         except (ValueError, TypeError) as err:
             raise EvalConfigError(f"--method {setting.method}: {err}") from None
         vlm_prune.unwrap(model)
@@ -575,8 +604,7 @@ def _answer(predictor: Predictor, sample: Sample, setting: Setting, visuals: Vis
     model = predictor.model
     try:
         if setting.method != "none":
-            vlm_prune.wrap(model, setting.method.split("+"), keep=setting.keep, budget=setting.budget,
-                           processor=processor, seed=cfg.seed)
+            wrap_setting(model, setting, processor, cfg.seed)
         try:
             gen = predictor.generate(format_prompt(sample, _subtitles(sample, visuals) if setting.subtitles else None),
                                      visuals.items, sample.media_type, times=visuals.times)
@@ -651,7 +679,8 @@ def run_eval(
         run_dirs[setting.name] = os.path.join(cfg.out, setting.name)
         identity = {"model": cfg.model, "dataset": cfg.dataset, "data": os.path.abspath(cfg.data),
                     "split": cfg.split, "frames": cfg.frames, "max_new_tokens": cfg.max_new_tokens,
-                    "seed": cfg.seed, "prompt": prompt_style(cfg.dataset), **asdict(setting)}
+                    "seed": cfg.seed, "prompt": prompt_style(cfg.dataset),
+                    **{k: v for k, v in asdict(setting).items() if k != "config" or v is not None}}
         _check_run_dir(run_dirs[setting.name], identity, dist)
     evaluate_samples(model, processor, plan, present, run_dirs, cfg, dist)
     sharding.barrier(dist, cfg.sync_timeout_min)

@@ -283,7 +283,7 @@ def test_serve_error_paths_come_before_vllm(capsys, tmp_path):
                        "Did you mean 'pact'?")
     assert_usage_error(["serve", model, "--method", "pact", "--keep", "0.5"], capsys, "inside the language model",
                        "vision-stage method")
-    assert_usage_error(["serve", model, "--method", "divprune"], capsys, "--keep --budget is required")
+    assert_usage_error(["serve", model, "--method", "divprune"], capsys, "give --method with --keep or --budget, or --config")
     assert_usage_error(["serve", model, "--method", "divprune", "--keep", "2"], capsys, "--keep", "(0, 1]")
     assert_usage_error(["serve", model, "--method", "divprune", "--budget", "0"], capsys, "--budget")
     assert_usage_error(["serve", model, "--method", "divprune", "--keep", "0.5", "--vllm", "'--port"], capsys,

@@ -18,6 +18,7 @@ _EXPORTS = {
     "register": "vlm_prune.registry",
     "describe_methods": "vlm_prune.registry",
     "select_frames": "vlm_prune.frames.select",
+    "tune": "vlm_prune.eval.tune",
 }
 __all__ = [*_EXPORTS, "__version__"]
 __version__ = "0.1.0"

@@ -130,6 +130,7 @@ def wrap(
     tokens: Any = None,
     processor: Any = None,
     seed: int = 0,
+    config: Any = None,
 ) -> torch.nn.Module:
     """Patch ``model`` (this instance only) to prune visual tokens; returns the same object.
 
@@ -151,8 +152,22 @@ def wrap(
         processor: the model's processor (tokenizer, image processor); frame methods that
             prompt the model (QuoTA) need it.
         seed: seed of methods that sample (random).
+        config: a config file (path), its dict, or a ``vlm_prune.config.PruneConfig``: methods with
+            their knobs, keep / budget and seed in one place (docs/config.md; what ``vlm-prune tune``
+            writes). It replaces method, frames, tokens, keep, budget and seed.
     """
     from vlm_prune.adapters import find_adapter
+
+    if config is not None:
+        given = [k for k, v in (("method", method), ("frames", frames), ("tokens", tokens), ("keep", keep),
+                                ("budget", budget)) if v is not None] + (["seed"] if seed != 0 else [])
+        if given:
+            raise ValueError(f"wrap(config=...) takes the methods, budget and seed from the config; "
+                             f"drop {', '.join(given)} or leave out config")
+        from vlm_prune.config import load_config
+
+        cfg = load_config(config)
+        method, keep, budget, seed = cfg.build(), cfg.keep, cfg.budget, cfg.seed
 
     if getattr(model, "vlm_prune", None) is not None:
         raise RuntimeError(

@@ -23,6 +23,7 @@ SUBCOMMANDS = {
     "methods": ("vlm_prune.cli_methods", "list the pruning methods: name, stage, what each does, paper"),
     "bench": ("vlm_prune.eval.bench_cli", "every method on the shipped synthetic models: accuracy, tokens, FLOPs, time"),
     "eval": ("vlm_prune.eval.cli", "evaluate a model and pruning methods on a video / image QA dataset"),
+    "tune": ("vlm_prune.eval.tune_cli", "search methods and budgets for a quality floor / cost ceiling; write a config"),
     "keyframes": ("vlm_prune.frames.cli", "choose keyframes of videos with KeyScore + STACFP (or uniformly)"),
     "demo": ("vlm_prune.demo.cli", "launch the Gradio demo: what a method prunes, and what it saves"),
     "serve": ("vlm_prune.vllm.serve", "serve a VLM pruned inside vLLM's OpenAI-compatible server (docs/vllm.md)"),

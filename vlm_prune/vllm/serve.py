@@ -25,12 +25,15 @@ def add_parser(sub: Any) -> None:
     p = sub.add_parser("serve", help="serve a VLM with vLLM's OpenAI-compatible server, pruned",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model", help="local checkpoint folder (save_pretrained output) of a supported model")
-    p.add_argument("--method", required=True, help="vision-stage method: random, pool, divprune, cdpruner, visionzip; "
+    p.add_argument("--method", help="vision-stage method: random, pool, divprune, cdpruner, visionzip; "
                    "on video models also the frames methods uniform, keyscore (QuoTA: per request, docs/vllm.md)")
-    group = p.add_mutually_exclusive_group(required=True)
+    group = p.add_mutually_exclusive_group()
     group.add_argument("--keep", type=fraction, help="fraction of each image's visual tokens kept, in (0, 1]")
     group.add_argument("--budget", type=positive_int, help="visual tokens kept per image")
     p.add_argument("--seed", type=int, default=0, help="seed of methods that sample (random)")
+    p.add_argument("--config", metavar="PATH",
+                   help="a config file (docs/config.md, what vlm-prune tune writes) instead of --method / --keep / "
+                        "--budget / --seed: one method, its knobs and budget")
     p.add_argument("--dry-run", action="store_true", help="print the vllm serve command instead of running it")
     p.add_argument("--vllm", default="", metavar="OPTIONS",
                    help="options passed to `vllm serve` as they are, one quoted string: --vllm '--port 8001'")
@@ -50,6 +53,28 @@ def serve_argv(model: str, method: str, *, keep: float | None = None, budget: in
     return argv + list(extra or [])
 
 
+def config_method(args: argparse.Namespace) -> tuple[Any, float | None, int | None, int]:
+    """(method, keep, budget, seed) from ``--config`` or from ``--method`` with ``--keep`` / ``--budget``."""
+    from vlm_prune.cli import UsageError
+
+    if args.config is None:
+        if args.method is None or (args.keep is None and args.budget is None):
+            raise UsageError("give --method with --keep or --budget, or --config PATH (a config file)")
+        return args.method, args.keep, args.budget, args.seed
+    if args.method is not None or args.keep is not None or args.budget is not None or args.seed != 0:
+        raise UsageError("--config holds the method, budget and seed; drop --method / --keep / --budget / --seed")
+    from vlm_prune.config import ConfigError, load_config
+
+    try:
+        cfg = load_config(args.config)
+    except ConfigError as err:
+        raise UsageError(str(err)) from None
+    if len(cfg.methods) != 1:
+        raise UsageError(f"config {args.config}: the server runs one method per engine, this config has the "
+                         f"pipeline {cfg.pipeline}; serve one of its methods, or evaluate the pipeline with wrap()")
+    return cfg.build()[0], cfg.keep, cfg.budget, cfg.seed
+
+
 def run(args: argparse.Namespace) -> int:
     from vlm_prune.cli import UsageError
 
@@ -57,8 +82,9 @@ def run(args: argparse.Namespace) -> int:
         extra = shlex.split(args.vllm)
     except ValueError as err:  # an unclosed quote
         raise UsageError(f"--vllm {args.vllm!r}: {err}; pass vLLM's options as one quoted string") from None
+    method, keep, budget, seed = config_method(args)
     try:
-        argv = serve_argv(args.model, args.method, keep=args.keep, budget=args.budget, seed=args.seed, extra=extra)
+        argv = serve_argv(args.model, method, keep=keep, budget=budget, seed=seed, extra=extra)
     except (ValueError, FileNotFoundError) as err:
         raise UsageError(str(err)) from None
     if args.dry_run:

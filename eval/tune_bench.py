@@ -1,0 +1,151 @@
+"""The tuner against the exhaustive grid on the shipped toy models, and its results section.
+
+    python -m vlm_prune.eval.tune_bench --kinds image,video --work runs/tune-bench --results results/tune
+
+For each kind it runs ``vlm_prune.tune`` twice into separate folders (nothing shared): the search,
+and ``grid=True`` (every setting on every sample). It records both fronts, how many of the grid's
+front points the search found, whether the recommendation is the same, and the cost of each in
+model answers and process CPU seconds, in ``results/tune/tune-<kind>.json`` with its provenance
+(``meta``: mode, command, code version, machine, date). :func:`render_tune_results` turns those
+files into the results page's Markdown section.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from typing import Any, Sequence
+
+MODE = "tune"
+
+
+def meta(command: Sequence[str]) -> dict[str, Any]:
+    """Provenance of a result file: the command, the code version (git commit, "+dirty" when the
+    checkout has changes), the machine (CPU model, cores), the date."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+    def git(*args: str) -> str:
+        try:
+            return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, check=True).stdout.strip()
+        except (OSError, subprocess.CalledProcessError):
+            return ""
+
+    code = git("rev-parse", "HEAD") or "unknown"
+    if git("status", "--porcelain", "--untracked-files=no"):
+        code += "+dirty"
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
+    except OSError:
+        pass
+    return {"mode": MODE, "command": " ".join(command), "code": code,
+            "machine": f"{cpu}, {os.cpu_count()} cores, {platform.system()}",
+            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%MZ")}
+
+
+def compare(kind: str, work: str, **kwargs: Any) -> dict[str, Any]:
+    """The search and the grid on the shipped ``kind`` model, each timed in process CPU seconds."""
+    from vlm_prune.eval.tune import tune
+
+    runs = {}
+    for name, grid in (("search", False), ("grid", True)):
+        start = time.process_time()
+        result = tune(os.path.join(work, f"{kind}-{name}"), kind, grid=grid, **kwargs)
+        runs[name] = {"front": [{k: e[k] for k in ("setting", "accuracy", "retention", "retention_lower",
+                                                   "retention_upper", "flops_ratio", "visual_tokens")}
+                                for e in result.front],
+                      "recommended": result.recommended["setting"] if result.recommended else None,
+                      "calls": result.cost["calls"], "cpu_s": time.process_time() - start,
+                      "rungs": result.rungs, "candidates": result.candidates, "goal": result.goal.text(),
+                      "baseline_accuracy": result.baseline["accuracy"], "compositions": result.compositions}
+    grid_front = {e["setting"] for e in runs["grid"]["front"]}
+    found = grid_front & {e["setting"] for e in runs["search"]["front"]}
+    return {"kind": kind, **runs, "grid_front_found": len(found), "grid_front_size": len(grid_front),
+            "same_recommendation": runs["search"]["recommended"] == runs["grid"]["recommended"],
+            "calls_fraction": runs["search"]["calls"] / runs["grid"]["calls"],
+            "cpu_fraction": runs["search"]["cpu_s"] / runs["grid"]["cpu_s"] if runs["grid"]["cpu_s"] else None}
+
+
+def render_tune_results(paths: Sequence[str]) -> str:
+    """The results page's section on the tuner from ``results/tune/*.json`` files."""
+    files = []
+    for path in sorted(paths):
+        with open(path, encoding="utf-8") as f:
+            files.append((path, json.load(f)))
+    return "\n".join(_section(files)) + "\n"
+
+
+def render(files: Sequence[Any], page: Any = None) -> list[str]:
+    """The same section for the report's registry: ``files`` with ``.path`` and ``.data``."""
+    return _section([(f.path, f.data) for f in files])
+
+
+def _section(files: list[tuple[str, dict[str, Any]]]) -> list[str]:
+    lines = ["### The tuner against the exhaustive grid", "",
+             "`vlm-prune tune` (successive halving with non-dominated sorting, docs/tune.md) against every setting "
+             "answered on every sample, on the shipped toy models and the synthetic validation split. Found: how "
+             "many of the grid's front points are on the search's front. Cost: model answers (each sample once "
+             "per setting, the unpruned model once) and process CPU seconds.", "",
+             "| model | settings | goal | grid front found | same recommendation | recommendation | answers (search / grid) | CPU s (search / grid) |",
+             "|---|---|---|---|---|---|---|---|"]
+    for path, data in files:
+        r = data["result"]
+        s, g = r["search"], r["grid"]
+        cpu = f"{s['cpu_s']:.0f} / {g['cpu_s']:.0f} ({r['cpu_fraction']:.2f})" if r.get("cpu_fraction") else "-"
+        lines.append(f"| synthetic-{r['kind']} | {s['candidates']} | {s['goal']} | {r['grid_front_found']} of "
+                     f"{r['grid_front_size']} | {'yes' if r['same_recommendation'] else 'no'} | "
+                     f"{s['recommended'] or '(none meets the goal)'} | {s['calls']} / {g['calls']} "
+                     f"({r['calls_fraction']:.2f}) | {cpu} |")
+    lines.append("")
+    for path, data in files:
+        comps = data["result"]["grid"]["compositions"]
+        if comps:
+            lines.append(f"Pipelines against single methods on synthetic-{data['result']['kind']} (grid, paired 95% intervals):")
+            lines.append("")
+            for c in comps:
+                lines.append(f"- keep {c['keep']:g}: {c['composition']} {c['verdict']} {c['single']} "
+                             f"({100 * c['diff']:+.1f} +- {100 * c['ci']:.1f} points, {c['n']} samples)")
+            lines.append("")
+    lines.append("Commands: " + "; ".join(f"`{data['meta']['command']}` ({os.path.basename(path)})" for path, data in files))
+    return lines
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m vlm_prune.eval.tune_bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--kinds", default="image,video", help="shipped toy models to run (default image,video)")
+    p.add_argument("--work", required=True, help="folder for the two runs per kind (answers cached there)")
+    p.add_argument("--results", default="results/tune", help="where tune-<kind>.json goes")
+    p.add_argument("--samples", type=int, default=None, help="tuning set size (default: the tuner's, 288)")
+    p.add_argument("--keeps", default=None, help="keeps searched, e.g. 0.5,0.25,0.11 (default: the tuner's)")
+    p.add_argument("--methods", default=None, help="methods searched (default: all the model accepts)")
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
+    args = p.parse_args(argv)
+    import torch
+
+    torch.set_num_threads(args.threads)
+    os.makedirs(args.results, exist_ok=True)
+    kwargs: dict[str, Any] = {"samples": args.samples}
+    if args.keeps:
+        kwargs["keeps"] = tuple(float(k) for k in args.keeps.split(","))
+    if args.methods:
+        kwargs["methods"] = args.methods.split(",")
+    for kind in args.kinds.split(","):
+        result = compare(kind, args.work, **kwargs)
+        path = os.path.join(args.results, f"tune-{kind}.json")
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump({"meta": meta([os.path.basename(sys.executable), "-m", "vlm_prune.eval.tune_bench",
+                                     *(argv if argv is not None else sys.argv[1:])]), "result": result}, f, indent=1)
+        print(f"{path}: grid front found {result['grid_front_found']} of {result['grid_front_size']}, same "
+              f"recommendation {result['same_recommendation']}, answers {result['calls_fraction']:.2f} of the grid's")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

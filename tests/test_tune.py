@@ -1,0 +1,226 @@
+"""``vlm-prune tune`` and the one config file: the config round-trips through wrap / eval / serve,
+the search finds the exhaustive grid's front on a small space, a killed run resumes to the same
+result, the recommendation holds on a held-out split, and bad goals are one-line usage errors."""
+from __future__ import annotations
+
+import glob
+import json
+import os
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+import vlm_prune
+from test_cli import assert_usage_error, run_cli
+from vlm_prune.config import ConfigError, PruneConfig, load_config, save_config
+from vlm_prune.eval import synthetic
+from vlm_prune.eval.tune import (Point, SyntheticBackend, TuneError, layers, pareto, point, rung_sizes, survivors,
+                                 tune)
+from vlm_prune.methods import FastV
+
+#: the small space of the search-vs-grid test: three vision methods at two keeps, 32 samples in rungs of 16 and 32
+SPACE = dict(methods=["random", "pool", "divprune"], keeps=(0.5, 0.11), samples=32, quick=True)
+
+
+@pytest.fixture(scope="module")
+def toy():
+    return synthetic.load("image", 0)
+
+
+@pytest.fixture(scope="module")
+def searched(toy, tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("search"))
+    return out, tune(out, "image", min_retention=0.8, loaded=toy, **SPACE)
+
+
+# ---- the config file -----------------------------------------------------------------------------------
+def test_config_round_trips_through_wrap(toy, tmp_path):
+    model, processor = toy
+    cfg = load_config({"methods": [{"method": "fastv", "layer": 1}], "keep": 0.25, "seed": 3})
+    path = save_config(cfg, tmp_path / "c.json", about={"note": "free"})
+    assert load_config(path) == cfg and json.load(open(path))["about"] == {"note": "free"}
+    samples = synthetic.make_dataset("image", "test", 4)
+    inputs = synthetic.encode(processor, samples)
+    with torch.no_grad():
+        vlm_prune.wrap(model, FastV(layer=1), keep=0.25, seed=3)
+        want = model(**inputs).logits
+        flops_want = model.vlm_prune.last_stats["visual_tokens_out"]
+        vlm_prune.unwrap(model)
+        vlm_prune.wrap(model, config=path)
+        got = model(**inputs).logits
+        assert model.vlm_prune.pipeline[0].layer == 1 and model.vlm_prune.seed == 3
+        assert model.vlm_prune.last_stats["visual_tokens_out"] == flops_want
+        vlm_prune.unwrap(model)
+        vlm_prune.wrap(model, FastV(layer=2), keep=0.25)
+        other = model(**inputs).logits
+        vlm_prune.unwrap(model)
+    assert torch.equal(got, want) and not torch.equal(got, other)  # the knob travelled
+    with pytest.raises(ValueError, match="drop keep"):
+        vlm_prune.wrap(model, config=path, keep=0.5)
+
+
+@pytest.mark.parametrize("raw, needle", [
+    ({"methods": [{"method": "fastv", "layr": 1}], "keep": 0.5}, "fastv has no knob layr"),
+    ({"methods": [{"method": "fastvv"}], "keep": 0.5}, "unknown method 'fastvv'"),
+    ({"methods": ["random"], "keep": 0.5, "budget": 4}, "not both"),
+    ({"methods": ["random"], "keep": 1.5}, "keep must be a fraction"),
+    ({"methods": ["random", "pool"], "keep": 0.5}, "both act in the 'vision' stage"),
+    ({"methods": ["random"], "keep": 0.5, "extra": 1}, "unknown key(s) extra"),
+    ({"methods": [], "keep": 0.5}, "non-empty list"),
+    ({"format": "vlm-prune-config/9", "methods": ["random"], "keep": 0.5}, "vlm-prune-config/1"),
+])
+def test_config_errors_name_the_field(raw, needle):
+    with pytest.raises(ConfigError) as err:
+        load_config(raw)
+    assert needle in str(err.value)
+
+
+def test_tune_on_a_dataset_then_eval_and_serve_take_its_config(toy, tmp_path, capsys):
+    """tune on a harness layout writes a config; eval --config answers as tune did and as wrap()
+    with that config; serve --config gives the same vLLM command as --method / --keep."""
+    from eval_tiny import write_image
+    from PIL import Image
+    from vlm_prune.eval.answers import format_prompt
+    from vlm_prune.eval.datasets import read_samples
+    from vlm_prune.eval.runner import Predictor
+
+    model, processor = toy
+    with open(tmp_path / "qa.jsonl", "w") as f:
+        for i in range(2):
+            write_image(str(tmp_path / "data" / f"{i}.png"), seed=i)
+            f.write(json.dumps({"id": f"q{i}", "image": f"data/{i}.png", "question": "which colour ?",
+                                "options": ["red", "blue"], "answer": "A"}) + "\n")
+    ckpt = str(synthetic.model_path("image"))
+    data = ["--data", str(tmp_path), "--dataset", "image", "--max-new-tokens", "2"]
+    rc, out, err = run_cli(["tune", "--model", ckpt, *data, "--methods", "fastv", "--keeps", "0.25",
+                            "--max-flops", "0.99", "--out", str(tmp_path / "tune")], capsys)
+    assert rc == 0, err
+    cfg = str(tmp_path / "tune" / "recommended.json")
+    assert f"config: {cfg}" in out and "recommended: fastv-layer" in out
+    label = load_config(cfg).label()
+    rc, out, err = run_cli(["eval", "--model", ckpt, *data, "--config", cfg, "--out", str(tmp_path / "run")], capsys)
+    assert rc == 0, err
+    recs = {r["id"]: r for r in map(json.loads, open(tmp_path / "run" / label / "results.jsonl"))}
+    tuned = {r["id"]: r for r in map(json.loads, open(tmp_path / "tune" / "runs" / label / "samples.rank0.jsonl"))}
+    predictor = Predictor(model, processor, 2)
+    for sample in read_samples("image", str(tmp_path)):
+        vlm_prune.wrap(model, config=cfg)
+        try:
+            gen = predictor.generate(format_prompt(sample), [Image.open(sample.media[0]).convert("RGB")], "image")
+        finally:
+            vlm_prune.unwrap(model)
+        assert (recs[sample.id]["output"], recs[sample.id]["prefill_flops"]) == (gen.text, gen.prefill_flops)
+        assert (tuned[sample.id]["correct"], tuned[sample.id]["flops"]) == (recs[sample.id]["correct"], gen.prefill_flops)
+    serve_cfg = save_config(load_config({"methods": [{"method": "divprune"}], "keep": 0.25, "seed": 2}), tmp_path / "s.json")
+    rc, by_config, err = run_cli(["serve", ckpt, "--config", serve_cfg, "--dry-run"], capsys)
+    assert rc == 0, err
+    rc, by_flags, _ = run_cli(["serve", ckpt, "--method", "divprune", "--keep", "0.25", "--seed", "2", "--dry-run"], capsys)
+    assert by_config == by_flags and '"method": "divprune"' in by_config
+    assert_usage_error(["serve", ckpt, "--config", cfg], capsys, "inside the language model")
+    assert_usage_error(["serve", ckpt, "--config", serve_cfg, "--keep", "0.5"], capsys, "--config holds")
+
+
+# ---- the search -----------------------------------------------------------------------------------------
+def pt(label: str, acc: list[int], flops: float) -> Point:
+    return Point(label, None, [str(i) for i in range(len(acc))], np.asarray(acc, float), 0, flops, None)
+
+
+def test_front_layers_and_survivors():
+    a, b, c, d = pt("a", [1, 1, 1, 0], 0.5), pt("b", [1, 1, 0, 0], 0.3), pt("c", [1, 0, 0, 0], 0.6), pt("d", [1, 1, 0, 0], 0.3)
+    assert [p.label for p in pareto([a, b, c, d], "flops")] == ["b", "d", "a"]  # c: a is better and cheaper
+    assert [[p.label for p in layer] for layer in layers([a, b, c, d], "flops")] == [["b", "d", "a"], ["c"]]
+    assert [p.label for p in survivors([a, b, c, d], "flops", eta=3)] == ["b", "d", "a"]
+    assert rung_sizes(48, 16, 3) == [16, 48] and rung_sizes(50, 16, 3) == [16, 48, 50] and rung_sizes(10, 16, 3) == [10]
+
+
+def fronts(result) -> list[tuple[str, float]]:
+    return [(e["setting"], round(e["accuracy"], 9)) for e in result.front]
+
+
+def chosen(result) -> dict:
+    """The recommendation without its prefill time ratio (measured anew by each run)."""
+    return {k: v for k, v in result.recommended.items() if k != "time_ratio"}
+
+
+def test_search_finds_the_grid_front_for_less(searched, toy, tmp_path):
+    out, result = searched
+    grid = tune(str(tmp_path), "image", min_retention=0.8, loaded=toy, grid=True, **SPACE)
+    assert fronts(result) == fronts(grid) and result.front
+    assert chosen(result) == chosen(grid)
+    assert result.cost["calls"] < grid.cost["calls"] == grid.cost["grid_calls"]
+    assert result.candidates == 6  # 3 methods x 2 keeps
+    first, last = result.rungs
+    assert (first["samples"], first["settings"], last["samples"], last["settings"]) == (16, 6, 32, first["kept"])
+    assert first["kept"] < 6
+    # the front is measured on every tuning sample, with the paired interval around the retention
+    for e in result.front:
+        assert e["n"] == 32 and e["retention_lower"] <= e["retention"] <= e["retention_upper"]
+    for name in ("tune.json", "front.md", "front.png", "recommended.json"):
+        assert os.path.exists(os.path.join(out, name))
+
+
+def test_recommendation_meets_the_goal_on_a_held_out_split(searched, toy):
+    _, result = searched
+    assert result.recommended is not None and result.recommended["retention_lower"] >= 0.8
+    model, processor = toy
+    held_out = synthetic.make_dataset("image", "test", 64, qtypes=synthetic.trained_qtypes("image", 0))
+    backend = SyntheticBackend(model, processor, held_out)
+    cfg = load_config(result.config_path)
+    pruned = [r["correct"] for r in backend.run(cfg, backend.ids)]
+    full = [r["correct"] for r in backend.run(None, backend.ids)]
+    assert np.mean(pruned) / np.mean(full) >= 0.8
+
+
+def test_resume_after_a_kill_gives_the_same_result(searched, toy, tmp_path):
+    """What a kill leaves: each setting's answers cut after the first rung, half a line torn off."""
+    out, result = searched
+    shutil.copytree(out, tmp_path, dirs_exist_ok=True)
+    os.remove(tmp_path / "tune.json")
+    cut = 0
+    for path in glob.glob(str(tmp_path / "runs" / "*" / "samples.rank0.jsonl")):
+        lines = open(path).readlines()
+        if len(lines) <= 16:  # a setting the first rung dropped
+            continue
+        cut += 1
+        with open(path, "w") as f:
+            f.writelines(lines[:16])
+            f.write(lines[16][:20])
+    assert cut >= 2  # the unpruned answers and at least one setting
+    again = tune(str(tmp_path), "image", min_retention=0.8, loaded=toy, **SPACE)
+    assert fronts(again) == fronts(result) and chosen(again) == chosen(result)
+    assert again.cost["calls"] == result.cost["calls"] and 0 < again.cost["calls_this_run"] < result.cost["calls"]
+
+
+def test_nothing_meets_an_impossible_goal(searched, toy):
+    out, _ = searched  # the cached answers: no model call
+    result = tune(out, "image", min_retention=0.8, max_flops=0.01, loaded=toy, **SPACE)
+    assert result.recommended is None and result.config_path is None and result.closest
+    assert result.cost["calls_this_run"] == 0
+
+
+def test_bad_goals_are_one_line_errors(capsys, tmp_path):
+    out = ["--out", str(tmp_path / "t")]
+    assert_usage_error(["tune", "--min-retention", "1.5", *out], capsys, "--min-retention must lie in (0, 1]")
+    assert_usage_error(["tune", "--max-flops", "2", *out], capsys, "--max-flops must lie in (0, 1]")
+    assert_usage_error(["tune", "--methods", "quota", "--quick", *out], capsys, "no method applies to this llava model")
+    assert_usage_error(["tune", "--methods", "fastvv", *out], capsys, "unknown method 'fastvv'")
+    with pytest.raises(TuneError, match="--keeps"):
+        tune(str(tmp_path), keeps=(0.0,))
+    assert PruneConfig((("random", ()),), keep=0.5).label() == "random_keep0.5"
+
+
+def test_results_section_from_the_benchmark_files(tmp_path):
+    from vlm_prune.eval.tune_bench import render_tune_results
+
+    run = {"front": [], "recommended": "pool_keep0.25", "calls": 100, "cpu_s": 10.0, "rungs": [], "candidates": 12,
+           "goal": "retention >= 0.95", "baseline_accuracy": 0.7, "compositions": []}
+    result = {"kind": "image", "search": run, "grid": {**run, "calls": 400, "cpu_s": 40.0}, "grid_front_found": 3,
+              "grid_front_size": 4, "same_recommendation": True, "calls_fraction": 0.25, "cpu_fraction": 0.25}
+    path = tmp_path / "tune-image.json"
+    path.write_text(json.dumps({"meta": {"mode": "tune", "command": "python -m vlm_prune.eval.tune_bench", "code": "x",
+                                         "machine": "m", "date": "d"}, "result": result}))
+    text = render_tune_results([str(path)])
+    assert ("| synthetic-image | 12 | retention >= 0.95 | 3 of 4 | yes | pool_keep0.25 | 100 / 400 (0.25) | "
+            "10 / 40 (0.25) |") in text
