@@ -46,6 +46,7 @@ from vllm.multimodal.processing import PromptReplacement, PromptUpdate
 from vlm_prune.methods.base import Method, VisionContext, item_generator
 from vlm_prune.methods.visionzip import TowerFeatures
 from vlm_prune.vllm.config import CLS_METHODS, TOWER_METHODS, SpecError, method_of, validate_spec
+from vlm_prune.vllm.safety import check_mm_kwargs, image_slots
 
 #: extra embedding channels carrying each kept token's position offset (base-64 digits: exact in
 #: bfloat16 too, up to 64**3 positions)
@@ -71,7 +72,12 @@ SPEC_KEY = "vlm_prune_spec"
 def spec_of(hf_config: Any, mm_kwargs: Mapping[str, object] | None = None) -> dict[str, Any]:
     """The request's spec (``mm_processor_kwargs={"vlm_prune": "<json>"}``), validated for this model
     by :func:`vlm_prune.vllm.config.validate_spec` (in vLLM's front end, before the engine sees the
-    request: a refusal is the request's HTTP 400), or the engine's."""
+    request: a refusal is the request's HTTP 400), or the engine's. The request's other keys must be
+    ones the operator allowed (:func:`vlm_prune.vllm.safety.check_mm_kwargs`)."""
+    try:
+        check_mm_kwargs(mm_kwargs or {}, hf_config)
+    except SpecError as err:
+        raise RequestSpecError(err) from None
     spec = (mm_kwargs or {}).get("vlm_prune")
     if spec is not None:
         try:
@@ -220,14 +226,6 @@ def reduced(method: Method, features: torch.Tensor, grid: tuple[int, int] | None
                          "vLLM's attention cannot weight; use a method that keeps or replaces tokens")
     idx = red.indices.to(features.device)
     return idx, features[idx] if red.features is None else red.features.to(features.dtype)
-
-
-def image_slots(method: Method, n: int) -> int:
-    """Placeholder slots of an image of ``n`` visual tokens: the count ``wrap()`` keeps, known before the
-    encoder runs (HiRED's official single-partition count without keep / budget: int(n rate))."""
-    if method.name == "hired" and method.keep is None and method.budget is None:
-        return min(n, int(n * method.rate))
-    return method.n_keep(n, 1)
 
 
 def check_cls_method(method: Method, hf_config: Any) -> None:

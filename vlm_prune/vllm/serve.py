@@ -31,6 +31,10 @@ def add_parser(sub: Any) -> None:
     group.add_argument("--keep", type=fraction, help="fraction of each image's visual tokens kept, in (0, 1]")
     group.add_argument("--budget", type=positive_int, help="visual tokens kept per image")
     p.add_argument("--seed", type=int, default=0, help="seed of methods that sample (random)")
+    p.add_argument("--allow-mm-kwargs", default="", metavar="KEYS",
+                   help="requests' mm_processor_kwargs keys allowed besides the pruning spec, each value checked: "
+                   "min_pixels, max_pixels (Qwen / GLM), fps (video models), do_image_splitting (Idefics3 / SmolVLM); "
+                   "every other key gets a 400 (docs/serving-safety.md)")
     p.add_argument("--dry-run", action="store_true", help="print the vllm serve command instead of running it")
     p.add_argument("--vllm", default="", metavar="OPTIONS",
                    help="options passed to `vllm serve` as they are, one quoted string: --vllm '--port 8001'")
@@ -38,12 +42,12 @@ def add_parser(sub: Any) -> None:
 
 
 def serve_argv(model: str, method: str, *, keep: float | None = None, budget: int | None = None, seed: int = 0,
-               extra: list[str] | None = None) -> list[str]:
+               extra: list[str] | None = None, allow_mm_kwargs: str = "") -> list[str]:
     """The arguments of vLLM's OpenAI server (``python -m vllm.entrypoints.openai.api_server``, what
     ``vllm serve`` runs) that serve ``model`` pruned."""
     from vlm_prune.vllm import engine_kwargs
 
-    kw = engine_kwargs(model, method, keep=keep, budget=budget, seed=seed)
+    kw = engine_kwargs(model, method, keep=keep, budget=budget, seed=seed, allow_mm_kwargs=allow_mm_kwargs)
     argv = ["--model", kw.pop("model"), "--hf-overrides", json.dumps(kw.pop("hf_overrides"), sort_keys=True)]
     for key, value in kw.items():
         argv += [f"--{key.replace('_', '-')}", str(value)]
@@ -58,7 +62,8 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as err:  # an unclosed quote
         raise UsageError(f"--vllm {args.vllm!r}: {err}; pass vLLM's options as one quoted string") from None
     try:
-        argv = serve_argv(args.model, args.method, keep=args.keep, budget=args.budget, seed=args.seed, extra=extra)
+        argv = serve_argv(args.model, args.method, keep=args.keep, budget=args.budget, seed=args.seed, extra=extra,
+                          allow_mm_kwargs=args.allow_mm_kwargs)
     except (ValueError, FileNotFoundError) as err:
         raise UsageError(str(err)) from None
     if args.dry_run:
