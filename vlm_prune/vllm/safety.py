@@ -68,16 +68,17 @@ def engine_float(value: float) -> str | None:
 
 
 # ---- the dry run -------------------------------------------------------------------------------------
-def _features(shape: tuple[int, ...], dtype: Any, zero: bool) -> Any:
+def _features(shape: tuple[int, ...], dtype: Any, fill: int | None) -> Any:
+    """Zeros (``fill`` None) or Gaussian values of seed ``fill``."""
     import torch
 
-    if zero:
+    if fill is None:
         return torch.zeros(shape, dtype=dtype)
-    return torch.randn(shape, generator=torch.Generator().manual_seed(0)).to(dtype)
+    return torch.randn(shape, generator=torch.Generator().manual_seed(fill)).to(dtype)
 
 
 def _video_once(method: Any, spec: dict[str, Any], frames: int, per_frame: int, grid: tuple[int, int],
-                unpooled_grid: tuple[int, int] | None, dim: int, dtype: Any, zero: bool) -> int:
+                unpooled_grid: tuple[int, int] | None, dim: int, dtype: Any, fill: int | None) -> int:
     import torch
 
     from vlm_prune.vllm.frames import frames_plan, frames_slots, quota_phase
@@ -87,15 +88,15 @@ def _video_once(method: Any, spec: dict[str, Any], frames: int, per_frame: int, 
         return slots  # pass 1 (or nothing to score): the video runs unpruned
     unpooled = None
     if unpooled_grid is not None:
-        unpooled = _features((frames, unpooled_grid[0] * unpooled_grid[1], dim), dtype, zero)
+        unpooled = _features((frames, unpooled_grid[0] * unpooled_grid[1], dim), dtype, fill)
 
     def tower(frame: int) -> tuple[torch.Tensor, torch.Tensor]:
-        attention = torch.softmax(_features((per_frame,), torch.float32, zero), dim=0)
-        return attention.to(dtype), _features((per_frame, 8), dtype, zero)
+        attention = torch.softmax(_features((per_frame,), torch.float32, fill), dim=0)
+        return attention.to(dtype), _features((per_frame, 8), dtype, fill)
 
-    frames_plan(method, _features((frames, per_frame, dim), dtype, zero), grid, spec=spec, unpooled=unpooled,
-                unpooled_grid=unpooled_grid, text_features=_features((3, dim), dtype, zero), tower_attention=tower,
-                pixels=_features((frames, 3, 16, 16), torch.float32, zero))
+    frames_plan(method, _features((frames, per_frame, dim), dtype, fill), grid, spec=spec, unpooled=unpooled,
+                unpooled_grid=unpooled_grid, text_features=_features((3, dim), dtype, fill), tower_attention=tower,
+                pixels=_features((frames, 3, 16, 16), torch.float32, fill))
     return slots
 
 
@@ -108,33 +109,39 @@ def image_slots(method: Any, n: int) -> int:
 
 
 def _image_once(method: Any, spec: dict[str, Any], n: int, grid: tuple[int, int] | None, dim: int, dtype: Any,
-                zero: bool) -> int:
+                fill: int | None) -> int:
     import torch
 
     from vlm_prune.methods.base import VisionContext, item_generator
     from vlm_prune.methods.visionzip import TowerFeatures
 
-    features = _features((n, dim), dtype, zero)
-    attention = torch.softmax(_features((n,), torch.float32, zero), dim=0).to(dtype)
-    tower = TowerFeatures(features, _features((dim,), dtype, zero), lambda x: x,
-                          lambda: (_features((n + 1, dim), dtype, zero), _features((n + 1, dim), dtype, zero)))
+    features = _features((n, dim), dtype, fill)
+    attention = torch.softmax(_features((n,), torch.float32, fill), dim=0).to(dtype)
+    tower = TowerFeatures(features, _features((dim,), dtype, fill), lambda x: x,
+                          lambda: (_features((n + 1, dim), dtype, fill), _features((n + 1, dim), dtype, fill)))
     slots = image_slots(method, n)
-    ctx = VisionContext(features=features, n_keep=slots, grid=grid, text_embeds=_features((3, dim), dtype, zero),
-                        tower_attention=lambda: (attention, _features((n, 8), dtype, zero), tower),
+    ctx = VisionContext(features=features, n_keep=slots, grid=grid, text_embeds=_features((3, dim), dtype, fill),
+                        tower_attention=lambda: (attention, _features((n, 8), dtype, fill), tower),
                         generator=item_generator(int(spec.get("seed", 0)), 0))
     with torch.no_grad():
         red = method.reduce_image(ctx)
     if red.indices.numel() != slots:
         raise RuntimeError(f"{method.name} kept {red.indices.numel()} tokens of the image, its slots are {slots}")
+    if red.sizes is not None:
+        raise ValueError(f"method {method.name!r} merges tokens with sizes, which vLLM's attention cannot weight")
     return slots
+
+
+def run_synthetic(kind: str, spec: dict[str, Any], shape: tuple[Any, ...], dtype: Any, fill: int | None) -> int:
+    """The slots of one image / video (``kind``) of ``shape`` ((frames, per_frame, grid, unpooled_grid, dim) /
+    (n, grid, dim)) after the spec's method ran on synthetic maps of ``dtype``: zeros (``fill`` None) or Gaussian
+    of seed ``fill``; it raises what the engine would raise."""
+    method = method_of({k: v for k, v in spec.items() if k != "quota"})
+    return (_video_once if kind == "video" else _image_once)(method, spec, *shape, dtype, fill)
 
 
 def _run(kind: str, spec: dict[str, Any], shape: tuple[Any, ...], dtype: Any) -> int:
-    method = method_of({k: v for k, v in spec.items() if k != "quota"})
-    slots = 0
-    for zero in (False, True):
-        slots = (_video_once if kind == "video" else _image_once)(method, spec, *shape, dtype, zero)
-    return slots
+    return [run_synthetic(kind, spec, shape, dtype, fill) for fill in (0, None)][0]
 
 
 @functools.lru_cache(maxsize=DRY_RUN_CACHE)
