@@ -432,3 +432,58 @@ def test_a_spec_above_the_size_limit_or_nested_deep_is_refused():
     for raw in ("[" * 900 + "]" * 900, '{"method": ' + "[" * 5000 + "]" * 5000 + "}", deep):
         with pytest.raises(SpecError, match="nested too deeply|a spec is a JSON object|method name is required"):
             validate_spec(raw)
+
+
+def test_serve_allows_named_mm_kwargs_and_refuses_the_rest_at_start_up(checkpoint, tmp_path, capsys):
+    """`vlm-prune serve --allow-mm-kwargs`: the keys travel in hf_overrides; geometry keys, unknown keys and keys
+    the model's processor does not take fail at start-up (exit 2) with a one-line reason; --help shows the flag."""
+    import shlex
+
+    from vlm_prune.cli import main
+    from vlm_prune.vllm.safety import ALLOW_KEY
+
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": [QWEN]}))
+    assert main(["serve", str(tmp_path), "--method", "pool", "--keep", "0.5", "--allow-mm-kwargs",
+                 "min_pixels, max_pixels,fps", "--dry-run"]) == 0
+    argv = shlex.split(capsys.readouterr().out)
+    assert json.loads(argv[argv.index("--hf-overrides") + 1])[ALLOW_KEY] == ["min_pixels", "max_pixels", "fps"]
+    for model, keys, reason in [(tmp_path, "patch_size", "sets the processor's geometry"),
+                                (checkpoint, "crop_size", "sets the processor's geometry"),
+                                (tmp_path, "min_pixels,foo", "vlm_prune checks only min_pixels"),
+                                (checkpoint, "max_pixels", "LlavaForConditionalGeneration's processor does not take it"),
+                                (checkpoint, "fps", "does not take it")]:
+        assert main(["serve", str(model), "--method", "pool", "--keep", "0.5", "--allow-mm-kwargs", keys,
+                     "--dry-run"]) == 2
+        err = capsys.readouterr().err
+        assert f"--allow-mm-kwargs {keys.split(',')[-1]}: " in err and reason in err, err
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    assert "--allow-mm-kwargs" in capsys.readouterr().out
+
+
+def test_other_mm_kwargs_are_refused_unless_allowed_and_checked():
+    """A request's mm_processor_kwargs besides the spec: refused naming the key unless the operator allowed it;
+    allowed values are checked (min / max pixels within one merged patch .. 16384 of them, min <= max; fps in
+    (0, 60]; do_image_splitting a boolean)."""
+    from types import SimpleNamespace
+
+    from vlm_prune.vllm.config import SpecError
+    from vlm_prune.vllm.safety import ALLOW_KEY, check_mm_kwargs
+
+    qwen = SimpleNamespace(vision_config=SimpleNamespace(patch_size=14, spatial_merge_size=2),
+                           **{ALLOW_KEY: ["min_pixels", "max_pixels", "fps"]})
+    check_mm_kwargs({"vlm_prune": "{}", "min_pixels": 784, "max_pixels": 16384 * 784, "fps": 60}, qwen)
+    check_mm_kwargs({"vlm_prune": "{}"}, SimpleNamespace())
+    for kwargs, field, message in [
+            ({"patch_size": 8}, "patch_size", "not accepted"), ({"crop_size": 64}, "crop_size", "not accepted"),
+            ({"do_resize": False}, "do_resize", "also allows min_pixels, max_pixels, fps"),
+            ({"min_pixels": 783}, "min_pixels", "[one merged patch"), ({"max_pixels": 16384 * 784 + 1}, "max_pixels", ""),
+            ({"max_pixels": 2.5e6}, "max_pixels", "got 2500000.0"), ({"max_pixels": True}, "max_pixels", ""),
+            ({"min_pixels": 5000, "max_pixels": 4000}, "min_pixels", "above max_pixels"),
+            ({"fps": 0}, "fps", "in (0, 60]"), ({"fps": 1e308}, "fps", ""), ({"fps": float("nan")}, "fps", ""),
+            ({"fps": "2"}, "fps", "got '2'")]:
+        with pytest.raises(SpecError) as err:
+            check_mm_kwargs(kwargs, qwen)
+        assert err.value.field == f"mm_processor_kwargs.{field}" and message in str(err.value), err.value
+    with pytest.raises(SpecError, match="mm_processor_kwargs.fps: not accepted"):
+        check_mm_kwargs({"fps": 2}, SimpleNamespace())
