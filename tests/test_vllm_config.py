@@ -487,3 +487,25 @@ def test_other_mm_kwargs_are_refused_unless_allowed_and_checked():
         assert err.value.field == f"mm_processor_kwargs.{field}" and message in str(err.value), err.value
     with pytest.raises(SpecError, match="mm_processor_kwargs.fps: not accepted"):
         check_mm_kwargs({"fps": 2}, SimpleNamespace())
+
+
+def test_the_spec_caches_are_bounded_in_bytes():
+    """300 distinct valid specs of the largest size (padded with spaces) keep at most CACHE_SIZE x MAX_SPEC_BYTES
+    of request text in the validation cache (4 MiB; under 8 MiB with the method objects and dry runs; 300
+    specs of 1 MB kept about 240 MB before)."""
+    import tracemalloc
+
+    from vlm_prune.vllm import config
+    from vlm_prune.vllm.config import CACHE_SIZE, MAX_SPEC_BYTES, validate_spec
+
+    config._validated.cache_clear()
+    tracemalloc.start()
+    try:
+        for i in range(300):
+            text = _spec(budget=None, keep=0.5, seed=i)
+            assert validate_spec(text[:-1] + " " * (MAX_SPEC_BYTES - len(text)) + "}")["seed"] == i
+        held, _ = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert config._validated.cache_info().currsize == CACHE_SIZE
+    assert held < 2 * CACHE_SIZE * MAX_SPEC_BYTES, held  # the text, and the method objects of distinct seeds

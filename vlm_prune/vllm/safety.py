@@ -38,8 +38,8 @@ from vlm_prune.vllm.config import SPEC_FIELD, SpecError, method_of
 #: the smallest normal and the largest finite value of bfloat16 (float32's normal range, rounded to bfloat16):
 #: a float knob outside them is 0, a subnormal or infinity in one of the dtypes the engine computes in
 FLOAT_TINY, FLOAT_MAX = 1.1754943508222875e-38, 3.3895313892515355e38
-#: (spec, shape) dry runs remembered (each entry: a few short strings)
-DRY_RUN_CACHE = 1024
+#: (spec, shape) dry runs remembered (each entry: the spec's text, at most config.MAX_SPEC_BYTES)
+DRY_RUN_CACHE = 256
 #: the hf_overrides key that carries the operator's allowed mm_processor_kwargs keys
 ALLOW_KEY = "vlm_prune_allow_mm_kwargs"
 #: the largest fps a request may ask for (frames per second sampled from a video)

@@ -4,7 +4,8 @@ OpenAI-compatible server with the model pruned by the plugin (see docs/vllm.md).
 ``--vllm '...'`` hands options to ``vllm serve`` unchanged (``--vllm '--port 8001 --max-model-len 4096
 --data-parallel-size 2'``). Requests may override the method and budget
 with ``"mm_processor_kwargs": {"vlm_prune": "<vlm_prune.vllm.request_kwargs(...)['vlm_prune']>"}`` where the
-server trusts request kwargs (``--vllm '--trust-request-mm-kwargs'``; vLLM answers 400 otherwise).
+server trusts request kwargs (``--vllm '--trust-request-mm-kwargs'``; vLLM answers 400 otherwise). Every
+other ``mm_processor_kwargs`` key gets a 400 unless ``--allow-mm-kwargs`` names it (docs/serving-safety.md).
 """
 from __future__ import annotations
 
