@@ -315,8 +315,8 @@ def test_visionzip_and_bare_quota_are_refused_per_request(llm):
 
 
 def test_allowed_processor_settings_are_checked_and_the_others_refused(arch, llm):
-    """docs/serving-safety.md: an engine that allows min_pixels / max_pixels passes a checked max_pixels on to
-    Qwen's processor (fewer image tokens); patch_size 8 and merge_size 1 with a spec (which kill vLLM's own
+    """docs/serving-safety.md: an engine that allows min_pixels / max_pixels passes checked values on to Qwen's
+    processor (fewer image tokens); patch_size 8 and merge_size 1 with a spec (which kill vLLM's own
     engine), a max_pixels below one merged patch and a VidCom2 temperature that is 0 in float32 are refused
     before the engine sees them, and the engine answers after them."""
     from vllm import SamplingParams
@@ -325,12 +325,12 @@ def test_allowed_processor_settings_are_checked_and_the_others_refused(arch, llm
     image = _media("image")[1]
     base = {"prompt": PROMPTS["image"][1], "multi_modal_data": image}
     full = llm.generate(base, params, use_tqdm=False)[0]
-    small = llm.generate({**base, "mm_processor_kwargs": {"max_pixels": 28 * 28 * 2}}, params, use_tqdm=False)[0]
+    small = llm.generate({**base, "mm_processor_kwargs": {"min_pixels": 256, "max_pixels": 384}}, params, use_tqdm=False)[0]
     assert len(small.prompt_token_ids) < len(full.prompt_token_ids)
     spec = vp.request_kwargs("divprune", keep=0.5)
     for extra, message in [({"patch_size": 8}, "mm_processor_kwargs.patch_size: not accepted"),
                            ({"merge_size": 1, **spec}, "mm_processor_kwargs.merge_size: not accepted"),
-                           ({"max_pixels": 100}, "mm_processor_kwargs.max_pixels: a whole number of pixels")]:
+                           ({"max_pixels": 10}, "mm_processor_kwargs.max_pixels: a whole number of pixels")]:
         with pytest.raises(ValueError, match=message):
             llm.generate({**base, "mm_processor_kwargs": extra}, params, use_tqdm=False)
     video = {"prompt": PROMPTS["video"][1], "multi_modal_data": {"video": (_media("video", FRAMES[arch[1]])[1]["video"],
