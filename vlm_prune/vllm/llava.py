@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
@@ -46,7 +47,7 @@ from vllm.multimodal.processing import PromptReplacement, PromptUpdate
 from vlm_prune.methods.base import Method, VisionContext, item_generator
 from vlm_prune.methods.visionzip import TowerFeatures
 from vlm_prune.vllm.config import CLS_METHODS, TOWER_METHODS, SpecError, method_of, validate_spec
-from vlm_prune.vllm.safety import check_mm_kwargs, image_slots
+from vlm_prune.vllm.safety import check_mm_kwargs, dry_run_image, engine_dims, image_slots
 
 #: extra embedding channels carrying each kept token's position offset (base-64 digits: exact in
 #: bfloat16 too, up to 64**3 positions)
@@ -295,9 +296,10 @@ class PrunedLlavaProcessingInfo(LlavaProcessingInfo):
     def get_num_image_tokens(self, *, image_width: int, image_height: int,
                              mm_kwargs: Mapping[str, object] | None = None) -> int:
         n = self.unpruned_image_tokens(image_width=image_width, image_height=image_height)
-        method = self.method(mm_kwargs)
-        check_cls_method(method, self.get_hf_config())
-        return image_slots(method, n)
+        spec = spec_of(self.get_hf_config(), mm_kwargs)
+        check_cls_method(method_of(spec), self.get_hf_config())
+        side = math.isqrt(n)  # the encoder's grid (VlmPruneLlavaForConditionalGeneration.side)
+        return dry_run_image(spec, n, (side, side) if side * side == n else None, **engine_dims(self))
 
 
 class PrunedLlavaMultiModalProcessor(LlavaMultiModalProcessor):
