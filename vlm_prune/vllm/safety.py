@@ -13,8 +13,10 @@ sees it; a ``ValueError`` raised there is that request's HTTP 400. So:
   code (``frames_slots`` + ``frames_plan``, ``image_slots`` + ``reduce_image``) runs on synthetic features
   of the item's real shape in the engine's dtype (Gaussian and all-zero maps, the tower's attention and
   keys, the question's embeddings), in the processor, before the engine sees the request. Validation runs
-  it once on a small canonical shape (``config.validate_spec``), the video processors again on each
-  video's real (frames, tokens per frame, grid, hidden size, dtype). A failure is a 400 naming the knob
+  it once on a small canonical shape (``config.validate_spec``), the processors again on each item's real
+  (frames, tokens per frame, grid, hidden size, dtype): the videos of LLaVA-OneVision, LLaVA-NeXT-Video and
+  Qwen2-VL / 2.5-VL, the images of LLaVA-1.5 and the Qwen / GLM families (the other families' counts are
+  the budget's integer arithmetic; their knobs run in the canonical probe). A failure is a 400 naming the knob
   whose removal makes it pass (else the spec). Results are cached per (spec, shape) for
   :data:`DRY_RUN_CACHE` entries, so a repeated request costs a dictionary look-up.
 - **Other processor settings** (``mm_processor_kwargs`` keys besides ``vlm_prune``) change the processor's
