@@ -135,8 +135,9 @@ def _spec(**over) -> str:
      "unknown knob 'dominant' of method 'visionzip'; its knobs: dominant_ratio, variant, positions"),
     (_spec(knobs={"theta": 0.5}), None, "vlm_prune.knobs", "unknown knob 'theta' of method 'divprune'; its knobs: positions"),
     (_spec(knobs={"dominant_ratio": "half"}, method="visionzip"), LLAVA, "vlm_prune.knobs.dominant_ratio",
-     "method 'visionzip' takes a number, got 'half'"),
-    (_spec(knobs={"dominant_ratio": 2.0}, method="visionzip"), LLAVA, "vlm_prune", "dominant_ratio must be in [0, 1]"),
+     "method 'visionzip' takes a finite number, got 'half'"),
+    (_spec(knobs={"dominant_ratio": 2.0}, method="visionzip"), LLAVA, "vlm_prune.knobs.dominant_ratio",
+     "dominant_ratio must be in [0, 1]"),
     (_spec(knobs={"weights": [1, 2]}, method="keyscore"), ONEVISION, "vlm_prune.knobs.weights", "a list of 3"),
     (_spec(knobs={"encoder": "clip"}, method="keyscore"), ONEVISION, "vlm_prune.knobs.encoder", "which a request cannot send"),
     (_spec(budgett=3), None, "vlm_prune", "unknown key 'budgett'; a spec has the keys method, knobs, keep, budget"),
@@ -145,7 +146,7 @@ def _spec(**over) -> str:
     (_spec(method="fastv"), None, "vlm_prune", "paged KV cache"),
     (_spec(method="visionzip"), QWEN, "vlm_prune.method", "visionzip needs the vision tower's attention"),
     # issues 29-31: the methods added to the plugin, where they cannot run
-    (_spec(method="dycoke", knobs={"decode_pruning": True}), ONEVISION, "vlm_prune",
+    (_spec(method="dycoke", knobs={"decode_pruning": True}), ONEVISION, "vlm_prune.knobs.decode_pruning",
      "dycoke's decode-time KV pruning (decode_pruning=True) changes which cached keys each decode step attends to"),
     (_spec(method="fastvid"), QWEN3, "vlm_prune.method", "fastvid ranks a video's tokens by the attention they receive"),
     (_spec(method="holitom"), ONEVISION, "vlm_prune", 'the paper\'s \'w/o M\': pass inner=False (knobs {"inner": false})'),
@@ -300,3 +301,219 @@ def test_the_method_cache_is_bounded():
     assert ref() is None, "the first method object outlived 3 x CACHE_SIZE newer specs"
     assert config._method_of.cache_info().currsize <= config.CACHE_SIZE
     assert config._validated.cache_info().currsize <= config.CACHE_SIZE
+
+
+# ---- serving safety: every spec the server accepts runs in the engine (docs/serving-safety.md) ----------
+#: float values from the whole float range: subnormals, the largest finite values, values that round to 0 or 1
+#: in float32 / bfloat16, and ordinary ones
+EDGE_FLOATS = [5e-324, 1e-310, 1e-46, 1e-40, 1.1754943508222875e-38, 1e-30, 2.0**-9, 0.0, 0.5, 1 - 2.0**-25,
+               1 - 2.0**-9, 1.0, 1 + 2.0**-24, 7.5, 1e30, 3.3895313892515355e38, 3.4e38, 1.7976931348623157e308, -1e-46,
+               -1.0]
+
+
+def _float_knobs(name: str) -> list[str]:
+    import typing
+
+    from vlm_prune.registry import method_class, method_knobs
+
+    hints = typing.get_type_hints(method_class(name).__init__)
+    return [k for k in method_knobs(name) if "float" in str(hints.get(k)) and "tuple" not in str(hints.get(k))]
+
+
+def _edge_specs(seed: int = 35) -> list[dict]:
+    """Every float knob of every served method at every edge value (one knob at a time, the others at their
+    defaults), KeyScore's weights too, and keep at the edges; a few random pairs of edge knobs."""
+    import random
+
+    from vlm_prune.vllm.config import FRAMES_SUPPORTED, SUPPORTED
+
+    rng = random.Random(seed)
+    specs = []
+    for name in SUPPORTED + FRAMES_SUPPORTED + ("quota",):
+        base = {"method": name, "keep": 0.5}
+        base.update({"holitom": {"knobs": {"inner": False}}, "keyscore": {"knobs": {"proposals": "all"}},
+                     "quota": {"quota": {"scores": [0.9, 0.1, 0.5, 0.3]}}}.get(name, {}))
+        knobs = _float_knobs(name) + (["weights"] if name == "keyscore" else [])
+        for knob in knobs:
+            for value in EDGE_FLOATS:
+                value = [value, 1.0, 1.0] if knob == "weights" else value
+                specs.append({**base, "knobs": {**base.get("knobs", {}), knob: value}})
+        for _ in range(3 if len(knobs) > 1 else 0):
+            pair = rng.sample(knobs, 2)
+            specs.append({**base, "knobs": {**base.get("knobs", {}), **{k: rng.choice(EDGE_FLOATS) for k in pair
+                                                                           if k != "weights"}}})
+        specs += [{**base, "keep": keep} for keep in (5e-324, 1e-300, 1e-46, 1 - 2.0**-60, 1.0)]
+    return specs
+
+
+def test_every_accepted_spec_runs_the_engines_arithmetic_on_every_family():
+    """The offline fuzz test: every float knob of every served method drawn from the whole float range. Each spec
+    the validation accepts runs the method's count and allocation code as the engine runs it, on other features
+    than the validation's dry run (Gaussian of another seed, an image / video of another shape, float32 and
+    bfloat16), and must not raise; every model class the plugin serves validates a share of them, and each
+    refusal names a field of the spec."""
+    import torch
+
+    from vlm_prune.vllm.config import ARCHITECTURES, SpecError, method_of, validate_spec
+    from vlm_prune.vllm.safety import run_synthetic
+
+    accepted, refused, methods = 0, 0, set()
+    for i, spec in enumerate(_edge_specs()):
+        text = json.dumps(spec)
+        for arch in [None] + [a for j, a in enumerate(ARCHITECTURES) if (i + j) % 8 == 0]:
+            try:
+                valid = validate_spec(text, arch)
+            except SpecError as err:
+                assert err.field.startswith("mm_processor_kwargs.vlm_prune"), err
+                refused += 1
+                continue
+            if arch is not None:
+                continue
+            accepted += 1
+            methods.add(valid["method"])
+            video = method_of({k: v for k, v in valid.items() if k != "quota"}).stage == "frames"
+            for dtype in (torch.float32, torch.bfloat16):
+                shape = (4, 12, (3, 4), None, 24) if video else (20, (4, 5), 24)
+                if dtype == torch.bfloat16:
+                    shape = (4, 4, (2, 2), (3, 3), 8) if video else (7, None, 8)
+                run_synthetic("video" if video else "image", valid, shape, dtype, 7)
+    assert accepted > 150 and refused > 300, (accepted, refused)
+    assert methods >= {"vidcom2", "fastvid", "holitom", "dycoke", "quota", "keyscore", "cdpruner", "visionzip", "hired"}
+
+
+def test_edge_floats_the_issue_named_are_refused_naming_the_knob():
+    """VidCom2 temperature 1e-46 (0 in float32: 0 / 0, NaN counts, the engine died), a 401-digit theta, QuoTA's
+    weights at 1e308: each a 400 naming the knob."""
+    from vlm_prune.vllm.config import SpecError, validate_spec
+
+    scores = {"scores": [1.0, 0.5, 0.2, 0.1]}
+    for raw, arch, field, message in [
+            (_spec(method="vidcom2", knobs={"temperature": 1e-46}), ONEVISION, "knobs.temperature", "become 0"),
+            (_spec(method="vidcom2", knobs={"temperature": 1e-46}), QWEN, "knobs.temperature", "become 0"),
+            ('{"method": "cdpruner", "keep": 0.5, "knobs": {"theta": ' + "9" * 401 + "}}", LLAVA, "knobs.theta",
+             "takes a finite number or null, got 9999"),
+            (_spec(method="quota", knobs={"weight_scale": 1e308}, quota=scores), ONEVISION, "knobs.weight_scale", "1e+308"),
+            (_spec(method="quota", knobs={"weight_power": 1e308}, quota=scores), ONEVISION, "knobs.weight_power", "1e+308"),
+            (_spec(method="quota", knobs={"weight_power": 1e30}, quota=scores), ONEVISION, "knobs.weight_power",
+             "OverflowError"),
+            (_spec(keep=10**400), LLAVA, "keep", "keep must be a fraction in (0, 1], got 1000")]:
+        with pytest.raises(SpecError) as err:
+            validate_spec(raw, arch)
+        assert err.value.field == f"mm_processor_kwargs.vlm_prune.{field}" and message in str(err.value), err.value
+        assert len(str(err.value)) < 400
+
+
+def test_the_dry_run_refuses_what_fails_on_the_items_real_shape():
+    """The processors' dry run (vlm_prune.vllm.safety.dry_run_video) runs the allocation on the video's real
+    shape: a spec that passes validation's small probe but fails on this video is this request's 400."""
+    from vlm_prune.vllm.config import SpecError, validate_spec
+    from vlm_prune.vllm.config import method_of
+    from vlm_prune.vllm.frames import frames_slots, strip_quota
+    from vlm_prune.vllm.safety import dry_run_video
+
+    spec = validate_spec(_spec(method="quota", quota={"scores": [0.5, 0.2, 0.3, 0.1]}), ONEVISION)
+    want = frames_slots(method_of(strip_quota(spec)), 4, 9, spec, (5, 5), (3, 3))
+    assert dry_run_video(spec, 4, 9, (3, 3), unpooled_grid=(5, 5), dim=16, dtype="bfloat16") == want == 14
+    with pytest.raises(SpecError, match="4 scores for a video of 6 frames"):
+        dry_run_video(spec, 6, 9, (3, 3), dim=16)
+
+
+def test_a_spec_above_the_size_limit_or_nested_deep_is_refused():
+    """A spec of more than MAX_SPEC_BYTES is refused before it is parsed (so the spec caches hold at most
+    CACHE_SIZE x MAX_SPEC_BYTES of request text each), and one nested 100,000 levels deep is a 400, not a
+    RecursionError (dict or text)."""
+    from vlm_prune.vllm import config
+    from vlm_prune.vllm.config import MAX_SPEC_BYTES, SpecError, validate_spec
+
+    padded = _spec()[:-1] + " " * (MAX_SPEC_BYTES - len(_spec())) + "}"
+    assert len(padded) == MAX_SPEC_BYTES and validate_spec(padded)["keep"] == 0.5
+    cached = config._validated.cache_info().currsize
+    for raw in (padded[:-1] + " }", "[" * 100_000 + "]" * 100_000):
+        with pytest.raises(SpecError, match=f"at most {MAX_SPEC_BYTES} bytes"):
+            validate_spec(raw)
+    assert config._validated.cache_info().currsize == cached  # never parsed, never cached
+    deep: dict = {}
+    node = deep
+    for _ in range(100_000):
+        node["knobs"] = {}
+        node = node["knobs"]
+    for raw in ("[" * 900 + "]" * 900, '{"method": ' + "[" * 5000 + "]" * 5000 + "}", deep):
+        with pytest.raises(SpecError, match="nested too deeply|a spec is a JSON object|method name is required"):
+            validate_spec(raw)
+
+
+def test_serve_allows_named_mm_kwargs_and_refuses_the_rest_at_start_up(checkpoint, tmp_path, capsys):
+    """`vlm-prune serve --allow-mm-kwargs`: the keys travel in hf_overrides; geometry keys, unknown keys and keys
+    the model's processor does not take fail at start-up (exit 2) with a one-line reason; --help shows the flag."""
+    import shlex
+
+    from vlm_prune.cli import main
+    from vlm_prune.vllm.safety import ALLOW_KEY
+
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": [QWEN]}))
+    assert main(["serve", str(tmp_path), "--method", "pool", "--keep", "0.5", "--allow-mm-kwargs",
+                 "min_pixels, max_pixels,fps", "--dry-run"]) == 0
+    argv = shlex.split(capsys.readouterr().out)
+    assert json.loads(argv[argv.index("--hf-overrides") + 1])[ALLOW_KEY] == ["min_pixels", "max_pixels", "fps"]
+    for model, keys, reason in [(tmp_path, "patch_size", "sets the processor's geometry"),
+                                (checkpoint, "crop_size", "sets the processor's geometry"),
+                                (tmp_path, "min_pixels,foo", "vlm_prune checks only min_pixels"),
+                                (checkpoint, "max_pixels", "LlavaForConditionalGeneration's processor does not take it"),
+                                (checkpoint, "fps", "does not take it")]:
+        assert main(["serve", str(model), "--method", "pool", "--keep", "0.5", "--allow-mm-kwargs", keys,
+                     "--dry-run"]) == 2
+        err = capsys.readouterr().err
+        assert f"--allow-mm-kwargs {keys.split(',')[-1]}: " in err and reason in err, err
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    assert "--allow-mm-kwargs" in capsys.readouterr().out
+
+
+def test_other_mm_kwargs_are_refused_unless_allowed_and_checked():
+    """A request's mm_processor_kwargs besides the spec: refused naming the key unless the operator allowed it;
+    allowed values are checked (min / max pixels within one merged patch .. 16384 of them, min <= max; fps in
+    (0, 60]; do_image_splitting a boolean)."""
+    from types import SimpleNamespace
+
+    from vlm_prune.vllm.config import SpecError
+    from vlm_prune.vllm.safety import ALLOW_KEY, check_mm_kwargs
+
+    qwen = SimpleNamespace(vision_config=SimpleNamespace(patch_size=14, spatial_merge_size=2),
+                           **{ALLOW_KEY: ["min_pixels", "max_pixels", "fps"]})
+    check_mm_kwargs({"vlm_prune": "{}", "min_pixels": 784, "max_pixels": 16384 * 784, "fps": 60}, qwen)
+    check_mm_kwargs({"vlm_prune": "{}"}, SimpleNamespace())
+    for kwargs, field, message in [
+            ({"patch_size": 8}, "patch_size", "not accepted"), ({"crop_size": 64}, "crop_size", "not accepted"),
+            ({"do_resize": False}, "do_resize", "also allows min_pixels, max_pixels, fps"),
+            ({"min_pixels": 783}, "min_pixels", "[one merged patch"), ({"max_pixels": 16384 * 784 + 1}, "max_pixels", ""),
+            ({"max_pixels": 2.5e6}, "max_pixels", "got 2500000.0"), ({"max_pixels": True}, "max_pixels", ""),
+            ({"min_pixels": 5000, "max_pixels": 4000}, "min_pixels", "above max_pixels"),
+            ({"fps": 0}, "fps", "in (0, 60]"), ({"fps": 1e308}, "fps", ""), ({"fps": float("nan")}, "fps", ""),
+            ({"fps": "2"}, "fps", "got '2'")]:
+        with pytest.raises(SpecError) as err:
+            check_mm_kwargs(kwargs, qwen)
+        assert err.value.field == f"mm_processor_kwargs.{field}" and message in str(err.value), err.value
+    with pytest.raises(SpecError, match="mm_processor_kwargs.fps: not accepted"):
+        check_mm_kwargs({"fps": 2}, SimpleNamespace())
+
+
+def test_the_spec_caches_are_bounded_in_bytes():
+    """300 distinct valid specs of the largest size (padded with spaces) keep at most CACHE_SIZE x MAX_SPEC_BYTES
+    of request text in the validation cache (4 MiB; 300 specs of 1 MB kept about 240 MB before)."""
+    import tracemalloc
+
+    from vlm_prune.vllm import config
+    from vlm_prune.vllm.config import CACHE_SIZE, MAX_SPEC_BYTES, validate_spec
+
+    text = _spec()
+    validate_spec(text)  # (imports, the method object, the dry run: before counting)
+    config._validated.cache_clear()
+    tracemalloc.start()
+    try:
+        for i in range(300):  # distinct texts (the padding moves), one spec
+            assert validate_spec("{" + " " * i + text[1:-1] + " " * (MAX_SPEC_BYTES - len(text) - i) + "}")["keep"] == 0.5
+        held, _ = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert config._validated.cache_info().currsize == CACHE_SIZE
+    assert held < 1.25 * CACHE_SIZE * MAX_SPEC_BYTES, held

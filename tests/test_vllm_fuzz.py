@@ -7,7 +7,12 @@ invalid per-request specs (``mm_processor_kwargs.vlm_prune``), images, videos, b
 - the servers never die (``/health`` answers after every round and at the end, the log shows no dead engine);
 - every invalid request gets a 4xx, whose message names what was wrong;
 - every valid request gets a 200, and its answer (prompt tokens, greedy tokens) equals the same request
-  sent alone afterwards.
+  sent alone afterwards;
+- a request whose float knobs are drawn from the whole float range (subnormals, the largest finite values,
+  values that round to 0 or 1 in float32 / bfloat16; :data:`EDGE_FLOATS`), or that asks for an allowed
+  processor setting (OneVision's server allows ``fps``), gets a 200 (then answered as alone) or a 4xx,
+  never a dead engine; other processor settings, oversized and deeply nested specs get a 400
+  (docs/serving-safety.md), and a 400 leaves a keep-alive connection usable.
 
 Needs vLLM: CI runs it in the vLLM environment (.ci/run); elsewhere it is skipped.
 """
@@ -48,11 +53,12 @@ DEAD = ("EngineDeadError", "EngineCore encountered a fatal error", "Engine core 
 
 @dataclass
 class Case:
-    """One request: its server, its body, whether it is valid, and (invalid) what its 4xx must mention."""
+    """One request: its server, its body, whether it is valid (None: a 200 or a 4xx, as the checks decide),
+    and (invalid) what its 4xx must mention."""
 
     model: str
     body: dict[str, Any]
-    valid: bool
+    valid: bool | None
     mentions: str = ""
     note: str = ""
     answers: list[Any] = field(default_factory=list)
@@ -68,6 +74,31 @@ def _png(rng: random.Random, size: tuple[int, int]) -> str:
 def _video(rng: random.Random, frames: int = 4) -> str:
     pixels = np.random.RandomState(rng.randrange(2**31)).randint(0, 256, (frames, 48, 48, 3), dtype=np.uint8)
     return vp.video_url(pixels)
+
+
+#: float knob values from the whole float range (subnormals, the largest finite ones, values that round to 0 or 1 in
+#: float32 / bfloat16, negatives)
+EDGE_FLOATS = [5e-324, 1e-310, 1e-46, 1e-40, 1.1754943508222875e-38, 2.0**-9, 0.0, 1 - 2.0**-25, 1 - 2.0**-9, 1.0,
+               1 + 2.0**-24, 3.3895313892515355e38, 3.4e38, 1e39, 1.7976931348623157e308, -1e-46, -1.0]
+
+
+def _float_knobs(name: str) -> list[str]:
+    import typing
+
+    from vlm_prune.registry import method_class, method_knobs
+
+    hints = typing.get_type_hints(method_class(name).__init__)
+    return [k for k in method_knobs(name) if "float" in str(hints.get(k)) and "tuple" not in str(hints.get(k))]
+
+
+def _edge(rng: random.Random, spec: dict[str, Any]) -> dict[str, Any] | None:
+    """The spec with one or two of its method's float knobs drawn from the whole float range (None: it has none)."""
+    knobs = _float_knobs(spec["method"])
+    if not knobs:
+        return None
+    draw = {k: rng.choice(EDGE_FLOATS + [rng.uniform(-2, 2), 10 ** rng.uniform(-45, 308)])
+            for k in rng.sample(knobs, min(len(knobs), rng.choice([1, 2])))}
+    return {**spec, "knobs": {**spec.get("knobs", {}), **draw}}
 
 
 def _spec(rng: random.Random, methods: list[str], **knobs: Any) -> dict[str, Any]:
@@ -115,6 +146,25 @@ BAD_SPECS: list[tuple[Any, str, str | None]] = [
     ({"method": "prumerge"}, "prumerge without keep / budget keeps an adaptive count", "llava"),
     ({"method": "hired", "keep": 0.5}, "hired ranks an image's patches by the vision tower's [CLS] attention", "onevision"),
 ]
+#: (mm_processor_kwargs besides the spec, the text the 400 must contain); arch as in BAD_SPECS. The geometry keys
+#: killed plain vLLM's engine with --trust-request-mm-kwargs; OneVision's server allows fps (checked)
+BAD_KWARGS: list[tuple[dict[str, Any], str, str | None]] = [
+    ({"crop_size": {"height": 64, "width": 64}}, "mm_processor_kwargs.crop_size: not accepted", "llava"),
+    ({"size": {"shortest_edge": 8}}, "mm_processor_kwargs.size: not accepted", None),
+    ({"do_resize": False}, "mm_processor_kwargs.do_resize: not accepted", None),
+    ({"patch_size": 8}, "mm_processor_kwargs.patch_size: not accepted", None),
+    ({"merge_size": 1}, "mm_processor_kwargs.merge_size: not accepted", None),
+    ({"fps": 2}, "mm_processor_kwargs.fps: not accepted", "llava"),
+    ({"fps": 0}, "mm_processor_kwargs.fps: a number of frames per second", "onevision"),
+    ({"fps": 1e308}, "mm_processor_kwargs.fps: a number of frames per second", "onevision"),
+    ({"fps": "fast"}, "mm_processor_kwargs.fps: a number of frames per second", "onevision"),
+]
+BAD_SPECS += [
+    ('{"method": "divprune", "keep": 0.5}' + " " * 20_000, "at most 16384 bytes", None),
+    ('{"method": "divprune", "keep": 0.5, "knobs": ' + "[" * 5000 + "]" * 5000 + "}", "nested too deeply", None),
+    ({"method": "vidcom2", "keep": 0.5, "knobs": {"temperature": 1e-46}}, "knobs.temperature", "onevision"),
+    ({"method": "cdpruner", "keep": 0.5, "knobs": {"theta": 10**400}}, "knobs.theta", None),
+]
 if importlib.util.find_spec("cv2") is None:  # STACFP needs OpenCV (vLLM brings it)
     # KeyScore's default STACFP proposals would raise in the engine: refused up front, with the way out
     BAD_SPECS.append(({"method": "keyscore", "keep": 0.5}, "KeyScore(proposals='all')", "onevision"))
@@ -159,10 +209,22 @@ def make_cases(models: dict[str, str], n: int, seed: int = SEED) -> list[Case]:
             vision += ["visionzip", "fastervlm", "vispruner"] if kind == "video" else []
             vision += ["uniform", "keyscore", "vidcom2", "fastvid", "holitom", "dycoke"] if kind in ("video", "both") else []
         roll = rng.random()
-        if roll < 0.5:  # valid: the engine's method, or a request's own
+        if roll < 0.45:  # valid: the engine's method, or a request's own
             spec = None if rng.random() < 0.15 else _spec(rng, vision)
             cases.append(Case(model, _body(rng, model, parts, spec), True, note=f"{arch} {kind} {spec}"))
-        elif roll < 0.85:  # an invalid spec
+        elif roll < 0.6:  # float knobs from the whole float range, or an allowed setting: a 200 or a 4xx
+            spec = _spec(rng, vision)
+            edge = _edge(rng, spec)
+            body = _body(rng, model, parts, edge or spec)
+            if edge is None or (arch == "onevision" and rng.random() < 0.3):
+                body.setdefault("mm_processor_kwargs", {})["fps"] = rng.choice([0.5, 1, 2.5, 30, 60])
+            cases.append(Case(model, body, None, note=f"{arch} {kind} {body['mm_processor_kwargs']}"))
+        elif roll < 0.7:  # another processor setting
+            extra, mentions, only = rng.choice([b for b in BAD_KWARGS if b[2] in (None, arch)])
+            body = _body(rng, model, parts or _content(rng, "image")[0], _spec(rng, vision) if rng.random() < 0.5 else None)
+            body.setdefault("mm_processor_kwargs", {}).update(extra)
+            cases.append(Case(model, body, False, mentions, f"{arch} {kind} {extra}"))
+        elif roll < 0.88:  # an invalid spec
             bad, mentions, only = rng.choice([b for b in BAD_SPECS if b[2] in (None, arch)])
             cases.append(Case(model, _body(rng, model, parts or _content(rng, "image")[0], bad), False, mentions,
                               f"{arch} {kind} {bad}"))
@@ -198,7 +260,8 @@ def servers(tmp_path_factory):
     try:
         for arch, method, room, limits in (
                 ("llava", ["--method", "divprune", "--budget", "4"], 256, '{"image": 2}'),
-                ("onevision", ["--method", "random", "--keep", "0.5"], 384, '{"image": 2, "video": 1}')):
+                ("onevision", ["--method", "random", "--keep", "0.5", "--allow-mm-kwargs", "fps"], 384,
+                 '{"image": 2, "video": 1}')):
             running[arch] = Server([str(checkpoints[arch]), *method], folder / f"{arch}.log",
                                    f"--max-model-len {room} --max-num-seqs 8 --trust-request-mm-kwargs "
                                    f"--limit-mm-per-prompt '{limits}'")
@@ -266,11 +329,13 @@ def test_no_request_kills_the_server_and_answers_do_not_depend_on_the_batch(serv
         message = json.dumps(reply.get("error", reply))[:400]
         if case.valid and code != 200:
             failures.append(f"#{i} valid ({case.note}) got {code}: {message}")
-        elif not case.valid and not 400 <= code < 500:
+        elif case.valid is None and code != 200 and not 400 <= code < 500:
+            failures.append(f"#{i} ({case.note}) got {code}, neither a 200 nor a 4xx: {message}")
+        elif case.valid is False and not 400 <= code < 500:
             failures.append(f"#{i} invalid ({case.note}) got {code}, not a 4xx: {message}")
-        elif not case.valid and case.mentions and case.mentions not in message:
+        elif case.valid is False and case.mentions and case.mentions not in message:
             failures.append(f"#{i} invalid ({case.note}): the {code} does not say {case.mentions!r}: {message}")
-    valid = [c for c in cases if c.valid and c.answers[0][0] == 200]
+    valid = [c for c in cases if c.valid is not False and c.answers[0][0] == 200]
     for i, case in enumerate(valid):  # alone, one at a time
         code, reply = post(by_model[case.model], case.body)
         if code != 200 or answer(reply) != answer(case.answers[0][1]):
@@ -280,7 +345,36 @@ def test_no_request_kills_the_server_and_answers_do_not_depend_on_the_batch(serv
         assert healthy(server), f"the server of {model} died:\n{server.log_tail()}"
         log = open(server.log_path, "rb").read().decode(errors="replace")
         assert not [d for d in DEAD if d in log], f"the engine of {model} died and restarted?\n{server.log_tail()}"
-    print(f"{len(cases)} requests ({sum(c.valid for c in cases)} valid) mixed in {mixed:.0f} s, "
+    edge = [c.answers[0][0] for c in cases if c.valid is None]
+    print(f"{len(cases)} requests ({sum(c.valid is True for c in cases)} valid, {len(edge)} edge: {edge.count(200)} "
+          f"answered, {len(edge) - edge.count(200)} refused) mixed in {mixed:.0f} s, "
           f"{len(valid)} again alone in {time.monotonic() - start - mixed:.0f} s")
     assert not failures, "\n".join(failures[:20]) + f"\n({len(failures)} in all)"
-    assert sum(c.valid for c in cases) > REQUESTS // 3 and sum(not c.valid for c in cases) > REQUESTS // 3
+    assert sum(c.valid is True for c in cases) > REQUESTS // 3 and sum(c.valid is False for c in cases) > REQUESTS // 3
+    assert 0 < edge.count(200) < len(edge)
+
+
+def test_a_refusal_leaves_the_keep_alive_connection_usable(servers):
+    """A spec nested 100,000 levels deep (text, or an object: vLLM parses the body) is a 400, and the next
+    request on the same HTTP/1.1 connection is answered."""
+    import http.client
+
+    model, server = servers["llava"]
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=300)
+    good = _body(random.Random(0), model, _content(random.Random(0), "image")[0], {"method": "pool", "budget": 3})
+    deep_text = '{"method": "pool", "budget": 3, "knobs": ' + "[" * 100_000 + "]" * 100_000 + "}"
+    for spec in (deep_text, None):
+        body = dict(good, mm_processor_kwargs={"vlm_prune": spec})
+        data = json.dumps(body).encode() if spec is not None else (
+            json.dumps(good)[:-1] + ', "mm_processor_kwargs": {"vlm_prune": ' + '{"knobs": ' * 100_000 + "{}"
+            + "}" * 100_000 + "}}").encode()
+        conn.request("POST", "/v1/chat/completions", body=data, headers={"Content-Type": "application/json"})
+        reply = conn.getresponse()
+        text = reply.read().decode(errors="replace")
+        assert 400 <= reply.status < 500, (reply.status, text[:300])
+        conn.request("POST", "/v1/chat/completions", body=json.dumps(good).encode(),
+                     headers={"Content-Type": "application/json"})
+        reply = conn.getresponse()
+        assert reply.status == 200, reply.read()[:300]
+        reply.read()
+    assert healthy(server)

@@ -309,13 +309,15 @@ def check_refusal(llm, checkpoint, fam: Family, name: str, message: str) -> None
 
 
 def test_pan_and_scan_is_refused(llm):
-    """Pan and scan's crops would be extra images inside one vLLM item: refused with the reason."""
+    """Pan and scan's crops would be extra images inside one vLLM item: refused with the reason (engine-wide);
+    a request's own do_pan_and_scan is refused before that as a processor setting the operator did not allow
+    (docs/serving-safety.md)."""
     from vllm import SamplingParams
 
     wide = Image.fromarray((np.random.RandomState(1).rand(32, 96, 3) * 255).astype("uint8"))
     req = {"prompt": PROMPTS[0], "multi_modal_data": {"image": wide},
            "mm_processor_kwargs": {**vp.request_kwargs("divprune", keep=0.5), "do_pan_and_scan": True,
                                    "pan_and_scan_min_crop_size": 16}}
-    with pytest.raises(ValueError, match="without pan and scan"):
+    with pytest.raises(ValueError, match="mm_processor_kwargs.do_pan_and_scan: not accepted"):
         llm.generate(req, SamplingParams(max_tokens=1), use_tqdm=False)
     assert "do_pan_and_scan false" in PAN_AND_SCAN_REFUSAL

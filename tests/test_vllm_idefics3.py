@@ -76,7 +76,7 @@ def arch(request, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def llm(arch):
-    engine = vp.LLM(str(arch[0]), "random", keep=1.0, **ENGINE_ARGS)
+    engine = vp.LLM(str(arch[0]), "random", keep=1.0, allow_mm_kwargs="do_image_splitting", **ENGINE_ARGS)
     yield engine
     del engine
 

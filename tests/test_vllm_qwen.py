@@ -119,7 +119,7 @@ ENGINE_ARGS = {"enforce_eager": True, "dtype": "float32", "max_model_len": 256, 
 
 @pytest.fixture(scope="module")
 def llm(arch):
-    engine = vp.LLM(str(arch[0]), "random", keep=1.0, **ENGINE_ARGS)
+    engine = vp.LLM(str(arch[0]), "random", keep=1.0, allow_mm_kwargs="min_pixels,max_pixels", **ENGINE_ARGS)
     yield engine
     del engine
 
@@ -312,6 +312,34 @@ def test_visionzip_and_bare_quota_are_refused_per_request(llm):
             run_vllm(llm, "image", name, keep=0.5)
     with pytest.raises(ValueError, match="through vlm_prune.vllm.quota_request"):  # no scores: no pass 1
         run_vllm(llm, "video", "quota", keep=0.5)
+
+
+def test_allowed_processor_settings_are_checked_and_the_others_refused(arch, llm):
+    """docs/serving-safety.md: an engine that allows min_pixels / max_pixels passes checked values on to Qwen's
+    processor (fewer image tokens); patch_size 8 and merge_size 1 with a spec (which kill vLLM's own
+    engine), a max_pixels below one merged patch and a VidCom2 temperature that is 0 in float32 are refused
+    before the engine sees them, and the engine answers after them."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=1)
+    image = _media("image")[1]
+    base = {"prompt": PROMPTS["image"][1], "multi_modal_data": image}
+    full = llm.generate(base, params, use_tqdm=False)[0]
+    small = llm.generate({**base, "mm_processor_kwargs": {"min_pixels": 256, "max_pixels": 384}}, params, use_tqdm=False)[0]
+    assert len(small.prompt_token_ids) < len(full.prompt_token_ids)
+    spec = vp.request_kwargs("divprune", keep=0.5)
+    for extra, message in [({"patch_size": 8}, "mm_processor_kwargs.patch_size: not accepted"),
+                           ({"merge_size": 1, **spec}, "mm_processor_kwargs.merge_size: not accepted"),
+                           ({"max_pixels": 10}, "mm_processor_kwargs.max_pixels: a whole number of pixels")]:
+        with pytest.raises(ValueError, match=message):
+            llm.generate({**base, "mm_processor_kwargs": extra}, params, use_tqdm=False)
+    video = {"prompt": PROMPTS["video"][1], "multi_modal_data": {"video": (_media("video", FRAMES[arch[1]])[1]["video"],
+                                                                           meta(FRAMES[arch[1]]))},
+             "mm_processor_kwargs": {"vlm_prune": json.dumps({"method": "vidcom2", "keep": 0.5,
+                                                             "knobs": {"temperature": 1e-46}})}}
+    with pytest.raises(ValueError, match="vlm_prune.knobs.temperature: 1e-46 is outside the range"):
+        llm.generate(video, params, use_tqdm=False)
+    assert llm.generate(base, params, use_tqdm=False)[0].outputs[0].token_ids == full.outputs[0].token_ids
 
 
 #: QuoTA's frame question in the tiny vocabulary (no "A"): P(w40) / (P(w40) + P(w41)); no decoupling (the

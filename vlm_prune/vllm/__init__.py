@@ -25,13 +25,15 @@ DEFAULTS: dict[str, Any] = {"mm_processor_cache_gb": 0}
 
 
 def engine_kwargs(model: str, method: Any, *, keep: float | None = None, budget: int | None = None,
-                  seed: int = 0, **kwargs: Any) -> dict[str, Any]:
+                  seed: int = 0, allow_mm_kwargs: Any = None, **kwargs: Any) -> dict[str, Any]:
     """Keyword arguments of ``vllm.LLM`` / ``AsyncEngineArgs`` that serve ``model`` pruned.
 
+    ``allow_mm_kwargs``: the requests' ``mm_processor_kwargs`` keys allowed besides the spec (e.g.
+    ``"min_pixels,max_pixels,fps"``; docs/serving-safety.md); every other key is refused.
     Extra ``kwargs`` pass through to vLLM; a given ``hf_overrides`` dict is merged under ours."""
     spec = method_spec(method, keep=keep, budget=budget, seed=seed)
     overrides = dict(kwargs.pop("hf_overrides", None) or {})
-    overrides.update(hf_overrides(model, spec))
+    overrides.update(hf_overrides(model, spec, allow_mm_kwargs))
     return {"model": str(model), **DEFAULTS, **kwargs, "hf_overrides": overrides}
 
 

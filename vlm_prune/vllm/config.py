@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import functools
 import json
-import math
+import re
 import types
 import typing
 from pathlib import Path
@@ -220,6 +220,11 @@ SPEC_FIELD = "mm_processor_kwargs.vlm_prune"
 SPEC_KEYS = ("method", "knobs", "keep", "budget", "seed", "quota")
 #: distinct specs whose validation / method object is kept (least recently used dropped first)
 CACHE_SIZE = 256
+#: the longest spec (JSON text, UTF-8 bytes) a request may send: QuoTA's scores of ~700 frames fit; with
+#: CACHE_SIZE it bounds what the spec caches hold (docs/serving-safety.md)
+MAX_SPEC_BYTES = 16384
+#: the largest integer a knob, seed-free, may take (torch reads integers as int64)
+INT_MAX = 2**63 - 1
 SPEC_EXAMPLE = '{"method": "divprune", "keep": 0.25} (vlm_prune.vllm.request_kwargs("divprune", keep=0.25)["vlm_prune"])'
 
 
@@ -242,9 +247,11 @@ def validate_spec(raw: Any, arch: str | None = None, *, field: str = SPEC_FIELD)
     ``request_kwargs`` / ``engine_kwargs`` call it on what they build, and the plugin's processors in
     vLLM's front end (the API server process, or the offline ``LLM``'s) on every request's spec before
     the engine sees the request."""
-    if isinstance(raw, str):
-        return _validated_text(raw, arch, field)
-    return _validated_text(_as_text(raw, field), arch, field)
+    text = raw if isinstance(raw, str) else _as_text(raw, field)
+    size = len(text.encode("utf-8", "surrogatepass"))
+    if size > MAX_SPEC_BYTES:
+        raise SpecError(field, f"a spec is at most {MAX_SPEC_BYTES} bytes of JSON text, got {size}")
+    return _validated_text(text, arch, field)
 
 
 def _as_text(raw: Any, field: str) -> str:
@@ -254,6 +261,8 @@ def _as_text(raw: Any, field: str) -> str:
         return json.dumps(raw, sort_keys=True, allow_nan=False)
     except (TypeError, ValueError) as err:
         raise SpecError(field, f"a spec holds JSON values only (strings, numbers, lists, objects): {err}") from None
+    except RecursionError:
+        raise SpecError(field, f"nested too deeply; a spec is a flat JSON object, e.g. {SPEC_EXAMPLE}") from None
 
 
 @functools.lru_cache(maxsize=CACHE_SIZE)
@@ -263,6 +272,8 @@ def _validated(text: str, arch: str | None, field: str) -> str:
         spec = json.loads(text)
     except ValueError as err:  # JSONDecodeError, or an integer of more digits than Python parses
         raise SpecError(field, f"not JSON text ({err}); send a JSON object, e.g. {SPEC_EXAMPLE}") from None
+    except RecursionError:
+        raise SpecError(field, f"nested too deeply; a spec is a flat JSON object, e.g. {SPEC_EXAMPLE}") from None
     if not isinstance(spec, dict):
         raise SpecError(field, f"a spec is a JSON object, e.g. {SPEC_EXAMPLE}; got {type(spec).__name__}")
     unknown = sorted(set(spec) - set(SPEC_KEYS))
@@ -285,6 +296,8 @@ def _validated(text: str, arch: str | None, field: str) -> str:
         keep, budget = validate_budget(spec.get("keep"), spec.get("budget"), required=not cls.own_schedule, method=name)
     except ValueError as err:
         raise SpecError(field, str(err)) from None
+    except OverflowError:  # an integer of hundreds of digits
+        raise SpecError(f"{field}.keep", f"keep must be a fraction in (0, 1], got {_short(spec.get('keep'))}") from None
     try:
         seed = validate_seed(spec.get("seed", 0))
     except ValueError as err:
@@ -296,10 +309,32 @@ def _validated(text: str, arch: str | None, field: str) -> str:
     if reason:
         raise SpecError(f"{field}.method", reason)
     try:
-        method_of({k: v for k, v in out.items() if k != "quota"})
-    except (ValueError, TypeError, ImportError) as err:  # its own checks (a knob's range, the stage, packages)
-        raise SpecError(field, str(err)) from None
+        method = method_of({k: v for k, v in out.items() if k != "quota"})
+    except (ValueError, TypeError, ImportError, OverflowError) as err:  # its own checks (a knob's range, ...)
+        raise SpecError(_knob_named(field, out, str(err)), str(err)) from None
+    _probe(method, out, field)
     return json.dumps(out, sort_keys=True)
+
+
+def _knob_named(field: str, spec: dict[str, Any], message: str) -> str:
+    """The knob a method's own error names (``temperature must be > 0``), else the spec's field."""
+    named = [k for k in spec["knobs"] if re.search(rf"\b{re.escape(k)}\b", message)]
+    return f"{field}.knobs.{named[0]}" if named else field
+
+
+def _probe(method: Method, spec: dict[str, Any], field: str) -> None:
+    """The method's count and allocation arithmetic on a small image / video in float32 and bfloat16
+    (vlm_prune.vllm.safety's dry run; the processors repeat it on each item's real shape)."""
+    from vlm_prune.vllm.frames import quota_phase
+    from vlm_prune.vllm.safety import dry_run_image, dry_run_video
+
+    for dtype in ("float32", "bfloat16"):
+        if method.stage == "frames":
+            scores = spec.get("quota", {}).get("scores")
+            if method.name != "quota" or quota_phase(spec) == "plan":
+                dry_run_video(spec, len(scores) if scores else 4, 9, (3, 3), dtype=dtype, field=field)
+        elif method.name not in ("hired", "prumerge") or method.keep is not None or method.budget is not None:
+            dry_run_image(spec, 36, (6, 6), dtype=dtype, field=field)
 
 
 def _validated_text(text: str, arch: str | None, field: str) -> dict[str, Any]:
@@ -319,8 +354,25 @@ def _validated_knobs(cls: type[Method], knobs: Any, field: str) -> dict[str, Any
             raise SpecError(field, f"unknown knob {key!r} of method {cls.name!r}; its knobs: {known}")
         want = hints.get(key)
         if want is not None and not _fits(value, want):
-            raise SpecError(f"{field}.{key}", f"method {cls.name!r} takes {_type_name(want)}, got {value!r}")
+            raise SpecError(f"{field}.{key}", f"method {cls.name!r} takes {_type_name(want)}, got {_short(value)}")
+        for number in _floats(value):
+            from vlm_prune.vllm.safety import engine_float
+
+            reason = engine_float(number)
+            if reason:
+                raise SpecError(f"{field}.{key}", reason)
     return dict(knobs)
+
+
+def _floats(value: Any) -> list[float]:
+    """The numbers in a knob's value (a number or a list of numbers)."""
+    values = value if isinstance(value, list) else [value]
+    return [v for v in values if isinstance(v, (int, float)) and not isinstance(v, bool)]
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else f"{text[:40]}... ({len(text)} characters)"
 
 
 def _fits(value: Any, want: Any) -> bool:
@@ -333,9 +385,11 @@ def _fits(value: Any, want: Any) -> bool:
     if want is bool:
         return isinstance(value, bool)
     if want is int:
-        return isinstance(value, int) and not isinstance(value, bool)
+        return isinstance(value, int) and not isinstance(value, bool) and abs(value) <= INT_MAX
     if want is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        from vlm_prune.vllm.safety import finite_number
+
+        return finite_number(value)
     if want is str:
         return isinstance(value, str)
     if origin in (tuple, list):
@@ -358,7 +412,8 @@ def _type_name(want: Any) -> str:
     if origin in (tuple, list):
         return f"a list of {len(args)} ({', '.join(_type_name(a) for a in args)})" if origin is tuple else "a list"
     if want in (bool, int, float, str):
-        return {bool: "true / false", int: "an integer", float: "a number", str: "a string"}[want]
+        return {bool: "true / false", int: "an integer of at most 2**63 - 1", float: "a finite number",
+                str: "a string"}[want]
     return f"an object ({getattr(want, '__name__', want)}), which a request cannot send"
 
 
@@ -371,10 +426,12 @@ def _validated_quota(name: str, quota: Any, field: str) -> dict[str, Any]:
         raise SpecError(field, f"an object, {{\"phase\": \"score\", \"grid\": [r, c]}} or {{\"scores\": [...]}}")
     if set(quota) == {"scores"}:
         scores = quota["scores"]
+        from vlm_prune.vllm.safety import engine_float, finite_number
+
         if (not isinstance(scores, list) or not scores
-                or not all(isinstance(p, (int, float)) and not isinstance(p, bool) and math.isfinite(p) and p >= 0
-                           for p in scores)):
-            raise SpecError(f"{field}.scores", f"a non-empty list of finite scores >= 0 (one per frame), got {scores!r}")
+                or not all(finite_number(p) and p >= 0 and engine_float(p) is None for p in scores)):
+            raise SpecError(f"{field}.scores", "a non-empty list of finite scores >= 0 (one per frame; 0 or within "
+                            f"bfloat16's normal range), got {_short(scores)}")
         return {"scores": scores}
     if set(quota) <= {"phase", "grid"} and quota.get("phase") == "score":
         grid = quota.get("grid")
@@ -504,8 +561,9 @@ def mrope_rope_parameters(text_config: dict[str, Any]) -> dict[str, Any]:
     return params
 
 
-def hf_overrides(model: str | Path, spec: dict[str, Any]) -> dict[str, Any]:
-    """``hf_overrides`` for vLLM that serve checkpoint ``model`` with the pruning ``spec``."""
+def hf_overrides(model: str | Path, spec: dict[str, Any], allow_mm_kwargs: Any = None) -> dict[str, Any]:
+    """``hf_overrides`` for vLLM that serve checkpoint ``model`` with the pruning ``spec`` (and the requests'
+    other ``mm_processor_kwargs`` keys ``allow_mm_kwargs``, vlm_prune.vllm.safety)."""
     cfg = read_config(model)
     arch = (cfg.get("architectures") or [""])[0]
     if arch in PLANNED:
@@ -517,6 +575,10 @@ def hf_overrides(model: str | Path, spec: dict[str, Any]) -> dict[str, Any]:
         raise ValueError(reason)
     spec = validate_spec(spec, arch, field="the engine's spec (hf_overrides['vlm_prune'])")
     overrides = {"architectures": [ARCHITECTURES[arch]], "vlm_prune": spec}
+    if allow_mm_kwargs:
+        from vlm_prune.vllm.safety import ALLOW_KEY, allowed_mm_kwargs
+
+        overrides[ALLOW_KEY] = allowed_mm_kwargs(allow_mm_kwargs, arch)
     if arch in ROPE_FROM_CONFIG:  # transformers' reading of the rotary tables (old checkpoints: rope_scaling)
         from transformers import AutoConfig
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
@@ -46,6 +47,7 @@ from vllm.multimodal.processing import PromptReplacement, PromptUpdate
 from vlm_prune.methods.base import Method, VisionContext, item_generator
 from vlm_prune.methods.visionzip import TowerFeatures
 from vlm_prune.vllm.config import CLS_METHODS, TOWER_METHODS, SpecError, method_of, validate_spec
+from vlm_prune.vllm.safety import check_mm_kwargs, dry_run_image, engine_dims, image_slots
 
 #: extra embedding channels carrying each kept token's position offset (base-64 digits: exact in
 #: bfloat16 too, up to 64**3 positions)
@@ -71,7 +73,12 @@ SPEC_KEY = "vlm_prune_spec"
 def spec_of(hf_config: Any, mm_kwargs: Mapping[str, object] | None = None) -> dict[str, Any]:
     """The request's spec (``mm_processor_kwargs={"vlm_prune": "<json>"}``), validated for this model
     by :func:`vlm_prune.vllm.config.validate_spec` (in vLLM's front end, before the engine sees the
-    request: a refusal is the request's HTTP 400), or the engine's."""
+    request: a refusal is the request's HTTP 400), or the engine's. The request's other keys must be
+    ones the operator allowed (:func:`vlm_prune.vllm.safety.check_mm_kwargs`)."""
+    try:
+        check_mm_kwargs(mm_kwargs or {}, hf_config)
+    except SpecError as err:
+        raise RequestSpecError(err) from None
     spec = (mm_kwargs or {}).get("vlm_prune")
     if spec is not None:
         try:
@@ -222,14 +229,6 @@ def reduced(method: Method, features: torch.Tensor, grid: tuple[int, int] | None
     return idx, features[idx] if red.features is None else red.features.to(features.dtype)
 
 
-def image_slots(method: Method, n: int) -> int:
-    """Placeholder slots of an image of ``n`` visual tokens: the count ``wrap()`` keeps, known before the
-    encoder runs (HiRED's official single-partition count without keep / budget: int(n rate))."""
-    if method.name == "hired" and method.keep is None and method.budget is None:
-        return min(n, int(n * method.rate))
-    return method.n_keep(n, 1)
-
-
 def check_cls_method(method: Method, hf_config: Any) -> None:
     """The model-side checks wrap() makes for HiRED / PruMerge (``check_model``), as a request's refusal:
     the [CLS] token must not be a visual token, and PruMerge reads the tower's last layer from the feature
@@ -297,9 +296,10 @@ class PrunedLlavaProcessingInfo(LlavaProcessingInfo):
     def get_num_image_tokens(self, *, image_width: int, image_height: int,
                              mm_kwargs: Mapping[str, object] | None = None) -> int:
         n = self.unpruned_image_tokens(image_width=image_width, image_height=image_height)
-        method = self.method(mm_kwargs)
-        check_cls_method(method, self.get_hf_config())
-        return image_slots(method, n)
+        spec = spec_of(self.get_hf_config(), mm_kwargs)
+        check_cls_method(method_of(spec), self.get_hf_config())
+        side = math.isqrt(n)  # the encoder's grid (VlmPruneLlavaForConditionalGeneration.side)
+        return dry_run_image(spec, n, (side, side) if side * side == n else None, **engine_dims(self))
 
 
 class PrunedLlavaMultiModalProcessor(LlavaMultiModalProcessor):

@@ -42,7 +42,7 @@ from vllm.multimodal.processing import PromptReplacement, PromptUpdate
 
 from vlm_prune.methods.base import Method, Reduction, VisionContext
 from vlm_prune.adapters.hf_vlm import fit_grid
-from vlm_prune.vllm.frames import frames_reduction, frames_slots, is_frames, quota_phase, strip_quota
+from vlm_prune.vllm.frames import frames_reduction, is_frames, quota_phase, strip_quota
 from vlm_prune.vllm.llava import (
     QUERY_KEY,
     RANK_KEY,
@@ -57,6 +57,7 @@ from vlm_prune.vllm.llava import (
     spec_of,
     tag_items,
 )
+from vlm_prune.vllm.safety import dry_run_video, engine_dims
 from vlm_prune.vllm.onevision import (
     FULL_KEY,
     VlmPruneLlavaOnevisionForConditionalGeneration,
@@ -81,7 +82,7 @@ class PrunedLlavaNextVideoProcessingInfo(LlavaNextVideoProcessingInfo):
         if quota_phase(spec) == "score":  # QuoTA's pass 1: each frame's map fitted into score_grid
             return score_rows(self.frame_grid(), spec) * num_frames
         if is_frames(method):
-            return frames_slots(method, num_frames, per_frame, spec, grid=self.frame_grid())
+            return dry_run_video(spec, num_frames, per_frame, self.frame_grid(), **engine_dims(self))
         return method.n_keep(per_frame, 1) * num_frames
 
 

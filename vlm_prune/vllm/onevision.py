@@ -51,7 +51,6 @@ from vlm_prune.methods.base import Method, Reduction, VisionContext
 from vlm_prune.vllm.config import ONEVISION_VISIONZIP_REFUSAL, TOWER_METHODS
 from vlm_prune.vllm.frames import (
     frames_reduction,
-    frames_slots,
     is_frames,
     quota_phase,
     strip_quota,
@@ -70,6 +69,7 @@ from vlm_prune.vllm.llava import (
     spec_of,
     tag_items,
 )
+from vlm_prune.vllm.safety import dry_run_video, engine_dims
 
 #: each item's unpruned placeholder count (where the text after it continues)
 FULL_KEY = "vlm_prune_full"
@@ -121,7 +121,8 @@ class PrunedOnevisionProcessingInfo(LlavaOnevisionProcessingInfo):
         if quota_phase(spec) == "score":  # QuoTA's pass 1: each frame's map resized to at most score_grid
             return score_rows(self.frame_grid(), spec) * num_frames + 1
         if is_frames(m):
-            return frames_slots(m, num_frames, per_frame, spec, self.tower_grid()) + 1
+            return dry_run_video(spec, num_frames, per_frame, self.frame_grid(), unpooled_grid=self.tower_grid(),
+                                 **engine_dims(self)) + 1
         return m.n_keep(per_frame, 1) * num_frames + 1
 
 

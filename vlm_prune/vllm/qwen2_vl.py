@@ -56,7 +56,6 @@ from vlm_prune.vllm.config import refusal
 from vlm_prune.vllm.frames import (
     QUOTA_REFUSAL,
     frames_plan,
-    frames_slots,
     is_frames,
     quota_phase,
     strip_quota,
@@ -74,6 +73,7 @@ from vlm_prune.vllm.llava import (
     spec_of,
     tag_items,
 )
+from vlm_prune.vllm.safety import dry_run_image, dry_run_video, engine_dims
 
 #: extra embedding channels: three base-64 digits for each of the t, h, w position offsets
 OFFSET_CHANNELS = 9
@@ -150,8 +150,8 @@ class _PrunedProcessor:
                 return ids
             if quota_phase(spec) == "score":  # QuoTA's pass 1: each slice's map fitted into score_grid
                 return ids[:1] * (t * _score_rows(grid, spec))
-            return ids[:1] * frames_slots(method, t, len(ids) // t, spec, grid=grid)
-        return ids[:1] * (t * method.n_keep(len(ids) // t, 1))
+            return ids[:1] * dry_run_video(spec, t, len(ids) // t, grid, **engine_dims(self.info))
+        return ids[:1] * (t * dry_run_image(spec, len(ids) // t, grid, **engine_dims(self.info)))
 
     def apply(self, inputs: Any, timing_ctx: Any) -> Any:
         spec = spec_of(self.info.get_hf_config(), inputs.hf_processor_mm_kwargs)

@@ -4,7 +4,8 @@ OpenAI-compatible server with the model pruned by the plugin (see docs/vllm.md).
 ``--vllm '...'`` hands options to ``vllm serve`` unchanged (``--vllm '--port 8001 --max-model-len 4096
 --data-parallel-size 2'``). Requests may override the method and budget
 with ``"mm_processor_kwargs": {"vlm_prune": "<vlm_prune.vllm.request_kwargs(...)['vlm_prune']>"}`` where the
-server trusts request kwargs (``--vllm '--trust-request-mm-kwargs'``; vLLM answers 400 otherwise).
+server trusts request kwargs (``--vllm '--trust-request-mm-kwargs'``; vLLM answers 400 otherwise). Every
+other ``mm_processor_kwargs`` key gets a 400 unless ``--allow-mm-kwargs`` names it (docs/serving-safety.md).
 """
 from __future__ import annotations
 
@@ -34,6 +35,10 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--config", metavar="PATH",
                    help="a config file (docs/config.md, what vlm-prune tune writes) instead of --method / --keep / "
                         "--budget / --seed: one method, its knobs and budget")
+    p.add_argument("--allow-mm-kwargs", default="", metavar="KEYS",
+                   help="requests' mm_processor_kwargs keys allowed besides the pruning spec, each value checked: "
+                   "min_pixels, max_pixels (Qwen / GLM), fps (video models), do_image_splitting (Idefics3 / SmolVLM); "
+                   "every other key gets a 400 (docs/serving-safety.md)")
     p.add_argument("--dry-run", action="store_true", help="print the vllm serve command instead of running it")
     p.add_argument("--vllm", default="", metavar="OPTIONS",
                    help="options passed to `vllm serve` as they are, one quoted string: --vllm '--port 8001'")
@@ -41,12 +46,12 @@ def add_parser(sub: Any) -> None:
 
 
 def serve_argv(model: str, method: str, *, keep: float | None = None, budget: int | None = None, seed: int = 0,
-               extra: list[str] | None = None) -> list[str]:
+               extra: list[str] | None = None, allow_mm_kwargs: str = "") -> list[str]:
     """The arguments of vLLM's OpenAI server (``python -m vllm.entrypoints.openai.api_server``, what
     ``vllm serve`` runs) that serve ``model`` pruned."""
     from vlm_prune.vllm import engine_kwargs
 
-    kw = engine_kwargs(model, method, keep=keep, budget=budget, seed=seed)
+    kw = engine_kwargs(model, method, keep=keep, budget=budget, seed=seed, allow_mm_kwargs=allow_mm_kwargs)
     argv = ["--model", kw.pop("model"), "--hf-overrides", json.dumps(kw.pop("hf_overrides"), sort_keys=True)]
     for key, value in kw.items():
         argv += [f"--{key.replace('_', '-')}", str(value)]
@@ -84,7 +89,8 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--vllm {args.vllm!r}: {err}; pass vLLM's options as one quoted string") from None
     method, keep, budget, seed = config_method(args)
     try:
-        argv = serve_argv(args.model, method, keep=keep, budget=budget, seed=seed, extra=extra)
+        argv = serve_argv(args.model, method, keep=keep, budget=budget, seed=seed, extra=extra,
+                          allow_mm_kwargs=args.allow_mm_kwargs)
     except (ValueError, FileNotFoundError) as err:
         raise UsageError(str(err)) from None
     if args.dry_run:
