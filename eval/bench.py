@@ -39,7 +39,7 @@ import torch
 from vlm_prune.eval import bench_stats, metrics
 from vlm_prune.eval.synthetic import encode, load, make_dataset, shipped_seeds, trained_qtypes
 from vlm_prune.eval.synthetic.baselines import PixelTap, SaturationFrames, SaturationTokens
-from vlm_prune.eval.synthetic.scenes import COLOURS, Sample
+from vlm_prune.eval.synthetic.scenes import COLOURS, DEFAULT_SEED, Sample
 
 import vlm_prune
 from vlm_prune.api import is_wrapped
@@ -431,7 +431,7 @@ def targets(args: argparse.Namespace) -> Iterator[tuple[str, int, torch.nn.Modul
             seeds, families = seeds_and_families(kind, seeds)
             if not families:
                 raise UsageError(f"the shipped {kind} seeds {seeds} share no task family they answer better than chance")
-            samples = make_dataset(kind, "test", per_seed(totals[kind], seeds), qtypes=families)
+            samples = make_dataset(kind, "test", per_seed(totals[kind], seeds), seed=args.data_seed, qtypes=families)
             for seed in seeds:
                 model, processor = load(kind, seed)
                 yield f"synthetic-{kind}", seed, model, processor, samples, keeps[kind]
@@ -449,7 +449,7 @@ def targets(args: argparse.Namespace) -> Iterator[tuple[str, int, torch.nn.Modul
         kind = "video" if "frames" in find_adapter(model).stages else "image"
     except TypeError as err:
         raise UsageError(f"--model {args.model}: {err}") from None
-    samples = render_for(make_dataset(kind, "test", totals[kind]), processor_size(processor), with_options=True)
+    samples = render_for(make_dataset(kind, "test", totals[kind], seed=args.data_seed), processor_size(processor), with_options=True)
     yield args.model, 0, model, processor, samples, keeps[kind]
 
 
@@ -586,12 +586,47 @@ def write_outputs(out_dir: str, payload: dict[str, Any], table: str, rows: list[
     return paths
 
 
+def code_version() -> str:
+    """``git describe --always --dirty`` of the checkout the package runs from, else the package version."""
+    import subprocess
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        out = subprocess.run(["git", "-C", root, "describe", "--always", "--dirty", "--abbrev=12"],
+                             capture_output=True, text=True, timeout=10, check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        out = ""
+    return f"vlm-prune {vlm_prune.__version__}" + (f" ({out})" if out else "")
+
+
+def cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo on Linux), else ``platform.processor()``."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def meta(mode: str, argv_args: argparse.Namespace) -> dict[str, Any]:
+    """Provenance of a result file: the command, the code version, the machine and the date
+    (:mod:`vlm_prune.eval.report` refuses a result file without them)."""
+    import shlex
+    import sys
+
+    import transformers
+
     return {
         "mode": mode,
+        "command": "vlm-prune " + shlex.join(sys.argv[1:]),
+        "code": code_version(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}, "
-                   f"{torch.get_num_threads()} threads",
+        "machine": f"{cpu_model()} ({platform.machine()}), {os.cpu_count()} CPUs, {torch.get_num_threads()} torch threads",
+        "software": f"Python {platform.python_version()}, torch {torch.__version__}, transformers {transformers.__version__}",
+        "data_seed": DEFAULT_SEED if getattr(argv_args, "data_seed", None) is None else argv_args.data_seed,
         "args": {k: v for k, v in vars(argv_args).items() if k != "func"},
     }
 
@@ -644,14 +679,14 @@ def run_and_write(mode: str, args: argparse.Namespace, parts: Iterable[tuple[lis
     """Run every (rows, skipped) part lazily, then write bench.json / .md (and the plot) and print the table.
 
     ``summarise(rows)`` adds its keys (e.g. the pooled rows and the matched view) to the JSON."""
-    start = time.perf_counter()
+    start, info = time.perf_counter(), meta(mode, args)
     rows: list[dict[str, Any]] = []
     skipped: list[dict[str, Any]] = []
     for r, s in parts:
         rows += r
         skipped += s
     table = to_markdown(rows, skipped)
-    payload = {"meta": {**meta(mode, args), "seconds": time.perf_counter() - start}, "rows": rows, "skipped": skipped,
+    payload = {"meta": {**info, "seconds": time.perf_counter() - start}, "rows": rows, "skipped": skipped,
                **(summarise(rows) if summarise else {})}
     paths = write_outputs(args.out, payload, table, rows if plot else None)
     print(fit_terminal(table, where=paths["markdown"]))

@@ -70,6 +70,9 @@ def add_parser(subparsers: Any) -> None:
                    help="prefill timings per batch, the median counts (default 3; --quick on the shipped models: 1)")
     p.add_argument("--time-batches", type=positive_int, default=1, help="batches timed per setting (default 1)")
     p.add_argument("--seed", type=int, default=0, help="seed of the sampling methods (random; default 0)")
+    p.add_argument("--data-seed", type=int, default=None,
+                   help="base seed of the synthetic test samples (default: the published test set); another value "
+                        "draws a fresh test set no setting was chosen on (the results page's held-out check)")
     p.add_argument("--threads", type=positive_int, default=None,
                    help="torch CPU threads (default: torch's choice; --quick on the shipped models: 1); 1 gives stable "
                         "timings on a shared machine")
