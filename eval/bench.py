@@ -175,6 +175,36 @@ def plan(model: torch.nn.Module, processor: Any, keeps: tuple[float, ...], only:
     return cases, skipped
 
 
+def refuse_inapplicable(args: argparse.Namespace) -> None:
+    """Before any model loads: refuse (UsageError) a ``--methods`` list of which no method runs on a
+    benched model's adapter family (``Method.refusal``, the rule wrap() applies); the saturation
+    baseline counts as running everywhere."""
+    if not args.methods or SATURATION in args.methods.split(","):
+        return
+    from vlm_prune.adapters import FAMILY_STAGES, family_of
+    from vlm_prune.eval.synthetic.models import model_path
+
+    if args.model is None:
+        models = {f"the synthetic {kind} model": model_path(kind) / "config.json" for kind in args.kinds}
+    elif os.path.isdir(args.model):
+        models = {args.model: os.path.join(args.model, "config.json")}
+    else:
+        return  # a hub model: wrap() names what it refuses once the model is loaded
+    for label, config in models.items():
+        try:
+            with open(config, encoding="utf-8") as f:
+                architectures = json.load(f).get("architectures") or []
+        except OSError:
+            continue  # targets() says what is missing
+        family = next(filter(None, map(family_of, architectures)), None)
+        if family is None:
+            continue
+        refusals = [method_class(n).refusal(family, FAMILY_STAGES[family]) for n in args.methods.split(",")]
+        if all(refusals):
+            raise UsageError(f"--methods {args.methods}: none runs on {label} ({refusals[0]}); "
+                             "see `vlm-prune methods` for the methods each model family runs")
+
+
 # ---- running ------------------------------------------------------------------------------------
 def first_word(text: str) -> str:
     words = text.split()
@@ -661,6 +691,8 @@ def run(args: argparse.Namespace) -> int:
     fresh_output(args.out, ["speed.json" if args.speed else "bench.json"], args.overwrite)
     if args.device == "cuda" and not torch.cuda.is_available():
         raise UsageError("--device cuda: no CUDA device is visible to torch; use --device cpu")
+    if not args.speed:
+        refuse_inapplicable(args)
     threads = torch_threads(args)
     if threads:
         torch.set_num_threads(threads)
