@@ -31,6 +31,7 @@ import os
 import platform
 import statistics
 import string
+import sys
 import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -514,15 +515,15 @@ def markdown(rows: list[dict[str, Any]], skipped: list[dict[str, Any]]) -> str:
     """The pooled results table, accuracy per task family, the matched view and the skipped combinations."""
     summary = summarise(rows)
     pooled, matched = summary["pooled"], summary["matched"]
-    head = ["model", "method", "keep", "visual tokens", "layer-avg tokens", "FLOPs ratio (ideal)", "accuracy % (95% CI)",
+    head = ["model", "method", "keep", "accuracy % (95% CI)", "visual tokens", "layer-avg tokens", "FLOPs ratio (ideal)",
             "seeds (min-max)", "retention", "chance-corrected retention", "prefill CPU-time ratio", "prefill time ratio", "notes"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in pooled:
         tokens = f"{fmt(r['visual_tokens_out'], '.1f')} / {fmt(r['visual_tokens_in'], '.0f')}"
         spread = f"{_pct(r['accuracy_min'])}-{_pct(r['accuracy_max'])} ({len(r['seeds'])})"
         lines.append("| " + " | ".join([
-            r["model"], r["method"], fmt(r["keep"], "g"), tokens, fmt(r["visual_tokens_layer_avg"], ".1f"),
-            fmt(r["flops_ratio"], ".2f"), f"{_pct(r['accuracy'])} +- {_pct(r['accuracy_ci'])}", spread,
+            r["model"], r["method"], fmt(r["keep"], "g"), f"{_pct(r['accuracy'])} +- {_pct(r['accuracy_ci'])}", tokens,
+            fmt(r["visual_tokens_layer_avg"], ".1f"), fmt(r["flops_ratio"], ".2f"), spread,
             fmt(r["retention"], ".3f"), fmt(r["chance_retention"], ".3f"), fmt(r["prefill_cpu_ratio"], ".2f"),
             fmt(r["prefill_ratio"], ".2f"), markdown_escape(r["notes"]),
         ]) + " |")
@@ -705,6 +706,12 @@ def run(args: argparse.Namespace) -> int:
     return run_and_write("bench", args, parts, markdown, plot=True, summarise=summarise)
 
 
+def printed(table: str, where: str) -> str:
+    """The table as the command prints it: cut to the terminal's width (the accuracy stays, in the
+    fourth column; the rest is in ``where``), whole when stdout is no terminal (a pipe, a log file)."""
+    return fit_terminal(table, where=where) if sys.stdout.isatty() else table
+
+
 def run_and_write(mode: str, args: argparse.Namespace, parts: Iterable[tuple[list[dict[str, Any]], list[dict[str, Any]]]],
                   to_markdown: Callable[[list[dict[str, Any]], list[dict[str, Any]]], str], plot: bool,
                   summarise: Callable[[list[dict[str, Any]]], dict[str, Any]] | None = None) -> int:
@@ -721,6 +728,6 @@ def run_and_write(mode: str, args: argparse.Namespace, parts: Iterable[tuple[lis
     payload = {"meta": {**info, "seconds": time.perf_counter() - start}, "rows": rows, "skipped": skipped,
                **(summarise(rows) if summarise else {})}
     paths = write_outputs(args.out, payload, table, rows if plot else None)
-    print(fit_terminal(table, where=paths["markdown"]))
+    print(printed(table, paths["markdown"]))
     print("wrote " + ", ".join(paths.values()))
     return 0

@@ -88,10 +88,20 @@ def add_parser(subparsers: Any) -> None:
     s.add_argument("--speed-keeps", type=_keeps, default=(0.25, 0.11), help="keep ratios timed (default 0.25,0.11)")
     s.add_argument("--shapes", default="image,video,image-deep",
                    help="model shapes timed: image, video, image-deep (default all three)")
+    r = p.add_argument_group("--report: the results page from committed result files (vlm_prune.eval.report)")
+    r.add_argument("--report", action="store_true",
+                   help="write BENCHMARKS.md, docs/results.md and their figures from the result files under "
+                        "--results, and the README's which-method block between its markers; runs no model")
+    r.add_argument("--results", default="results", help="folder of the result files (default results)")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.report:
+        from vlm_prune.eval.report import write_report
+
+        print("wrote " + "; ".join(write_report(args.results)))
+        return 0
     problem = args.model and hub_model_problem(args.model)
     if problem:
         raise UsageError(problem)
