@@ -185,15 +185,21 @@ def _held_out(kind: str, main: ResultFile, fresh: list[ResultFile], keeps: list[
     return lines
 
 
-def _run_line(f: ResultFile) -> str:
-    """How a bench file was run, in words: samples, training seeds, data seed, timing."""
-    rows = f.data["rows"]
-    base = [r for r in rows if r["method"] == "none"]
-    seeds = sorted({r.get("seed", 0) for r in base})
-    per_seed = base[0]["n"] if base else 0
+def _run_line(f: ResultFile, model: str) -> str:
+    """How a bench file was run, in words: training seeds and samples (against the bench's
+    defaults), data seed, timing."""
+    from vlm_prune.eval.bench import SAMPLES
+    from vlm_prune.eval.synthetic import shipped_seeds
+
+    base = [r for r in f.data["rows"] if r["method"] == "none" and r["model"] == model]
+    kind, seeds, per_seed = _kind(model), len(base), base[0]["n"]
+    shipped = len(shipped_seeds(kind)) if kind in SAMPLES else seeds
+    reduced = seeds < shipped or seeds * per_seed < SAMPLES.get(kind, 0)
     repeats = f.meta.get("args", {}).get("repeats")
-    return (f"{len(seeds)} training seed(s) x {per_seed} test samples (data seed {_data_seed(f)}); prefill ratio: "
-            f"process CPU time pruned / unpruned, median of {repeats} timing(s) of one batch")
+    return (f"{seeds} of the {shipped} shipped training seeds x {per_seed} test samples"
+            + (f" (a reduced run: the bench's default is every seed, {SAMPLES[kind]} samples in all)" if reduced else "")
+            + f", data seed {_data_seed(f)}; prefill ratio: process CPU time pruned / unpruned, median of {repeats} "
+            "timing(s) of one batch")
 
 
 def render_bench(files: list[ResultFile], page: Page) -> list[str]:
@@ -219,7 +225,7 @@ def render_bench(files: list[ResultFile], page: Page) -> list[str]:
         base = next(r for r in pooled if r["method"] == "none")
         keeps = [k for k in bench_stats.MATCHED_FRACTIONS if any(r["keep"] == k for r in pooled)]
         lines += [f"### {kind.capitalize()}: the synthetic {kind} model", "",
-                  f"From `{main_file.path}`: {_run_line(main_file)}. Unpruned accuracy {_pct(base['accuracy'])}% "
+                  f"From `{main_file.path}`: {_run_line(main_file, model)}. Unpruned accuracy {_pct(base['accuracy'])}% "
                   f"+- {_pct(base['accuracy_ci'])}, chance {_pct(base['chance'])}%, {base['visual_tokens_in']:.0f} "
                   "visual tokens. Tokens kept: the same number at the end of the LLM for every method (the budget); "
                   "layer-avg tokens shows what each kept on average over the decoder layers.", ""]
@@ -231,7 +237,12 @@ def render_bench(files: list[ResultFile], page: Page) -> list[str]:
                   f"#### {kind.capitalize()}: held-out check", ""]
         lines += _held_out(kind, main_file, fresh, keeps, page) + [""]
         for f in fresh:
-            lines += [f"(Fresh test set: `{f.path}`, {_run_line(f)}.)", ""]
+            lines += [f"(Fresh test set: `{f.path}`, {_run_line(f, model)}.)", ""]
+    for kind in ("image", "video"):
+        if f"synthetic-{kind}" not in by_model:
+            lines += [f"### {kind.capitalize()}: the synthetic {kind} model", "",
+                      f"No result file of the synthetic {kind} model is committed: run `vlm-prune bench --kinds {kind} "
+                      f"--out results/bench/{kind}` and regenerate this page.", ""]
     return lines
 
 
