@@ -57,11 +57,9 @@ def test_report_tables_held_out_check_and_links(tmp_path):
         "| saturation | 50.0 +- 32.7 | 0.50 | baseline | 16.0 | 0.50 | 0.60 |",
         "| bad | 40.0 +- 32.0 | 0.40 | -10.0 +- 19.6 | 16.0 | 0.50 | 0.60 |",
     ]) in page
-    assert ("- best beats the saturation baseline at 25% of the image tokens "
-            "(published: +50.0 +- 32.7; fresh: +50.0 +- 32.7)") in page
-    assert ("- good beats the saturation baseline at 25% of the image tokens: not confirmed "
-            "(published: +40.0 +- 32.0; fresh: +10.0 +- 19.6)") in page
-    assert "bad falls below" not in page and "bad beats" not in page  # not significant anywhere: no claim
+    assert "- At 25% of the tokens, beat it: best (+50.0 +- 32.7 / +50.0 +- 32.7)." in page
+    assert "- At 25% of the tokens, beat it: good (+40.0 +- 32.0 / +10.0 +- 19.6)." in page.split("so not claimed:")[1]
+    assert "bad (" not in page  # not significant anywhere: no claim
     assert "- `results/bench/image-fresh.json`: `vlm-prune bench --kinds image --data-seed 7`; code vlm-prune 0.1.0" in page
     # the same page in the docs, figures linked from each place
     docs = (tmp_path / "docs" / "results.md").read_text()
@@ -71,7 +69,7 @@ def test_report_tables_held_out_check_and_links(tmp_path):
     # the README block: the best registered method (not the baseline) per use and budget
     readme = (tmp_path / "README.md").read_text()
     assert readme.startswith(f"intro\n{report.BEGIN}\n") and readme.endswith(f"{report.END}\nrest\n")
-    assert "| images | best (100.0%: image table, 25%) |" in readme
+    assert "| images | best (100.0%, beats saturation: image table, 25%) |" in readme
     assert "| serving images (vLLM) | - |" in readme  # neither fixture method runs in vLLM
 
 
