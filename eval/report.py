@@ -290,12 +290,12 @@ def which_method(page: Page) -> str:
         cells = []
         for keep in keeps:
             rows = [r for r in page.which.get((kind, keep), []) if allowed is None or r["method"] in allowed]
-            best = max(rows, key=lambda r: r["accuracy"], default=None)
-            mark = "" if best is None or (kind, keep, best["method"]) not in page.beats else ", beats saturation"
-            cells.append("-" if best is None else
-                         f"{best['method']} ({_pct(best['accuracy'])}%{mark}: {kind} table, {100 * keep:g}%)")
+            top = max((r["accuracy"] for r in rows), default=None)
+            best = [r["method"] for r in rows if r["accuracy"] == top]  # ties all named
+            mark = ", beats saturation" if best and all((kind, keep, m) in page.beats for m in best) else ""
+            cells.append("-" if not best else f"{', '.join(best)} ({_pct(top)}%{mark}: {kind} table, {100 * keep:g}%)")
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
-    return ("The most accurate method per use and budget on the synthetic models ([results page](BENCHMARKS.md)); "
+    return ("The most accurate method(s) per use and budget on the synthetic models ([results page](BENCHMARKS.md)); "
             "\"beats saturation\": ahead of the saturation baseline on the published and a fresh test set; serving: "
             "the methods vLLM runs.\n\n" + "\n".join(lines) + "\n")
 
