@@ -31,6 +31,7 @@ import os
 import platform
 import statistics
 import string
+import sys
 import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -39,7 +40,7 @@ import torch
 from vlm_prune.eval import bench_stats, metrics
 from vlm_prune.eval.synthetic import encode, load, make_dataset, shipped_seeds, trained_qtypes
 from vlm_prune.eval.synthetic.baselines import PixelTap, SaturationFrames, SaturationTokens
-from vlm_prune.eval.synthetic.scenes import COLOURS, Sample
+from vlm_prune.eval.synthetic.scenes import COLOURS, DEFAULT_SEED, Sample
 
 import vlm_prune
 from vlm_prune.api import is_wrapped
@@ -173,6 +174,36 @@ def plan(model: torch.nn.Module, processor: Any, keeps: tuple[float, ...], only:
             notes = "; ".join(n for n in (note, partner_note, f"{FRAMES_PARTNER} with its own default schedule") if n)
             cases += [Case(f"{name}+{FRAMES_PARTNER}", lambda m, a=make, b=partner: [a(m), b(m)], k, notes) for k in keeps]
     return cases, skipped
+
+
+def refuse_inapplicable(args: argparse.Namespace) -> None:
+    """Before any model loads: refuse (UsageError) a ``--methods`` list of which no method runs on a
+    benched model's adapter family (``Method.refusal``, the rule wrap() applies); the saturation
+    baseline counts as running everywhere."""
+    if not args.methods or SATURATION in args.methods.split(","):
+        return
+    from vlm_prune.adapters import FAMILY_STAGES, family_of
+    from vlm_prune.eval.synthetic.models import model_path
+
+    if args.model is None:
+        models = {f"the synthetic {kind} model": model_path(kind) / "config.json" for kind in args.kinds}
+    elif os.path.isdir(args.model):
+        models = {args.model: os.path.join(args.model, "config.json")}
+    else:
+        return  # a hub model: wrap() names what it refuses once the model is loaded
+    for label, config in models.items():
+        try:
+            with open(config, encoding="utf-8") as f:
+                architectures = json.load(f).get("architectures") or []
+        except OSError:
+            continue  # targets() says what is missing
+        family = next(filter(None, map(family_of, architectures)), None)
+        if family is None:
+            continue
+        refusals = [method_class(n).refusal(family, FAMILY_STAGES[family]) for n in args.methods.split(",")]
+        if all(refusals):
+            raise UsageError(f"--methods {args.methods}: none runs on {label} ({refusals[0]}); "
+                             "see `vlm-prune methods` for the methods each model family runs")
 
 
 # ---- running ------------------------------------------------------------------------------------
@@ -431,7 +462,7 @@ def targets(args: argparse.Namespace) -> Iterator[tuple[str, int, torch.nn.Modul
             seeds, families = seeds_and_families(kind, seeds)
             if not families:
                 raise UsageError(f"the shipped {kind} seeds {seeds} share no task family they answer better than chance")
-            samples = make_dataset(kind, "test", per_seed(totals[kind], seeds), qtypes=families)
+            samples = make_dataset(kind, "test", per_seed(totals[kind], seeds), seed=args.data_seed, qtypes=families)
             for seed in seeds:
                 model, processor = load(kind, seed)
                 yield f"synthetic-{kind}", seed, model, processor, samples, keeps[kind]
@@ -449,7 +480,7 @@ def targets(args: argparse.Namespace) -> Iterator[tuple[str, int, torch.nn.Modul
         kind = "video" if "frames" in find_adapter(model).stages else "image"
     except TypeError as err:
         raise UsageError(f"--model {args.model}: {err}") from None
-    samples = render_for(make_dataset(kind, "test", totals[kind]), processor_size(processor), with_options=True)
+    samples = render_for(make_dataset(kind, "test", totals[kind], seed=args.data_seed), processor_size(processor), with_options=True)
     yield args.model, 0, model, processor, samples, keeps[kind]
 
 
@@ -484,15 +515,15 @@ def markdown(rows: list[dict[str, Any]], skipped: list[dict[str, Any]]) -> str:
     """The pooled results table, accuracy per task family, the matched view and the skipped combinations."""
     summary = summarise(rows)
     pooled, matched = summary["pooled"], summary["matched"]
-    head = ["model", "method", "keep", "visual tokens", "layer-avg tokens", "FLOPs ratio (ideal)", "accuracy % (95% CI)",
+    head = ["model", "method", "keep", "accuracy % (95% CI)", "visual tokens", "layer-avg tokens", "FLOPs ratio (ideal)",
             "seeds (min-max)", "retention", "chance-corrected retention", "prefill CPU-time ratio", "prefill time ratio", "notes"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in pooled:
         tokens = f"{fmt(r['visual_tokens_out'], '.1f')} / {fmt(r['visual_tokens_in'], '.0f')}"
         spread = f"{_pct(r['accuracy_min'])}-{_pct(r['accuracy_max'])} ({len(r['seeds'])})"
         lines.append("| " + " | ".join([
-            r["model"], r["method"], fmt(r["keep"], "g"), tokens, fmt(r["visual_tokens_layer_avg"], ".1f"),
-            fmt(r["flops_ratio"], ".2f"), f"{_pct(r['accuracy'])} +- {_pct(r['accuracy_ci'])}", spread,
+            r["model"], r["method"], fmt(r["keep"], "g"), f"{_pct(r['accuracy'])} +- {_pct(r['accuracy_ci'])}", tokens,
+            fmt(r["visual_tokens_layer_avg"], ".1f"), fmt(r["flops_ratio"], ".2f"), spread,
             fmt(r["retention"], ".3f"), fmt(r["chance_retention"], ".3f"), fmt(r["prefill_cpu_ratio"], ".2f"),
             fmt(r["prefill_ratio"], ".2f"), markdown_escape(r["notes"]),
         ]) + " |")
@@ -586,12 +617,47 @@ def write_outputs(out_dir: str, payload: dict[str, Any], table: str, rows: list[
     return paths
 
 
+def code_version() -> str:
+    """``git describe --always --dirty`` of the checkout the package runs from, else the package version."""
+    import subprocess
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        out = subprocess.run(["git", "-C", root, "describe", "--always", "--dirty", "--abbrev=12"],
+                             capture_output=True, text=True, timeout=10, check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        out = ""
+    return f"vlm-prune {vlm_prune.__version__}" + (f" ({out})" if out else "")
+
+
+def cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo on Linux), else ``platform.processor()``."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def meta(mode: str, argv_args: argparse.Namespace) -> dict[str, Any]:
+    """Provenance of a result file: the command, the code version, the machine and the date
+    (:mod:`vlm_prune.eval.report` refuses a result file without them)."""
+    import shlex
+    import sys
+
+    import transformers
+
     return {
         "mode": mode,
+        "command": "vlm-prune " + shlex.join(sys.argv[1:]),
+        "code": code_version(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}, "
-                   f"{torch.get_num_threads()} threads",
+        "machine": f"{cpu_model()} ({platform.machine()}), {os.cpu_count()} CPUs, {torch.get_num_threads()} torch threads",
+        "software": f"Python {platform.python_version()}, torch {torch.__version__}, transformers {transformers.__version__}",
+        "data_seed": DEFAULT_SEED if getattr(argv_args, "data_seed", None) is None else argv_args.data_seed,
         "args": {k: v for k, v in vars(argv_args).items() if k != "func"},
     }
 
@@ -626,6 +692,8 @@ def run(args: argparse.Namespace) -> int:
     fresh_output(args.out, ["speed.json" if args.speed else "bench.json"], args.overwrite)
     if args.device == "cuda" and not torch.cuda.is_available():
         raise UsageError("--device cuda: no CUDA device is visible to torch; use --device cpu")
+    if not args.speed:
+        refuse_inapplicable(args)
     threads = torch_threads(args)
     if threads:
         torch.set_num_threads(threads)
@@ -638,22 +706,28 @@ def run(args: argparse.Namespace) -> int:
     return run_and_write("bench", args, parts, markdown, plot=True, summarise=summarise)
 
 
+def printed(table: str, where: str) -> str:
+    """The table as the command prints it: cut to the terminal's width (the accuracy stays, in the
+    fourth column; the rest is in ``where``), whole when stdout is no terminal (a pipe, a log file)."""
+    return fit_terminal(table, where=where) if sys.stdout.isatty() else table
+
+
 def run_and_write(mode: str, args: argparse.Namespace, parts: Iterable[tuple[list[dict[str, Any]], list[dict[str, Any]]]],
                   to_markdown: Callable[[list[dict[str, Any]], list[dict[str, Any]]], str], plot: bool,
                   summarise: Callable[[list[dict[str, Any]]], dict[str, Any]] | None = None) -> int:
     """Run every (rows, skipped) part lazily, then write bench.json / .md (and the plot) and print the table.
 
     ``summarise(rows)`` adds its keys (e.g. the pooled rows and the matched view) to the JSON."""
-    start = time.perf_counter()
+    start, info = time.perf_counter(), meta(mode, args)
     rows: list[dict[str, Any]] = []
     skipped: list[dict[str, Any]] = []
     for r, s in parts:
         rows += r
         skipped += s
     table = to_markdown(rows, skipped)
-    payload = {"meta": {**meta(mode, args), "seconds": time.perf_counter() - start}, "rows": rows, "skipped": skipped,
+    payload = {"meta": {**info, "seconds": time.perf_counter() - start}, "rows": rows, "skipped": skipped,
                **(summarise(rows) if summarise else {})}
     paths = write_outputs(args.out, payload, table, rows if plot else None)
-    print(fit_terminal(table, where=paths["markdown"]))
+    print(printed(table, paths["markdown"]))
     print("wrote " + ", ".join(paths.values()))
     return 0

@@ -73,6 +73,9 @@ def add_parser(subparsers: Any) -> None:
                    help="prefill timings per batch, the median counts (default 3; --quick on the shipped models: 1)")
     p.add_argument("--time-batches", type=positive_int, default=1, help="batches timed per setting (default 1)")
     p.add_argument("--seed", type=int, default=0, help="seed of the sampling methods (random; default 0)")
+    p.add_argument("--data-seed", type=int, default=None,
+                   help="base seed of the synthetic test samples (default: the published test set); another value "
+                        "draws a fresh test set no setting was chosen on (the results page's held-out check)")
     p.add_argument("--threads", type=positive_int, default=None,
                    help="torch CPU threads (default: torch's choice; --quick on the shipped models: 1); 1 gives stable "
                         "timings on a shared machine")
@@ -90,10 +93,20 @@ def add_parser(subparsers: Any) -> None:
     s.add_argument("--speed-keeps", type=_keeps, default=(0.25, 0.11), help="keep ratios timed (default 0.25,0.11)")
     s.add_argument("--shapes", default="image,video,image-deep",
                    help="model shapes timed: image, video, image-deep (default all three)")
+    r = p.add_argument_group("--report: the results page from committed result files (vlm_prune.eval.report)")
+    r.add_argument("--report", action="store_true",
+                   help="write BENCHMARKS.md, docs/results.md and their figures from the result files under "
+                        "--results, and the README's which-method block between its markers; runs no model")
+    r.add_argument("--results", default="results", help="folder of the result files (default results)")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.report:
+        from vlm_prune.eval.report import write_report
+
+        print("wrote " + "; ".join(write_report(args.results)))
+        return 0
     problem = args.model and hub_model_problem(args.model)
     if problem:
         raise UsageError(problem)

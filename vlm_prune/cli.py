@@ -16,6 +16,7 @@ import os
 import re
 import shutil
 import sys
+import warnings
 from typing import Any, NoReturn
 
 # name -> (module providing add_parser(subparsers), one-line help)
@@ -87,6 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
+    formatwarning, warnings.formatwarning = warnings.formatwarning, warning_line
     try:
         return int(args.func(args) or 0)
     except UsageError as err:
@@ -95,6 +97,14 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # `vlm-prune methods | head`: the reader left, nothing is wrong
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
+    finally:
+        warnings.formatwarning = formatwarning
+
+
+def warning_line(message: Warning | str, category: type[Warning], filename: str, lineno: int, line: str | None = None) -> str:
+    """A warning as the command line prints it: its class and message on one line, without the
+    library's source file and line Python's default format adds (``warnings.formatwarning``)."""
+    return f"{category.__name__}: {message}\n"
 
 
 def one_line(text: str) -> str:
