@@ -45,6 +45,24 @@ def test_bad_arguments_name_the_fix(llava, kwargs, message):
     assert not hasattr(llava, "vlm_prune")
 
 
+@pytest.mark.parametrize("method, knobs, message", [
+    ("fastv", {"layr": 2}, "'layr' (did you mean 'layer'?). A method's knobs go to the method object: "
+                           "vlm_prune.wrap(model, vlm_prune.methods.FastV(layer=2), ...) (knobs of fastv: layer, query)"),
+    ("fastv", {"layer": 2}, "vlm_prune.wrap(model, vlm_prune.methods.FastV(layer=2), ...)"),
+    (["random", "pact"], {"cutof": 0.2}, "(did you mean 'cutoff'?). A method's knobs go to the method object: "
+                                         "vlm_prune.wrap(model, vlm_prune.methods.PACT(cutoff=0.2), ...)"),
+    ("fastv", {"kep": 0.3}, "(did you mean 'keep'?)"),
+])
+def test_a_method_knob_given_to_wrap_names_the_method_object(llava, method, knobs, message):
+    """wrap() takes no method knobs: the TypeError says where they go, with the closest knob name."""
+    with pytest.raises(TypeError) as err:
+        vlm_prune.wrap(llava, method, keep=0.3, **knobs)
+    assert message in str(err.value) and "wrap() itself takes keep, budget" in str(err.value)
+    assert not hasattr(llava, "vlm_prune")
+    if "layer" in message:  # the suggested spelling wraps
+        vlm_prune.unwrap(vlm_prune.wrap(llava, FastV(layer=2), keep=0.3))
+
+
 @pytest.mark.parametrize("method, message", [
     (vlm_prune.methods.FastV(layer=6), "FastV layer K=6 but the model has only 6 decoder layers; pass layer= below 6"),
     ("pact", None),

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import difflib
 import threading
 import warnings
 from dataclasses import dataclass, field
@@ -130,6 +131,7 @@ def wrap(
     tokens: Any = None,
     processor: Any = None,
     seed: int = 0,
+    **knobs: Any,
 ) -> torch.nn.Module:
     """Patch ``model`` (this instance only) to prune visual tokens; returns the same object.
 
@@ -150,9 +152,14 @@ def wrap(
         processor: the model's processor (tokenizer, image processor); frame methods that
             prompt the model (QuoTA) need it.
         seed: seed of methods that sample (random).
+
+    A method's own knobs go to its object, not to wrap(): ``wrap(model, FastV(layer=2), keep=0.3)``;
+    any other keyword raises a TypeError that says so and names the closest knob.
     """
     from vlm_prune.adapters import find_adapter
 
+    if knobs:
+        raise _misplaced_knobs(knobs, _as_list(method) + _as_list(frames) + _as_list(tokens))
     if getattr(model, "vlm_prune", None) is not None:
         raise RuntimeError(
             "this model is already wrapped by vlm_prune; call vlm_prune.unwrap(model) before wrapping it again"
@@ -160,6 +167,35 @@ def wrap(
     find_adapter(model)
     methods = build_pipeline(method, frames=frames, tokens=tokens, keep=keep, budget=budget)
     return _attach(model, WrapState(adapter=None, methods=methods, processor=processor, seed=validate_seed(seed)))
+
+
+_WRAP_KEYWORDS = ("keep", "budget", "frames", "tokens", "processor", "seed")
+
+
+def _misplaced_knobs(knobs: dict[str, Any], specs: list[Any]) -> TypeError:
+    """The error for keywords wrap() does not take: a method's knobs belong to the method object
+    (``FastV(layer=2)``); names the closest knob of the named methods or of wrap() itself."""
+    from vlm_prune.registry import method_class, method_knobs
+
+    named = [spec for spec in specs if isinstance(spec, str)]
+    owners = {}  # knob -> class name of the first named method that takes it
+    for name in named:
+        for knob in method_knobs(name):
+            owners.setdefault(knob, method_class(name).__name__)
+    key = next(iter(knobs))
+    close = difflib.get_close_matches(key, [*owners, *_WRAP_KEYWORDS], n=1, cutoff=0.6)
+    guess = close[0] if close else key
+    hint = f" (did you mean {guess!r}?)" if close and guess != key else ""
+    if guess in owners:
+        example = f"vlm_prune.wrap(model, vlm_prune.methods.{owners[guess]}({guess}={knobs[key]!r}), ...)"
+    else:
+        cls = method_class(named[0]).__name__ if named else "FastV"
+        example = f"vlm_prune.wrap(model, vlm_prune.methods.{cls}(<knob>=...), ...)"
+    listed = "; ".join(f"{name}: {', '.join(method_knobs(name)) or '(none)'}" for name in named)
+    return TypeError(
+        f"wrap() got an unexpected keyword argument {key!r}{hint}. A method's knobs go to the method object: "
+        f"{example}" + (f" (knobs of {listed})" if listed else "") + f"; wrap() itself takes {', '.join(_WRAP_KEYWORDS)}"
+    )
 
 
 def _attach(model: torch.nn.Module, state: WrapState) -> torch.nn.Module:
