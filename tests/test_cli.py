@@ -258,6 +258,23 @@ def test_eval_refuses_a_method_the_model_cannot_run_before_any_question(capsys, 
     assert not list((tmp_path / "out").rglob("results.jsonl"))
 
 
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="the refusal is for a machine without CUDA")
+@pytest.mark.parametrize("flags, message", [
+    (["--device", "cuda"], "--device cuda: no CUDA device is visible to torch; use --device cpu"),
+    (["--device-map", "cuda"], "--device-map cuda: no CUDA device is visible to torch; use --device cpu"),
+    (["--device-map", "0"], "--device-map 0: no CUDA device"),
+])
+def test_eval_on_a_gpu_without_cuda_is_one_line_and_exit_code_2(capsys, tmp_path, flags, message):
+    """--device cuda (once read as --device-map cuda, then a traceback from the model's move) and a GPU
+    --device-map are refused before the dataset is read, as bench --device cuda is."""
+    images = tmp_path / "images"
+    images.mkdir()
+    (images / "q.jsonl").write_text(json.dumps({"image": "gone.png", "question": "what colour?", "answer": "red"}) + "\n")
+    assert_usage_error(["eval", "--model", str(SYNTHETIC / "image"), "--data", str(images), "--dataset", "image",
+                        *flags, "--out", str(tmp_path / "out")], capsys, message)
+    assert not (tmp_path / "out").exists()
+
+
 def test_bench_error_paths(capsys, tmp_path, offline_hub):
     out = ["--out", str(tmp_path / "b")]
     assert_usage_error(["bench", "--model", "not/a-model", *out], capsys, "--model not/a-model",
