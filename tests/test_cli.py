@@ -102,6 +102,26 @@ def test_exit_code_and_one_line_in_a_real_process():
         "vlm-prune keyframes: error: no video file among nope.mp4; give paths of existing video files"]
 
 
+def test_keyframes_on_an_undecodable_file_is_one_line_and_exit_code_2(tmp_path):
+    """A file no decoder reads: exit 2 with vlm_prune's one line, and none of the decoders' own logs
+    (FFmpeg's "moov atom not found", decord's "ERROR opening"), which they write to the process's stderr;
+    its record (with the error) still goes to the output. With a good video beside it: exit 1, a warning."""
+    bad = tmp_path / "bad.mp4"
+    bad.write_bytes(bytes(range(256)) * 20)
+    out = tmp_path / "out.jsonl"
+    proc = subprocess.run([sys.executable, "-m", "vlm_prune.cli", "keyframes", str(bad), "--method", "uniform",
+                           "--out", str(out)], capture_output=True, text=True, timeout=120)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+    assert lines[0].startswith("vlm-prune keyframes: error: ") and str(bad) in lines[0]
+    assert "error" in json.loads(out.read_text())
+    proc = subprocess.run([sys.executable, "-m", "vlm_prune.cli", "keyframes", str(bad), str(EXAMPLES / "synthetic_clip.mp4"),
+                           "--method", "uniform", "--budget", "2", "--out", str(out)], capture_output=True, text=True, timeout=120)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 1 and len(lines) == 1 and lines[0].startswith("warning: ") and str(bad) in lines[0], proc.stderr
+    assert [("error" in json.loads(line)) for line in out.read_text().splitlines()] == [True, False]
+
+
 def test_keyframes_error_paths(capsys, tmp_path):
     video = str(EXAMPLES / "synthetic_clip.mp4")
     captions = tmp_path / "captions.txt"
