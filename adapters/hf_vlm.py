@@ -219,12 +219,17 @@ class HFVLMAdapter(Adapter):
                 if check is not None:
                     check(kwargs, config)
             prompt = kwargs.get("input_ids", args[0] if args else None)
+            self.check_generate_inputs(prompt, kwargs)
             if prompt is None:
                 prompt = kwargs.get("inputs_embeds")
             with self._prompt.use(None if prompt is None else int(prompt.shape[1])):
                 return original(*args, **kwargs)
 
         self.patches.set(self.model, "generate", generate)
+
+    def check_generate_inputs(self, input_ids: torch.Tensor | None, kwargs: dict[str, Any]) -> None:
+        """Refuse, at the generate() call, inputs that transformers' own preparation would fail on
+        with a bare error before the model runs (the M-RoPE families: see ``Qwen2VLAdapter``)."""
 
     def _patch_loss(self) -> None:
         """Training-style calls with ``labels``: the loss over the rows the model returned.
@@ -577,13 +582,7 @@ class HFVLMAdapter(Adapter):
         rows = [self.placeholder_count(out, p) for p in out.pooler_output]
         tokens = int(mask.sum())
         if tokens != sum(rows):
-            name = "Image" if modality == "image" else "Video"
-            raise ValueError(
-                f"{name} features and {modality} tokens do not match, tokens: {tokens}, features: {sum(rows)} rows "
-                f"({len(rows)} {modality}{'s' if len(rows) != 1 else ''} of {', '.join(map(str, rows))} tokens): the input "
-                f"has {tokens} {modality} placeholder tokens; build it with the model's processor, which gives each "
-                f"{modality} exactly its placeholders"
-            )
+            raise ValueError(placeholder_mismatch(modality, tokens, rows))
 
     def item_generator(self, samples: list[int], index: int) -> torch.Generator:
         """:func:`item_generator` of item ``index`` (``samples``: the sample of every item), seeded by
@@ -895,6 +894,16 @@ class HFVLMAdapter(Adapter):
 @functools.lru_cache(maxsize=None)
 def _warn_once(message: str) -> None:
     warnings.warn(message, stacklevel=4)
+
+
+def placeholder_mismatch(modality: str, tokens: int, rows: list[int]) -> str:
+    """The message for an input with ``tokens`` placeholders of ``modality`` whose images / videos
+    give ``rows`` tokens each: transformers' own first words, the counts, and the fix."""
+    name = "Image" if modality == "image" else "Video"
+    items = f"{len(rows)} {modality}{'s' if len(rows) != 1 else ''}" + (f" of {', '.join(map(str, rows))} tokens" if rows else "")
+    return (f"{name} features and {modality} tokens do not match, tokens: {tokens}, features: {sum(rows)} rows ({items}): "
+            f"the input has {tokens} {modality} placeholder tokens; build it with the model's processor, which gives "
+            f"each {modality} exactly its placeholders")
 
 
 def placeholder_runs(mask: torch.Tensor) -> list[int]:
