@@ -32,7 +32,8 @@ from transformers.modeling_outputs import BaseModelOutputWithPooling
 from vlm_prune.adapters.base import Adapter, ContextSlot
 from vlm_prune.adapters.vision_towers import FeatureLayerTap, pool_grid
 from vlm_prune.engine import LMSpec, Pending, PrunedDecoder
-from vlm_prune.methods.base import FramesContext, FramesPlan, Reduction, VisionContext, apportion, item_generator
+from vlm_prune.methods.base import (BudgetWarning, FramesContext, FramesPlan, Reduction, VisionContext, apportion,
+                                    item_generator)
 
 
 @dataclass
@@ -139,6 +140,7 @@ class HFVLMAdapter(Adapter):
         self._encoding: ContextSlot[bool] = ContextSlot("encoding", False)
         #: columns of the prompt of the calling thread's generate() call in progress
         self._prompt: ContextSlot[int | None] = ContextSlot("prompt", None)
+        self._noted: set[str] = set()  # the notes of note_whole_images already warned
 
     @property
     def request(self) -> Request | None:
@@ -490,6 +492,8 @@ class HFVLMAdapter(Adapter):
         frames_m = self.state.methods.get("frames") if modality == "video" else None
         vision_m = self.state.methods.get("vision")
         if frames_m is None and vision_m is None:
+            if modality == "image":
+                self.note_whole_images(out)
             return out
         items = self.items(modality, out)
         request = self.request
@@ -572,6 +576,28 @@ class HFVLMAdapter(Adapter):
             records[-1]["merged_into"] = [r.membership(n).tolist() for r, n in zip(merges, n_in)]
         request.pending.records.extend(records)
         return self.rebuild(modality, out, new_feats)
+
+    def note_whole_images(self, out: Any) -> None:
+        """A frames-stage method alone (uniform, fastvid, vidcom2, keyscore, quota) leaves the images of
+        encoder output ``out`` whole: the call's stage records and last_stats' budget_notes say so, and
+        it is warned once (:class:`BudgetWarning`), as wrap() does for a target the model cannot reach."""
+        methods = self.state.methods
+        frames = methods.get("frames")
+        if frames is None or getattr(frames, "decode_kv", False) or any(s in methods for s in ("vit", "llm")):
+            return
+        note = (f"{frames.name} selects and reduces the frames of videos; this call's images keep all their tokens. "
+                f"Add a vision- or llm-stage method to prune images: wrap(model, frames={frames.name!r}, tokens='random', ...)")
+        counts = []  # visual tokens of each image, as the engine counts them
+        for i, it in enumerate(self.items("image", out)):
+            body = it.features.shape[0] - it.tail
+            skip = self.not_visual_rows(it, i)
+            counts.append(body if skip is None else int((~skip[:body]).sum()))
+        self.request.pending.records.append({"stage": "frames", "method": frames.name, "modality": "image",
+                                             "skipped": "images", "note": note, "tokens_in": counts,
+                                             "tokens_out": counts, "seconds": 0.0})
+        if note not in self._noted:
+            self._noted.add(note)
+            warnings.warn(note, BudgetWarning, stacklevel=2)
 
     def _check_placeholders(self, modality: str, out: Any) -> None:
         """Refuse, as transformers does, inputs whose placeholder tokens do not match the encoded images /

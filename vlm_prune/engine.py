@@ -1125,6 +1125,7 @@ def _stats(stats_in: list[int], rows: Rows, records: list[dict[str, Any]], layer
         "seconds": sum(r.get("seconds", 0.0) for r in records),
         "cpu_seconds": sum(r.get("cpu_seconds", 0.0) for r in records),
     }
-    if getattr(state, "budget_notes", None):
-        out["budget_notes"] = list(state.budget_notes)
+    notes = list(getattr(state, "budget_notes", None) or []) + [r["note"] for r in records if "note" in r]
+    if notes:  # wrap()'s unreachable targets, and this call's (frames methods leaving images whole)
+        out["budget_notes"] = notes
     return out
