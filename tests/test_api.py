@@ -178,6 +178,42 @@ def test_last_stats_report_real_counts(llava, method, kw, expected):
     assert out.shape[1] == rows.shape[1]
 
 
+def test_summary_reads_last_stats_on_one_screen(llava):
+    """summary(): the pipeline, tokens in -> out per sample with the kept fraction and layer average,
+    one line per stage with its own counts and scoring time, the total, and the budget notes."""
+    import re
+
+    model = vlm_prune.wrap(llava, ["random", "fastv"], keep=0.25)
+    try:
+        assert model.vlm_prune.summary() == ("vlm_prune on llava: random (vision) -> fastv (llm)\n"
+                                             "no request yet in this thread (last_stats is empty)")
+        with torch.no_grad():
+            model.generate(**T.llava_inputs(), max_new_tokens=2)
+        stats = model.vlm_prune.last_stats
+        lines = model.vlm_prune.summary().splitlines()
+    finally:
+        vlm_prune.unwrap(model)
+    assert stats["visual_tokens_in"] == [16, 16] and stats["visual_tokens_out"] == [4, 4]
+    assert lines[:2] == ["vlm_prune on llava: random (vision) -> fastv (llm)",
+                         "visual tokens per sample: 16, 16 -> 4, 4 (25.0% kept); layer average 5.3, 5.3"]
+    assert re.fullmatch(r"  vision  random    images           16, 16 -> 8, 8    50\.0% +[0-9.]+ ms", lines[2])
+    assert re.fullmatch(r"  llm     fastv     layer 2          8, 8 -> 4, 4      50\.0% +[0-9.]+ ms", lines[3])
+    seconds = [float(line.split()[-2]) for line in lines[2:4]]
+    assert seconds == [round(1000 * r["seconds"], 1) for r in stats["stages"]]
+    assert lines[4] == f"scoring: {1000 * stats['seconds']:.1f} ms ({1000 * stats['cpu_seconds']:.1f} ms CPU)"
+    assert len(lines) == 5
+    ov = vlm_prune.wrap(T.tiny_onevision(), "uniform", keep=0.5)  # a frames method on images: a budget note
+    try:
+        with pytest.warns(vlm_prune.methods.base.BudgetWarning) as caught, torch.no_grad():
+            ov(**T.onevision_image_inputs(ov))
+        lines = ov.vlm_prune.summary().splitlines()
+    finally:
+        vlm_prune.unwrap(ov)
+    assert lines[1] == "visual tokens per sample: 32, 32 -> 32, 32 (100.0% kept); layer average 32, 32"
+    assert lines[2].startswith("  frames  uniform   skipped (images) 32, 32 -> 32, 32 100.0%")
+    assert lines[-1] == f"note: {caught[0].message}"
+
+
 def test_pipeline_budget_is_the_final_count(llava):
     """keep=0.5 over two stages: the first keeps round(16 * 0.5 ** (1/2)) = 11, the last ends at 8."""
     inp = T.llava_inputs()
