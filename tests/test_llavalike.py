@@ -163,18 +163,23 @@ def test_mistral3_images_keep_their_own_grid_and_break_tokens_stay():
 def test_gemma3_beyond_its_sliding_window_keep_one_equals_the_model(attn, method):
     """Gemma 3's sliding-window layers on calls longer than the window (8 columns here; prompts of
     27 and 31 columns, left-padded, then 12 generated tokens): nothing removed, the wrapped model
-    equals the unwrapped one in the prefill and in every generated token (its sliding cache crops)."""
+    equals the unwrapped one in the prefill, in every generated token (its sliding cache crops) and in a
+    second turn on that cache (new rows after a cached prefix)."""
+    from test_generate_matrix import multi_turn
+
     model = L.tiny_gemma3(attn, sliding_window=8)
     inp = L.gemma3_inputs(model)
     valid = inp["attention_mask"].bool()
     with torch.no_grad():
         ref_logits = model(**inp).logits
         ref = model.generate(**inp, max_new_tokens=12, min_new_tokens=12, do_sample=False)
+        ref_turn = multi_turn(model, inp, "new")
     vlm_prune.wrap(model, method, keep=1.0)
     try:
         with torch.no_grad():
             torch.testing.assert_close(model(**inp).logits[valid], ref_logits[valid], atol=1e-5, rtol=0)
             assert torch.equal(model.generate(**inp, max_new_tokens=12, min_new_tokens=12, do_sample=False), ref)
+            assert torch.equal(multi_turn(model, inp, "new"), ref_turn)
     finally:
         vlm_prune.unwrap(model)
 
