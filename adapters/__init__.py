@@ -57,7 +57,7 @@ FAMILY_STAGES: dict[str, tuple[str, ...]] = {
     "llava_onevision15": ("frames", "vision", "llm"),
     "qwen3_vl": ("frames", "vision", "llm"),
     "glm4v": ("frames", "vision", "llm"),
-    "qwen3_5": ("frames", "vision"),
+    "qwen3_5": ("frames", "vision", "llm"),
     "smolvlm": ("vision", "llm"),
     "videollama3": ("vision", "llm"),
     "timm_vit": ("vit",),

@@ -88,6 +88,8 @@ class Request:
     #: the encoder output being reduced and its tower attention (set by reduce_features)
     out: Any = None
     tower_attention: Callable[[int, int], tuple[torch.Tensor, torch.Tensor]] | None = None
+    #: every item's frames' ``tower_attention`` in order (VisionContext.batch_tower_attention; set with it)
+    batch_tower_attention: Callable[[], list[tuple[torch.Tensor, ...]]] | None = None
     #: the call's inputs_embeds [B, S, D] when it gave no input_ids
     embeds: torch.Tensor | None = None
     #: modality -> the Reduction of every item of its encoder output (set by reduce_features)
@@ -499,7 +501,9 @@ class HFVLMAdapter(Adapter):
         request = self.request
         self._check_placeholders(modality, out)
         request.out = out
-        request.tower_attention = self.tower_attention_fn(out, modality)
+        request.tower_attention = tower = self.tower_attention_fn(out, modality)
+        request.batch_tower_attention = None if tower is None else functools.cache(
+            lambda: [tower(i, t) for i, it in enumerate(items) for t in range(it.frames)])
         samples = self.sample_of_items(modality, [it.features.shape[0] for it in items])
         t0, c0 = time.perf_counter(), time.process_time()
         new_feats, keep_list, size_list, n_in, n_out, extra, merges = [], [], [], [], [], [], []
@@ -663,6 +667,7 @@ class HFVLMAdapter(Adapter):
             red = method.reduce_image(VisionContext(
                 features=rows, n_keep=piece.n_keep, grid=piece.grid, text_embeds=text,
                 tower_attention=piece.tower_attention, generator=gen, image_index=index,
+                batch_tower_attention=self.request.batch_tower_attention,
             ))
             if len(pieces) == 1:
                 return red

@@ -2,16 +2,30 @@
 language model that alternates Gated DeltaNet (linear attention) and full-attention layers.
 
 A linear-attention layer keeps no keys: it folds every earlier row into a recurrent state, through
-a short causal convolution over the rows before it. So:
+a short causal convolution over the rows before it. So a removal cannot be a key mask here; the
+engine removes rows physically on every family, and on this one that is the whole story:
 
-- vision and frames stages work exactly: the rows they drop never reach layer 0, and the pruned
-  model equals the unwrapped model fed the kept rows (the linear layers get the 2-D padding mask
-  of the rows they see, as transformers' ``create_recurrent_attention_mask`` gives them, so the
-  left padding of a ragged batch stays out of their states);
-- in-LLM methods (FastV, PACT, AdaptInfer) are refused at wrap time: a row dropped before layer L
-  would have to leave the recurrent state and the convolution window of every later linear layer,
-  which no key mask expresses, so the removal has no exact counterpart in the unwrapped model (the
-  DESIGN invariant 3 cannot hold), and merged rows have no log-size bias to carry there.
+- vision and frames stages: the rows they drop never reach layer 0, and the pruned model equals the
+  unwrapped model fed the kept rows;
+- in-LLM methods (FastV, PACT, PDrop, SparseVLM, AdaptInfer, DART, MustDrop, FrameFusion, PruneVid's
+  selection): rows removed or merged before layer L leave every later layer's input. Each later
+  Gated DeltaNet layer builds its recurrent state and convolution window from the kept rows only, and
+  its decode-time conv / recurrent caches continue from those; each later full-attention layer sees
+  the kept rows at their original M-RoPE positions, with the log-size bias of merged rows as on every
+  other family. In a linear layer a merged row is one row (no bias: it has no attention logits).
+  The exact reference (``tests/test_hybrid.py``): the pruned model equals the unwrapped
+  model's layers 0..L-1 on the full sequence followed by layers L..end on the kept rows with fresh
+  caches, in prefill and through ``generate()``.
+- ragged batches: the engine left-pads each sample's kept rows; the linear layers get the 2-D padding
+  mask of the rows they see (transformers' ``create_recurrent_attention_mask``), which zeroes the
+  padding rows' inputs, so they add nothing to the states (they start at zero and only decay).
+- methods read attention at a layer: where that layer is a linear-attention layer they read the
+  nearest full-attention layer before it (the first when none precedes) on the same rows
+  (``PrunedDecoder.attention_layer``), reported as ``attention_layers`` in the stage record and in
+  ``last_stats["notes"]``.
+- decode-time KV pruning (MustDrop's decoding stage, DyCoke's) restricts the keys of full-attention
+  layers only: a recurrent state cannot drop a past row, so the linear layers keep every prompt row
+  they folded in.
 
 Read side by side with transformers 5.25 ``models/qwen3_5/modeling_qwen3_5.py``
 (``Qwen3_5TextModel.forward``, ``Qwen3_5GatedDeltaNet.forward``) and ``masking_utils.py``.
@@ -27,26 +41,11 @@ from vlm_prune.adapters import FAMILY_STAGES
 from vlm_prune.adapters.qwen3_vl import Qwen3VLAdapter
 from vlm_prune.engine import LMSpec
 
-IN_LLM_REFUSAL = (
-    "method {name!r} works in the 'llm' stage, which the qwen3_5 adapter does not offer: it removes rows inside "
-    "the language model, but {model}'s Gated DeltaNet (linear-attention) layers "
-    "keep no keys to mask: every earlier row is folded into a recurrent state through a causal convolution, so "
-    "a row removed before layer L cannot leave the later linear layers' states the way it leaves the attention "
-    "layers' keys, and the removal has no exact counterpart in the unwrapped model. Use a vision-stage method "
-    "(random, pool, divprune, cdpruner) or a frames method (uniform, keyscore) at the same budget"
-)
-
 
 class Qwen3_5Adapter(Qwen3VLAdapter):
     family = "qwen3_5"
     model_classes = ("Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration")
     stages: ClassVar[tuple[str, ...]] = FAMILY_STAGES[family]
-
-    def check_methods(self) -> None:
-        llm = self.state.methods.get("llm")
-        if llm is not None:
-            raise ValueError(IN_LLM_REFUSAL.format(name=llm.name, model=type(self.model).__name__))
-        super().check_methods()
 
     def check_language_model(self) -> None:
         types = set(getattr(self.language_model.config, "layer_types", None) or [])

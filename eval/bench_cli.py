@@ -23,8 +23,10 @@ def _keeps(text: str) -> tuple[float, ...]:
 
 def _kinds(text: str) -> tuple[str, ...]:
     kinds = tuple(k.strip() for k in text.split(",") if k.strip())
-    if not kinds or set(kinds) - {"image", "video"}:
-        raise argparse.ArgumentTypeError(f"expected image, video or image,video, got {text!r}")
+    if not kinds or set(kinds) - {"image", "video", "vit-real"}:
+        raise argparse.ArgumentTypeError(f"expected image, video or image,video (or vit-real alone), got {text!r}")
+    if "vit-real" in kinds and len(kinds) > 1:
+        raise argparse.ArgumentTypeError("--kinds vit-real runs alone (a real pretrained ViT, not the shipped VLMs)")
     return kinds
 
 
@@ -55,7 +57,8 @@ def add_parser(subparsers: Any) -> None:
                         "method, no spread over seeds")
     p.add_argument("--limit", type=positive_int, default=None,
                    help="test samples per model kind, split over the shipped seeds (default 900; --quick 96 image / 48 video)")
-    p.add_argument("--kinds", type=_kinds, default=("image", "video"), help="shipped model kinds to bench (default image,video)")
+    p.add_argument("--kinds", type=_kinds, default=("image", "video"), help="shipped model kinds to bench (default image,video); vit-real: AS-ViT and ToMe in a "
+                        "real pretrained ViT on Fashion-MNIST (the real extra, docs/real-vit.md)")
     p.add_argument("--seeds", type=positive_int, default=None, help="bench only the first N shipped training seeds (default all; --quick 1)")
     p.add_argument("--keep", type=_keeps, default=None, help="keep ratios for every model, e.g. 0.5,0.25")
     p.add_argument("--methods", type=bench_methods, default=None,
@@ -79,6 +82,8 @@ def add_parser(subparsers: Any) -> None:
                    help="vLLM serving throughput with / without pruning (vLLM environment, docs/vllm.md; --limit = requests)")
     s.add_argument("--scale", type=positive_int, default=8,
                    help="divide hidden sizes, heads and layers by S (default 8; 1 = the real 7B shapes)")
+    p.add_argument("--train-per-class", type=positive_int, default=None,
+                   help="--kinds vit-real: train images per class and probe draw (default 60; --quick 4)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="cpu (float32) or cuda (bfloat16) for --model and --speed; the shipped models run on CPU")
     s.add_argument("--frames", type=positive_int, default=32, help="video frames of the OneVision shape (default 32)")
@@ -92,6 +97,10 @@ def run(args: argparse.Namespace) -> int:
     problem = args.model and hub_model_problem(args.model)
     if problem:
         raise UsageError(problem)
+    if "vit-real" in args.kinds:
+        from vlm_prune.eval.vit_real_bench import run as run_real
+
+        return run_real(args)
     from vlm_prune.eval.bench import run as run_bench
 
     return run_bench(args)

@@ -1,6 +1,6 @@
 """VidCom2 through the vlm_prune vLLM plugin side by side with vLLM's own video pruning
 (``--video-pruning-rate``: EVS, the method vLLM 0.32 runs on Qwen2.5-VL) at the same rate, on a tiny
-random Qwen2.5-VL checkpoint (docs/vllm.md, "VidCom2 and vLLM's EVS"). Needs the vLLM environment.
+random Qwen2.5-VL checkpoint (docs/design/vllm-plugin.md, "VidCom2 and vLLM's own video pruning (EVS)"). Needs the vLLM environment.
 
     python scripts/vllm_vidcom2_vs_evs.py                      # rates 0.5 and 0.75, 4 clips, 8 greedy steps
     python scripts/vllm_vidcom2_vs_evs.py --rates 0.75 --model path/to/qwen2.5-vl-checkpoint

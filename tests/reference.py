@@ -369,10 +369,11 @@ class HookedReference:
 class DyCokeSteps:
     """DyCoke's decode-time KV pruning, re-stated from the official code (KD-TAO/DyCoke@dd74634,
     llava/model/language_model/modeling_qwen2.py ``PrunableDynamicCache.dycoke_pruning`` /
-    ``update_cache``), one decode row at a time: the row's attention over the visual prompt keys is
-    compared (cosine) with the one its previous step remembered (none after a prompt or a new turn:
-    0); below ``threshold`` only the top int(n (1 - p)) of the n visual keys stay for this step in the
-    layers from ``layer`` on; the row's attention is remembered either way. The memory follows each
+    ``update_cache``), one decode row at a time: the row's attention over the visual prompt keys but
+    the last (the official span is the TTM output less one token; the last always stays) is compared
+    (cosine) with the one its previous step remembered (none after a prompt or a new turn: 0); below
+    ``threshold`` only the top int((n - 1) (1 - p)) of those n - 1 stay for this step in the layers
+    from ``layer`` on; the row's attention is remembered either way. The memory follows each
     sequence through beams and repeated rows: it is keyed by the cached key of the row that made it,
     in layer ``layer`` - 1 (a function of the tokens so far, as the attention itself).
 
@@ -387,7 +388,7 @@ class DyCokeSteps:
         b, kv = attention.shape
         hide = torch.zeros(b, kv, dtype=torch.bool)
         for i in range(b):
-            cols = torch.nonzero(visual[i]).squeeze(1)
+            cols = torch.nonzero(visual[i]).squeeze(1)[:-1]
             att = attention[i, cols]
             previous = self.memory.get(keys[i, :, -2].numpy().tobytes()) if kv >= 2 else None
             self.memory[keys[i, :, -1].numpy().tobytes()] = att

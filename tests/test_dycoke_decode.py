@@ -8,8 +8,10 @@ Re-statement: every decode step re-runs the whole sequence through the plain dec
 explicit mask per row - the prompt causal, each generated row as its own step saw the cache: full in
 layers < L, and in layers >= L without the visual keys that step pruned. The step's choice comes from
 the new row's head-averaged attention in layer L - 1 (computed by hand from the layer's weights): when
-its cosine similarity with the previous step's visual attention is below 0.9 (always at the first
-step), the top int(n (1 - p)) visual keys stay; otherwise every key.
+its cosine similarity with the previous step's attention over the visual keys but the last is below
+0.9 (always at the first step), the last visual key and the top int((n - 1) (1 - p)) of the others
+stay (the official's visual span, ``image_token_length``, is the TTM output less one token); otherwise
+every key.
 """
 from __future__ import annotations
 
@@ -71,11 +73,13 @@ def forward_rows(model, embeds, pos0, tokens, missing, layer, decide=None):
 
 
 class OfficialSteps:
-    """The official rule across steps: the visual attention remembered from the last step (None after
-    a prompt), the top int(n (1 - p)) visual keys kept when the similarity is below 0.9."""
+    """The official rule across steps over the visual keys but the last (which always stays): the
+    attention remembered from the last step (None after a prompt), the top int((n - 1) (1 - p)) kept
+    when the similarity is below 0.9. ``kept``: every visual key kept at each step."""
 
     def __init__(self, visual: torch.Tensor, p: float) -> None:
-        self.vis, self.p, self.prev, self.kept = torch.nonzero(visual).squeeze(1), p, None, []
+        cols = torch.nonzero(visual).squeeze(1)
+        self.vis, self.last, self.p, self.prev, self.kept = cols[:-1], int(cols[-1]), p, None, []
 
     def __call__(self, attention: torch.Tensor) -> torch.Tensor:
         att = attention[self.vis]
@@ -85,7 +89,7 @@ class OfficialSteps:
         if sim < 0.9:
             top = att.topk(int(self.vis.numel() * (1 - self.p))).indices
             miss = self.vis[~torch.isin(torch.arange(self.vis.numel()), top)]
-        self.kept.append(sorted(set(self.vis.tolist()) - set(miss.tolist())))
+        self.kept.append(sorted(set(self.vis.tolist()) - set(miss.tolist())) + [self.last])
         return miss
 
 
@@ -131,14 +135,20 @@ def official_decode(model, inp, visual: torch.Tensor, layer: int, p: float, step
 def test_dycoke_step_follows_the_official_rule():
     att = torch.tensor([[0.1, 0.4, 0.2, 0.3, 0.5], [0.1, 0.4, 0.2, 0.3, 0.5]])
     visual = torch.tensor([[False, True, True, True, False]] * 2)
-    keep, memory = dycoke_step(att, visual, None, p=0.5)  # first step: similarity 0, prune to int(3 * 0.5) = 1
-    assert keep.tolist() == [[True, True, False, False, True]] * 2
-    assert memory[0].tolist() == pytest.approx([0.0, 0.4, 0.2, 0.3, 0.0])
+    # first step: similarity 0; the last visual key (column 3) stays, the top int((3 - 1) * 0.5) = 1 of
+    # the others too (over all three visual keys, int(3 * 0.5) = 1 would keep column 1 alone)
+    keep, memory = dycoke_step(att, visual, None, p=0.5)
+    assert keep.tolist() == [[True, True, False, True, True]] * 2
+    assert memory[0].tolist() == pytest.approx([0.0, 0.4, 0.2, 0.0, 0.0])
     same, _ = dycoke_step(att, visual, memory[:, :4], p=0.5)  # unchanged attention: the whole cache this step
     assert same.all()
-    other = torch.tensor([[0.1, 0.0, 0.9, 0.1, 0.5], [0.1, 0.4, 0.2, 0.3, 0.5]])
+    other = torch.tensor([[0.1, 0.0, 0.9, 0.1, 0.5], [0.1, 0.4, 0.2, 0.9, 0.5]])
     changed, _ = dycoke_step(other, visual, memory, p=0.5)  # per sample: only the first changed
-    assert changed.tolist() == [[True, False, True, False, True], [True] * 5]
+    assert changed.tolist() == [[True, False, True, True, True], [True] * 5]  # the second's last key is not compared
+    four = torch.tensor([[False, True, True, True, True]])
+    keep, _ = dycoke_step(torch.tensor([[0.1, 0.1, 0.3, 0.2, 0.05]]), four, None, p=0.5)
+    assert keep.tolist() == [[True, False, True, False, True]]  # int(3 * 0.5) = 1 of columns 1-3, and column 4
+    # (over all four, int(4 * 0.5) = 2 would keep columns 2 and 3 and drop column 4)
 
 
 @pytest.mark.parametrize("p, attn", [(0.5, "sdpa"), (0.8, "sdpa"), (0.5, "eager")])

@@ -1,5 +1,6 @@
 """LLaVA-PruMerge (42Shawn/LLaVA-PruMerge@1ca8b2b, clip_encoder.py ``token_prune_merge_advanced`` with
-``if_adaptive=True``, the default of ``CLIPVisionTower.forward``; ``outlier_dectection``) against an
+``if_adaptive=True``, the default of ``CLIPVisionTower.forward`` there; ``outlier_dectection``) and
+PruMerge+ (``token_prune_merge_advanced_plus``, the default from 5632f5a on) against an
 independent re-statement of the official code on the unwrapped tiny LLaVA's own tensors (hooks on the
 tower's last layer's q / k projections, the merge loop token by token, numpy quartiles); none of its
 code is copied. The tiny tower has 64 patches, so the official 32 neighbours exist.
@@ -13,7 +14,7 @@ import torch.nn.functional as F
 
 import tiny_models as T
 import vlm_prune
-from vlm_prune.methods.prumerge import PruMerge, iqr_outliers, prumerge_tokens
+from vlm_prune.methods.prumerge import PruMerge, iqr_outliers, plus_supplement, prumerge_tokens, spread
 from test_budgets import _one_thread  # noqa: F401  (autouse fixture)
 from test_fidelity_image_methods import official_sequence, tiny_llava_64, wrapped
 
@@ -31,10 +32,12 @@ def image_inputs(seed: int, scale: float = 1.0) -> dict:
 
 @torch.no_grad()
 def official_prumerge(model, pixels: torch.Tensor, count: int | None = None, neighbours: int = 32,
-                      feature_layer: int = -2) -> torch.Tensor:
-    """The official ``token_prune_merge_advanced`` for one image (B = 1), then the projector:
-    [k + 1, D] tokens. ``count``: the kept patches (None: the adaptive IQR ratio); ``feature_layer``:
-    the hidden state merged (the official select_layer -2)."""
+                      feature_layer: int = -2, plus: bool = False) -> list[torch.Tensor]:
+    """The official ``token_prune_merge_advanced`` (``plus``: ``token_prune_merge_advanced_plus``, on
+    batch 1 as its concatenation requires) on a batch of images, then the projector: per image
+    [k + 1, D] tokens. ``count``: the kept patches (None: the adaptive IQR ratio of
+    ``outlier_dectection``, over the whole batch's [CLS] rows flattened, its count applied to every
+    image); ``feature_layer``: the hidden state merged (the official select_layer -2)."""
     tower = model.model.vision_tower
     last = getattr(tower, "vision_model", tower).encoder.layers[-1]
     seen = {}
@@ -53,31 +56,91 @@ def official_prumerge(model, pixels: torch.Tensor, count: int | None = None, nei
         ratio = len(np.where(a > q3 + 1.5 * (q3 - q1))[0]) / len(a)
         count = int(n * ratio)
     _, idx = torch.topk(cls_attn, count, dim=1)
+    if plus:  # positions 0, s, 2s, ... below 575 (= 576 - 1, the official's patches; here n - 1) not already kept
+        grid = torch.arange(0, n - 1, int(int(1 / ratio) / 3)).tolist()
+        idx = torch.cat([idx, torch.tensor([[x for x in grid if x not in idx.flatten().tolist()]])], dim=1)
     keys = seen["k"][:, 1:]
-    kept_x, kept_attn = feats[0, idx[0]], cls_attn[0, idx[0]]
-    others = [j for j in range(n) if j not in idx[0].tolist()]
-    rest_x, rest_attn, rest_k = feats[0, others], cls_attn[0, others], F.normalize(keys[0, others], dim=-1)
-    kept_k = F.normalize(keys[0, idx[0]], dim=-1)
-    updated = []
-    for i in range(count):
-        pool_x = torch.cat([kept_x[:i], kept_x[i + 1:], rest_x])
-        pool_attn = torch.cat([kept_attn[:i], kept_attn[i + 1:], rest_attn])
-        pool_k = torch.cat([kept_k[:i], kept_k[i + 1:], rest_k])
-        near = torch.topk(kept_k[i] @ pool_k.T, neighbours).indices
-        updated.append(kept_x[i] + (pool_x[near] * pool_attn[near, None]).sum(0))
-    extra = (rest_x * rest_attn[:, None]).sum(0)
-    return model.model.multi_modal_projector(torch.stack([*updated, extra]))
+    tokens = []
+    for s in range(b):
+        kept = idx[s].tolist()
+        kept_x, kept_attn, kept_k = feats[s, kept], cls_attn[s, kept], F.normalize(keys[s, kept], dim=-1)
+        others = [j for j in range(n) if j not in kept]
+        rest_x, rest_attn, rest_k = feats[s, others], cls_attn[s, others], F.normalize(keys[s, others], dim=-1)
+        updated = []
+        for i in range(len(kept)):
+            pool_x = torch.cat([kept_x[:i], kept_x[i + 1:], rest_x])
+            pool_attn = torch.cat([kept_attn[:i], kept_attn[i + 1:], rest_attn])
+            pool_k = torch.cat([kept_k[:i], kept_k[i + 1:], rest_k])
+            near = torch.topk(kept_k[i] @ pool_k.T, neighbours).indices
+            updated.append(kept_x[i] + (pool_x[near] * pool_attn[near, None]).sum(0))
+        extra = (rest_x * rest_attn[:, None]).sum(0)
+        tokens.append(model.model.multi_modal_projector(torch.stack([*updated, extra])))
+    return tokens
 
 
 @pytest.mark.parametrize("seed, scale", [(5, 1.0), (6, 3.0), (7, 0.5)])
 def test_official_defaults_equal_the_official_merge(model, seed, scale):
     inp = image_inputs(seed, scale)
-    tokens = official_prumerge(model, inp["pixel_values"])
+    tokens = official_prumerge(model, inp["pixel_values"])[0]
     with torch.no_grad():
         ref = model(inputs_embeds=official_sequence(model, inp["input_ids"][0], tokens)).logits[0]
     logits, _ = wrapped(model, inp, PruMerge())
     assert model_count(model, inp) == tokens.shape[0]
     torch.testing.assert_close(logits, ref, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("seed, scale", [(5, 0.5), (7, 0.5), (11, 1.0)])
+def test_plus_equals_the_official_plus(model, seed, scale):
+    """PruMerge+ (the top patches, then every s-th position not among them): the official's tokens,
+    about three times PruMerge's."""
+    inp = image_inputs(seed, scale)
+    tokens = official_prumerge(model, inp["pixel_values"], plus=True)[0]
+    assert tokens.shape[0] > official_prumerge(model, inp["pixel_values"])[0].shape[0] + 1  # the supplement acts
+    with torch.no_grad():
+        ref = model(inputs_embeds=official_sequence(model, inp["input_ids"][0], tokens)).logits[0]
+    logits, _ = wrapped(model, inp, PruMerge(plus=True))
+    torch.testing.assert_close(logits, ref, atol=1e-5, rtol=0)
+
+
+def test_plus_supplement_where_the_official_fails_and_under_a_budget():
+    top = torch.tensor([7, 3])
+    assert plus_supplement(top, 64, 2 / 64).tolist() == [0, 10, 20, 30, 40, 50, 60]  # s = int(32 / 3) = 10
+    assert plus_supplement(top, 64, 0.0).numel() == 0  # no outliers: the official divides by zero
+    assert plus_supplement(top, 8, 0.5).tolist() == [0, 1, 2, 4, 5, 6]  # s = int(2 / 3) = 0: the official's arange fails
+    assert spread(top, 10, 4).tolist() == [0, 2, 5, 8]  # of the 8 others, every second
+    inp = image_inputs(11)
+    vlm_prune.wrap(model := tiny_llava_64(), PruMerge(plus=True), budget=12)
+    try:
+        with torch.no_grad():
+            model(**inp)
+        assert model.vlm_prune.last_stats["visual_tokens_out"][0] == 12
+    finally:
+        vlm_prune.unwrap(model)
+
+
+def test_batch_outliers_equal_the_official_batch_count(model):
+    """outliers="batch": two images whose own outlier counts differ (2 and 4 of 64) both keep the count
+    of the batch's rows pooled, as the official ``outlier_dectection`` of the whole [B, N] attention;
+    each sample's logits equal the official tokens'. The default counts each image alone."""
+    first, second = image_inputs(5), image_inputs(11)
+    pixels = torch.cat([first["pixel_values"], second["pixel_values"]])
+    alone = [official_prumerge(model, p[None])[0].shape[0] - 1 for p in pixels]
+    batch = official_prumerge(model, pixels)
+    assert alone == [2, 4] and batch[0].shape[0] - 1 == 2  # the pooled rows' quartiles: 2 each, the second too
+    inp = {"input_ids": first["input_ids"].repeat(2, 1), "attention_mask": torch.ones(2, first["input_ids"].shape[1],
+           dtype=torch.long), "pixel_values": pixels}
+    for outliers, tokens in (("batch", batch), ("image", [official_prumerge(model, p[None])[0] for p in pixels])):
+        vlm_prune.wrap(model, PruMerge(outliers=outliers))
+        try:
+            with torch.no_grad():
+                logits = model(**inp).logits
+            assert model.vlm_prune.last_stats["visual_tokens_out"] == [t.shape[0] for t in tokens]
+        finally:
+            vlm_prune.unwrap(model)
+        for b in range(2):
+            with torch.no_grad():
+                ref = model(inputs_embeds=official_sequence(model, inp["input_ids"][b], tokens[b])).logits[0]
+            torch.testing.assert_close(logits[b, -ref.shape[0]:], ref, atol=1e-5, rtol=0)
 
 
 def model_count(model, inp) -> int:
@@ -93,7 +156,7 @@ def model_count(model, inp) -> int:
 @pytest.mark.parametrize("k", [16, 5, 1])
 def test_budget_keeps_the_top_k_minus_one_and_the_extra_token(model, k):
     inp = image_inputs(5)
-    tokens = official_prumerge(model, inp["pixel_values"], count=k - 1)
+    tokens = official_prumerge(model, inp["pixel_values"], count=k - 1)[0]
     with torch.no_grad():
         ref = model(inputs_embeds=official_sequence(model, inp["input_ids"][0], tokens)).logits[0]
     logits, _ = wrapped(model, inp, PruMerge(), budget=k)
@@ -115,8 +178,8 @@ def test_adaptive_counts_differ_by_image_and_match_numpy(model):
 def test_merge_is_the_official_weighted_neighbour_sum():
     g = torch.Generator().manual_seed(1)
     feats, keys, att = torch.randn(10, 4, generator=g), torch.randn(10, 3, generator=g), torch.rand(10, generator=g)
-    merged, order = prumerge_tokens(feats, att, keys, 3, neighbours=4)
-    assert order.tolist() == torch.argsort(att, descending=True)[:3].tolist()
+    order = torch.argsort(att, descending=True)[:3]
+    merged = prumerge_tokens(feats, att, keys, order, neighbours=4)
     kn = F.normalize(keys, dim=-1)
     for row, i in zip(merged[:3], order.tolist()):
         sim = kn[i] @ kn.T
@@ -127,11 +190,12 @@ def test_merge_is_the_official_weighted_neighbour_sum():
     torch.testing.assert_close(merged[3], (feats[rest] * att[rest, None]).sum(0))
 
 
-def test_a_batch_equals_each_sample_alone():
+@pytest.mark.parametrize("plus", [False, True])
+def test_a_batch_equals_each_sample_alone(plus):
     model = T.tiny_llava()
     inp = T.llava_inputs()
     for kw in ({}, {"keep": 0.3}):
-        vlm_prune.wrap(model, PruMerge(neighbours=8), **kw)
+        vlm_prune.wrap(model, PruMerge(neighbours=8, plus=plus), **kw)
         try:
             with torch.no_grad():
                 logits = model(**inp).logits
@@ -148,7 +212,8 @@ def test_a_batch_equals_each_sample_alone():
 
 def test_refusals_say_what_is_allowed():
     for kw, msg in (({"neighbours": 0}, "neighbours must be a whole number >= 1"),
-                    ({"positions": "gap"}, "positions must be")):
+                    ({"positions": "gap"}, "positions must be"), ({"plus": 1}, "plus must be True"),
+                    ({"outliers": "all"}, "outliers must be 'image'")):
         with pytest.raises(ValueError, match=msg):
             PruMerge(**kw)
     with pytest.raises(ValueError, match="supports llava models"):
@@ -170,7 +235,7 @@ def test_feature_layer_minus_one_reads_the_last_layer_from_its_input():
     model.config.vision_feature_layer = -1
     inp = image_inputs(6, 3.0)
     for kw, count in (({}, None), ({"budget": 9}, 8)):
-        tokens = official_prumerge(model, inp["pixel_values"], count=count, feature_layer=-1)
+        tokens = official_prumerge(model, inp["pixel_values"], count=count, feature_layer=-1)[0]
         with torch.no_grad():
             ref = model(inputs_embeds=official_sequence(model, inp["input_ids"][0], tokens)).logits[0]
         logits, _ = wrapped(model, inp, PruMerge(), **kw)

@@ -22,7 +22,7 @@ import torch
 import tiny_models as T
 import tiny_models_qwen3 as Q
 import vlm_prune
-from vlm_prune.frames.dycoke import ttm_plan, ttm_references
+from vlm_prune.frames.dycoke import DyCoke, ttm_plan, ttm_references
 from vlm_prune.frames.fastvid import FastVID, fastvid_plan, frame_counts
 from vlm_prune.frames.holitom import HoliTom, holitom_plan, static_windows
 from vlm_prune.frames.vidcom2 import VidCom2, apportion
@@ -257,6 +257,8 @@ def test_fastvid_counts_spend_the_budget_exactly():
     assert frame_counts([3, 1], n=16, n_total=20, d=0.4, p=4) == ([3, 3, 3, 3], [0, 0, 6, 2])
     sal, ctx = frame_counts([3, 1], n=16, n_total=23, d=0.4, p=4)  # 3 left by the floors go to salient tokens
     assert sal == [4, 4, 4, 3] and sum(sal) + sum(ctx) == 23
+    # top_up=False: the official counts, retain int(23 / 4) = 5 per frame as at 20, 3 short
+    assert frame_counts([3, 1], n=16, n_total=23, d=0.4, p=4, top_up=False) == ([3, 3, 3, 3], [0, 0, 6, 2])
     sal, ctx = frame_counts([2], n=4, n_total=3, d=0.4, p=4)  # below a token per frame
     assert sum(sal) + sum(ctx) == 3 and all(s + c <= 4 for s, c in zip(sal, ctx))
 
@@ -397,6 +399,21 @@ def test_holitom_equals_the_official_outer_stage():
     assert plan.tokens_per_frame == [8, 4, 4, 8]  # static tokens sit in the window's first frame
 
 
+def test_holitom_tau_065_equals_the_official_outer_stage_at_its_10_percent_setting():
+    """The official 10% scripts run T=0.65 (the others 0.8): slots 8-11 drift (cosine 0.71 - 0.90
+    through frames 0-2), static at 0.65 only; HoliTom(tau=0.65) keeps the official T=0.65 tokens."""
+    video = _static_video()
+    g = torch.Generator().manual_seed(10)
+    video[:3, 8:12] = torch.randn(4, 12, generator=g) + 0.5 * torch.randn(3, 4, 12, generator=g)
+    attn = torch.rand(4, 16, generator=torch.Generator().manual_seed(3))
+    ref_slots, ref_feats = official_holitom(video, attn, retain=20 / 64, tau=0.65, beta=0.6, k=7)
+    assert ref_slots.numel() == 20  # the official counts spend the budget: the case holds
+    assert not torch.equal(official_holitom(video, attn, retain=20 / 64, tau=0.8, beta=0.6, k=7)[0], ref_slots)
+    plan = holitom_plan(video, attn, 20, tau=0.65)
+    assert torch.equal(plan.reduction.indices, ref_slots)
+    torch.testing.assert_close(plan.reduction.features, ref_feats, atol=1e-6, rtol=1e-6)
+
+
 def test_holitom_spends_the_budget_exactly_and_forgoes_windows_that_undercut_it():
     video = _static_video()
     attn = torch.rand(4, 16, generator=torch.Generator().manual_seed(3))
@@ -433,13 +450,18 @@ def official_ttm(video: torch.Tensor, k: float) -> list[set[int]]:
     return kept
 
 
-def test_dycoke_ttm_equals_the_official_at_its_k():
-    t, n = 8, 16
+@pytest.mark.parametrize("t, n, k, n_total", [
+    (8, 16, 0.3, 3 * 16 + 5 * 11),  # compared frames keep int(0.7 * 16) = 11; pivots 0, 4, 6 keep 16
+    (32, 196, 0.7, 3098),  # the official evaluation's k at 32 x 196: budget=3098 (keep=0.494), as the docstring says
+])
+def test_dycoke_ttm_equals_the_official_at_its_k(t, n, k, n_total):
     video = _video(t, n, 12, distinct=None, seed=2)
-    assert ttm_references(t) == [None, 0, 0, 2, None, 4, None, 6]
-    ref = official_ttm(video, k=0.3)  # compared frames keep int(0.7 * 16) = 11; pivots 0, 4, 6 keep 16
-    n_total = sum(len(r) for r in ref)
-    assert n_total == 3 * 16 + 5 * 11
+    if t == 8:
+        assert ttm_references(t) == [None, 0, 0, 2, None, 4, None, 6]
+    ref = official_ttm(video, k=k)
+    assert sum(len(r) for r in ref) == n_total
+    if t == 32:
+        assert DyCoke(keep=0.494).n_keep(t * n) == n_total
     plan = ttm_plan(video, n_total)
     got = [set(((plan.reduction.indices[(plan.reduction.indices >= i * n) & (plan.reduction.indices < (i + 1) * n)])
                 - i * n).tolist()) for i in range(t)]

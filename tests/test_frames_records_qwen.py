@@ -332,6 +332,29 @@ def test_fastvid_qwen_counts_spend_the_budget_exactly():
     assert sum(ctx) == 0 and sal == [0, 1, 1, 1, 0, 0, 0, 0]
 
 
+def test_fastvid_qwen_top_up_false_is_the_official_short_count():
+    """Near-duplicate frames: each segment is one run whose last frame alone keeps tokens, at most a
+    frame's 16 however many frames the run stands for; top_up=False keeps the official block's tokens
+    (32 of the budget 64), the default spends the budget."""
+    g = torch.Generator().manual_seed(1)
+    video = torch.randn(16, 12, generator=g) + 0.01 * torch.randn(8, 16, 12, generator=g)
+    attn = torch.rand(8, 16, generator=torch.Generator().manual_seed(5))
+    ref_slots, ref_feats = official_fastvid_qwen(video, attn, 0.5, 2, 0.5, 0.95, 0.4, 4, 0.6)
+    assert ref_slots.numel() == 32  # two segments, 16 each: the official ends half short
+    plan = fastvid_plan(video, attn, 64, c=2, tau=0.5, d=0.4, p=4, beta=0.6, ignore=0.95, top_up=False)
+    assert torch.equal(plan.reduction.indices, ref_slots)
+    torch.testing.assert_close(plan.reduction.features, ref_feats, atol=1e-6, rtol=1e-6)
+    full = fastvid_plan(video, attn, 64, c=2, tau=0.5, d=0.4, p=4, beta=0.6, ignore=0.95)
+    assert full.reduction.indices.numel() == 64
+    # the docstring's figures: near-duplicate slices (one run per segment) cut into c = 8 segments
+    for sizes, n, n_total, reached in (([1, 1, 1, 1, 1, 9, 1, 1], 416, 1664, 1144), ([21, 1, 1, 1, 5, 1, 1, 1], 256, 2211, 926)):
+        sim = torch.full((sum(sizes) - 1,), 0.99)
+        assert sum(map(sum, qwen_frame_counts(sizes, sim, n, n_total, 0.4, 4, 0.95, top_up=False))) == reached
+        assert sum(map(sum, qwen_frame_counts(sizes, sim, n, n_total, 0.4, 4, 0.95))) == n_total
+    with pytest.raises(ValueError, match="top_up must be True"):
+        FastVID(top_up=None)
+
+
 def test_fastvid_qwen_setting_runs_on_qwen2_5_vl():
     """FastVID(tau=0.84, ignore=0.95), the official Qwen2.5-VL setting, through wrap(): the plan is
     fastvid_plan with those knobs on the official salience, at exactly the budget."""

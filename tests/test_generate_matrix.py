@@ -10,7 +10,8 @@ mask), use_cache=False. Each equals its reference, which never runs vlm_prune:
   hand-built shorter input - each sample's kept rows only (reduced features in place), left-padded,
   at the positions the method defines (original ids; renumbered without gaps for VisionZip;
   QuoTA's resized frames on M-RoPE), merged tokens' log sizes added to their keys.
-- pruned, in-LLM (FastV, PACT, AdaptInfer, ...): the unwrapped model's generate() on the whole input,
+- pruned, in-LLM (FastV, PACT, AdaptInfer, ...; not on Qwen3.5, whose linear-attention layers have no
+  masked counterpart: tests/test_hybrid.py): the unwrapped model's generate() on the whole input,
   the dropped rows masked as keys from each pruning layer on (merged rows replaced at every merging
   layer, log sizes added, positions renumbered per layer where the method says so; rows a method
   moves - SparseVLM's recycled tokens after the kept ones - attend in their new order, renumbered in
@@ -118,8 +119,9 @@ def _method(name: str, keep: float, adapter: str = ""):
         return HoliTom(layer=2, r=0.25)  # layer 2 (the official 18 is too deep here) lands on the target
     if name == "prunevid":  # slots still through a window (tau 0): static tokens averaged; selection in layer 2
         return PruneVid(layer=2, tau=0.0)
-    if name == "pact" and keep == 1.0:
-        return PACT(cutoff=0.0)
+    if name == "pact":  # the tiny Qwen3.5's 4 layers end before the default L = 4
+        knobs = {"layer": 2} if adapter.startswith("qwen3_5") else {}
+        return PACT(cutoff=0.0, **knobs) if keep == 1.0 else PACT(**knobs) if knobs else name
     if name == "framefusion":  # two merging layers, then the importance pruning: the official S_th 0.6 on
         # OneVision's video, 0.1 on the other families' (their random frames are less alike)
         return FrameFusion() if adapter == "onevision_video" else FrameFusion(similarity=0.1)
@@ -622,6 +624,9 @@ def test_every_path_when_pruning_equals_its_reference(adapter, method):
         return
     model, inp, inp1 = case
     state = model.vlm_prune
+    if adapter.startswith("qwen3_5") and "llm" in state.methods:
+        vlm_prune.unwrap(model)
+        pytest.skip("Qwen3.5's linear-attention layers: no masked reference; invariant 6 (tests/test_hybrid.py) instead")
     try:
         rec, rec1 = record_prefill(model, inp), record_prefill(model, inp1)
         rows, stats = rec["rows"], rec["stats"]

@@ -43,22 +43,6 @@ CASES = {
     "idefics3": (L.tiny_idefics3, L.smolvlm_inputs, {}),
     "videollama3": (L.tiny_videollama3, L.videollama3_inputs, {}),
 }
-#: cases whose adapter refuses in-LLM methods at wrap time (Qwen3.5's linear-attention layers):
-#: there the invariants run the vision stage alone and check the refusal
-NO_LLM = {"qwen3_5_image", "qwen3_5_video", "qwen3_5_moe"}
-
-
-def with_llm(case: str, methods: list[str]) -> list[str]:
-    """``methods`` without the in-LLM ones where the adapter refuses them (after checking it does)."""
-    if case not in NO_LLM:
-        return methods
-    from vlm_prune.registry import method_class
-
-    in_llm = [m for m in methods if method_class(m).stage == "llm"]
-    for m in in_llm:
-        with pytest.raises(ValueError, match="inside the language model.*vision-stage method"):
-            vlm_prune.wrap(build(case)[0], m, keep=0.5)
-    return [m for m in methods if m not in in_llm]
 _MODELS: dict = {}
 
 
@@ -106,7 +90,6 @@ def test_identity_when_everything_is_kept(case, attn):
         inp = make(pad=pad)
         valid = inp["attention_mask"].bool()
         ref_logits, ref_gen = run(model, inp, steps=steps)
-        methods = with_llm(case, methods)
         vlm_prune.wrap(model, methods, keep=1.0)
         try:
             if "llm" in model.vlm_prune.methods:
@@ -130,7 +113,7 @@ def test_unwrap_restores_bit_identical(case):
     modules = list(model.modules())
     ref, ref_gen = run(model, inp, steps=5)  # transformers installs its own hooks on first use
     before = [set(vars(m)) for m in modules]
-    vlm_prune.wrap(model, with_llm(case, ["random", "fastv"]), keep=0.5)
+    vlm_prune.wrap(model, ["random", "fastv"], keep=0.5)
     run(model, inp, steps=5)
     vlm_prune.unwrap(model)
     out, gen = run(model, inp, steps=5)
@@ -199,9 +182,10 @@ def test_llm_stage_equals_masked_reference(case, attn):
     *[(case, method) for case in ("llava", "onevision_video") for method in ("fastervlm", "vispruner", "divprune")],
     *[(case, "hired") for case in ("llava", "llava_next", "nextvideo_image")], ("llava", "prumerge"),
     *[(case, "framefusion") for case in ("onevision_video", "qwen2_vl_video", "nextvideo_video", "ov15_video",
-                                         "qwen3_vl_video")],
+                                         "qwen3_vl_video", "qwen3_5_video")],
     *[pytest.param(case, PruneVid(layer=2, tau=0.5), id=f"{case}-prunevid")  # frames merge + llm selection
-      for case in ("onevision_video", "qwen2_vl_video", "nextvideo_video", "ov15_video", "qwen3_vl_video", "glm4v_video")],
+      for case in ("onevision_video", "qwen2_vl_video", "nextvideo_video", "ov15_video", "qwen3_vl_video", "glm4v_video",
+                   "qwen3_5_video")],
     *[(case, "fastvid") for case in ("onevision_video", "qwen2_vl_video", "qwen2_5_vl_video")],  # the tower's salience
     *[pytest.param(case, HoliTom(layer=2), id=f"{case}-holitom")  # outer stage + inner merge
       for case in ("onevision_video", "qwen2_vl_video", "qwen2_5_vl_video")],
@@ -211,8 +195,6 @@ def test_batch_equals_samples_alone(case, method):
     10-step generate)."""
     model, make = build(case)
     inp = make()
-    if not with_llm(case, [method]):
-        return
     if method == "framefusion":  # a threshold these random models reach: merges over several layers, the
         # samples of a batch merging and pruning at different layers
         from vlm_prune.methods.framefusion import FrameFusion

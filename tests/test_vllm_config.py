@@ -53,6 +53,14 @@ def test_other_refusals_name_the_fix(checkpoint, tmp_path):
         vp.method_spec("divprun", keep=0.5)
     with pytest.raises(ValueError, match="either keep"):
         vp.method_spec("pool", keep=0.5, budget=3)
+    from vlm_prune.methods.prumerge import PruMerge
+
+    with pytest.raises(ValueError, match="outliers='batch' counts the outliers over every image.*use outliers='image'"):
+        vp.method_spec(PruMerge(outliers="batch", plus=True), keep=0.5)
+    from vlm_prune.frames.fastvid import FastVID
+
+    with pytest.raises(ValueError, match="fastvid top_up=False keeps the official counts.*use top_up=True"):
+        vp.method_spec(FastVID(top_up=False), keep=0.5)
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GitForCausalLM"]}))
     with pytest.raises(ValueError, match="vlm_prune.vllm serves .* is GitForCausalLM"):
         vp.engine_kwargs(str(tmp_path), "pool", keep=0.5)

@@ -198,7 +198,7 @@ def test_offline_requests_are_validated_before_the_engine(llm, raw, field, messa
 
 # --- parity with plain vLLM, tensor parallel, the OpenAI server: each starts one more engine, in a
 # process of its own (vLLM engines in one process share its distributed state, and stopping one breaks
-# the other); the reference is the shared engine above. Their measured cost: docs/vllm.md, "Tests".
+# the other); the reference is the shared engine above. Their measured cost: docs/design/vllm-plugin.md, "Tests".
 
 
 class Child:

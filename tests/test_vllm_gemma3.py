@@ -6,7 +6,7 @@ Hugging Face model, the kept tokens must sit at wrap()'s positions (the original
 the method's official code renumbers), and with nothing pruned the plugin must be vLLM's own Gemma 3.
 
 vLLM's CPU build attends causally among an image's tokens (its attention backend ignores the bidirectional
-ranges of ``is_mm_prefix_lm`` models; docs/vllm.md, "Gemma 3"), so the reference is the Hugging Face model
+ranges of ``is_mm_prefix_lm`` models; docs/design/vllm-plugin.md, "Gemma 3"), so the reference is the Hugging Face model
 fed without ``token_type_ids`` (causal too); ``test_cpu_build_attends_causally`` pins that fact.
 
 Needs vLLM: CI runs this module in the vLLM environment (.ci/run); elsewhere it is skipped.

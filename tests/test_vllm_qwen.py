@@ -40,7 +40,7 @@ PROMPTS = {
 SIZES = [(32, 32), (48, 32)]  # (width, height)
 #: frames per video: 8 (4 slices) on Qwen2-VL; 4 (2 slices) on Qwen2.5-VL, whose scaled temporal positions
 #: (0, 2, 4, 6) would pass max(h, w) = 6 at 4 slices, where transformers 5's get_rope_index starts the text
-#: after the video earlier than vLLM's own Qwen classes (and the plugin) do (docs/vllm.md, "Tests")
+#: after the video earlier than vLLM's own Qwen classes (and the plugin) do (docs/design/vllm-plugin.md, "Tests")
 FRAMES = {False: 8, True: 4}
 
 

@@ -1,7 +1,7 @@
 """vlm_prune inside vLLM on the MoE variants of Qwen3-VL and Qwen3.5 (issue 29): one engine per
 architecture on a tiny random checkpoint laid out as the hub's (``vlm_prune.vllm.tiny.write_qwen3_vl_moe``:
 fused, transposed experts and ``norm_topk_prob``; ``write_qwen3_5_moe``: one Linear per expert), which
-vLLM 0.32 loads (transformers 5.19's own ``save_pretrained`` layout it does not: docs/vllm.md). The plugin
+vLLM 0.32 loads (transformers 5.19's own ``save_pretrained`` layout it does not: docs/design/vllm-plugin.md). The plugin
 classes are the dense ones on vLLM's MoE classes; the experts route each kept token as it comes. A few
 cases of each kind (the dense modules run the full matrices on the same plugin code).
 

@@ -197,8 +197,9 @@ def wrap(
             reduction and the last stage lands on it (per video when the pipeline has a frames
             method: its vision stage shares the count over the frames the frames stage kept). A target the model cannot reach (e.g.
             ToMe's half per block) is warned once (``BudgetWarning``) with the reachable value.
-        frames, tokens: the frames-stage and token-stage methods, as an alternative spelling of
-            ``method=[frames, tokens]``.
+        frames: the frames-stage method; ``frames=f, tokens=t`` is another spelling of
+            ``method=[f, t]``.
+        tokens: the token-stage (vision, vit or llm) method that follows ``frames``.
         processor: the model's processor (tokenizer, image processor); frame methods that
             prompt the model (QuoTA) need it.
         seed: seed of methods that sample (random).

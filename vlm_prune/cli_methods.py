@@ -57,7 +57,7 @@ def works_with_table() -> str:
         for family in families:
             why = cls.refusal(family, FAMILY_STAGES[family])
             if why is None:
-                note = cls.family_notes.get(family)
+                note = cls.note_on(family)
                 cells.append("yes*" if note else "yes")
                 if note:
                     limits.append(f"- `{name}` on `{family}`: {note}")
@@ -77,7 +77,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "vlm_prune.adapters.FAMILY_STAGES). Use the names with vlm_prune.wrap(model, NAME, keep=...) or --methods."))
     p.add_argument("--table", action="store_true",
                    help="print instead the method x model-family table (Markdown) of what wrap() accepts, "
-                        "with wrap()'s message for every refusal (the README's table)")
+                        "with wrap()'s message for every refusal (the docs' models page)")
     p.set_defaults(func=run)
 
 

@@ -17,7 +17,15 @@ rows between layers:
   to the right keys and continue positions from the unpruned length. A method with
   ``drops_earlier_keys`` (PruneVid's ``early_kv="drop"``, as its official cache) also hides the
   rows it removes from the decode steps of the layers before the removal
-  (:func:`earlier_keys_dropped`).
+  (:func:`earlier_keys_dropped`);
+- hybrid language models (Qwen3.5's Gated DeltaNet linear-attention layers between full-attention
+  ones) need nothing more: a linear layer keeps no keys, so the removal is the physical one and the
+  exact reference is the unwrapped model's layers 0..L-1 on the full sequence followed by layers
+  L..end on the kept rows (their recurrent states, convolution windows and decode-time caches built
+  from those rows only; the linear layers take the 2-D padding mask via ``LMSpec.layer_mask``, the
+  full-attention ones the key masks and log-size biases above). A method reading a linear layer's
+  attention reads the nearest full-attention layer before it (:meth:`PrunedDecoder.attention_layer`),
+  recorded as the stage record's ``attention_layers`` and in ``last_stats["notes"]``.
 
 The layers themselves are called unchanged with the fastest exact mask of each segment
 (:func:`segment_mask`): none where no key is padding or merged (SDPA's and FlashAttention's
@@ -309,6 +317,18 @@ class PrunedDecoder:
 
         return project
 
+    def attention_layer(self, layer: int) -> int:
+        """The decoder layer whose attention (queries, keys, scaling) a method reading ``layer``'s gets:
+        ``layer`` itself, or, where it is a linear-attention layer of a hybrid model (Qwen3.5's Gated
+        DeltaNet: no softmax attention, no keys), the nearest full-attention layer before it (the first
+        full-attention layer when none precedes). Its projections are applied to the rows the method
+        sees, so a score means "what that layer's attention would pay these rows"."""
+        full = [i for i, m in enumerate(self.spec.layers) if getattr(m, "self_attn", None) is not None]
+        if layer in full or not full:
+            return layer
+        before = [i for i in full if i < layer]
+        return before[-1] if before else full[0]
+
     def _n_keep(self, layer: int, rows: Rows) -> torch.Tensor:
         m = self.llm_method
         n_vis = (rows.visual & rows.valid).sum(1)
@@ -345,7 +365,8 @@ class PrunedDecoder:
                           input_origin=first.origin)
         if previous is not None:  # the same rows entering the layer before (methods with needs_previous_hidden)
             extras["previous_hidden"] = previous[:, : rows.hidden.shape[1]]
-            extras["previous_project_qk"] = self.project_qk(layer - 1)
+            extras["previous_project_qk"] = self.project_qk(self.attention_layer(layer - 1))
+        read = self.attention_layer(layer)
         return LayerContext(
             layer=layer,
             hidden=rows.hidden,
@@ -355,8 +376,8 @@ class PrunedDecoder:
             positions=rows.pos if rows.pos.shape[0] > 1 else rows.pos[0],
             sizes=rows.sizes,
             n_keep=self._n_keep(prune_before, rows),
-            layer_module=self.spec.layers[layer],
-            project_qk=self.project_qk(layer),
+            layer_module=self.spec.layers[read],
+            project_qk=self.project_qk(read),
             extras=extras,
         )
 
@@ -655,6 +676,10 @@ class PrunedDecoder:
                 })
                 if merges is not None:
                     records[-1]["merged_into"] = merges
+                read = {r: self.attention_layer(r) for r in {idx - 1 if early else idx} | ({idx - 1} if keep_previous else set())
+                        if r >= 0}
+                if any(r != f for r, f in read.items()):  # linear-attention layers read through a full-attention one
+                    records[-1]["attention_layers"] = {r: f for r, f in sorted(read.items()) if r != f}
                 mask = None
             if mask is None:
                 key_valid.append(rows.valid)
@@ -1128,4 +1153,9 @@ def _stats(stats_in: list[int], rows: Rows, records: list[dict[str, Any]], layer
     notes = list(getattr(state, "budget_notes", None) or []) + [r["note"] for r in records if "note" in r]
     if notes:  # wrap()'s unreachable targets, and this call's (frames methods leaving images whole)
         out["budget_notes"] = notes
+    hybrid = [f"{r['method']} before layer {r['layer']}: layer {a} is a linear-attention layer, so the attention "
+              f"(queries, keys) came from full-attention layer {f}"
+              for r in records for a, f in r.get("attention_layers", {}).items()]
+    if hybrid:
+        out["notes"] = hybrid
     return out

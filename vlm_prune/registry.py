@@ -70,7 +70,7 @@ def describe_methods() -> list[dict[str, Any]]:
         cls = method_class(name)
         out.append({
             "name": name, "stage": "+".join(method_stages(name)), "paper": cls.paper,
-            "supported": method_families(name), "family_notes": dict(cls.family_notes),
+            "supported": method_families(name), "family_notes": {f: n for f in method_families(name) if (n := cls.note_on(f))},
             "own_defaults": bool(cls.own_schedule), "knobs": method_knobs(name),
             "budget_note": getattr(cls, "budget_note", None),
         })

@@ -67,10 +67,14 @@ def dycoke_step(attention: torch.Tensor, visual: torch.Tensor, previous: torch.T
 
     ``attention`` [B, kv]: the new token's head-averaged attention in layer L - 1 over its keys;
     ``visual`` [B, kv]: the visual keys; ``previous`` [B, k <= kv]: the last step's remembered visual
-    attention (None at the first step). As the official code: a sample whose visual attention has a
-    cosine similarity below ``threshold`` (0.9) to the last step's (the first step counts as 0) keeps
-    only its top int(n_visual * (1 - p)) visual keys in layers L.. for this step; otherwise this step
+    attention (None at the first step). As the official code, which sets its visual span to the TTM
+    output less its last token (``image_token_length = image_feature.size()[0] - 1``): each sample's
+    last visual key is never pruned and the other n - 1 are scored; a sample whose attention over them
+    has a cosine similarity below ``threshold`` (0.9) to the last step's (the first step counts as 0)
+    keeps only its top int((n - 1) (1 - p)) of them in layers L.. for this step; otherwise this step
     attends to the whole cache. The remembered attention is always the current one."""
+    last = visual.long().cumsum(1) == visual.sum(1, keepdim=True)
+    visual = visual & ~last  # the last visual key of each sample stays, outside the scored span
     current = torch.where(visual, attention.float(), 0.0)
     b, kv = current.shape
     if previous is None:
@@ -100,9 +104,10 @@ class DyCoke(DecodeKV, FramesMethod):
     Decode stage (``decode_pruning=True``; off by default so that the budget alone decides what the
     LLM sees): at every single-token decode step the new token's head-averaged attention in layer
     ``layer`` - 1 (L = 3, the official ``dycoke_l``) over the cached keys is compared with the last
-    step's (cosine over the visual keys); when it changed (similarity < 0.9, and at the first step) the
-    layers from L on attend, in this step only, to the top int(n (1 - ``p``)) of the n visual keys by
-    that attention (``p`` = 0.8, the official ``dycoke_p`` default; the README's example uses 0.7); in
+    step's (cosine over the visual keys but the last); when it changed (similarity < 0.9, and at the
+    first step) the layers from L on attend, in this step only, to the last visual key and the top
+    int((n - 1) (1 - ``p``)) of the other n - 1 by that attention (the official's visual span ends one
+    token early; its last token is the last its TTM emits, here the last kept slot; ``p`` = 0.8, the official ``dycoke_p`` default; its README's example uses 0.7); in
     a step whose attention did not change they attend to the whole cache (the official code clears its
     selection at every step and sets it only when the attention changed). The cache keeps every entry,
     so a later step may choose others (:func:`dycoke_step`). Unlike the official code (batch row 0, one
@@ -112,9 +117,13 @@ class DyCoke(DecodeKV, FramesMethod):
     family (LLaVA-OneVision, Qwen2-VL / 2.5-VL, Qwen3-VL, GLM-4.1V, Qwen3.5, whose L - 1 must be a
     full-attention layer); tested against the official rule (tests/test_dycoke_decode.py) and in the
     generate() matrix.
-    Budget: the official k (0.3: a compared frame keeps int(0.7 N) tokens) follows from the budget:
-    the pivots keep N tokens each and the compared frames share the rest (within a token of each
-    other). Pivots are about T / 4 + 1 of T frames, so a budget below their tokens cannot be met by
+    Budget: the official k follows from the budget: the pivots keep N tokens each and the compared
+    frames share the rest (within a token of each other). The official evaluation (its lmms-eval
+    model and README) runs ``dycoke_k=0.7``: a compared frame keeps int(0.3 N) tokens, so at 32 frames
+    of 196 tokens (9 pivots, 23 compared) the video keeps 9 x 196 + 23 x 58 = 3,098 tokens:
+    ``budget=3098`` (or ``keep=0.494``) reproduces that run's counts (``load_pretrained_model``'s
+    default k = 0.3 keeps int(0.7 N) = 137 per compared frame: ``budget=4915``).
+    Pivots are about T / 4 + 1 of T frames, so a budget below their tokens cannot be met by
     TTM alone (the official reaches lower only through the decode-time pruning): the video then
     keeps the pivots whole (wrap() warns; last_stats has the count). An odd last frame, which the
     official drops, is compared with its predecessor.

@@ -59,12 +59,13 @@ def merge_into_anchors(tokens: torch.Tensor, anchors: torch.Tensor, beta: float)
     return w * anchors + (1 - w) * mean
 
 
-def frame_counts(sizes: list[int], n: int, n_total: int, d: float, p: int) -> tuple[list[int], list[int]]:
+def frame_counts(sizes: list[int], n: int, n_total: int, d: float, p: int,
+                 top_up: bool = True) -> tuple[list[int], list[int]]:
     """(salient, context) tokens of each frame. Each frame retains r = n_total // T: r - int(r d)
     salient tokens; the context share int(r d) of a segment of L frames (L int(r d)) goes to its
     anchor frames - the last frame and every p-th one before it - as L int(r d) // ceil(L / p)
-    each. Whatever the floors leave of n_total goes to salient tokens, one per frame from the
-    first, within each frame's tokens (the official code ends a few tokens short instead)."""
+    each. ``top_up``: whatever the floors leave of n_total goes to salient tokens, one per frame
+    from the first, within each frame's tokens (False: the official counts, a few tokens short)."""
     t = sum(sizes)
     retain = n_total // t
     context = int(retain * d)
@@ -77,7 +78,8 @@ def frame_counts(sizes: list[int], n: int, n_total: int, d: float, p: int) -> tu
             if (length - 1 - j) % p == 0:
                 ctx[start + j] = min(context * length // anchors, n - salient[start + j])
         start += length
-    _top_up(salient, ctx, n, n_total - sum(salient) - sum(ctx), range(t))
+    if top_up:
+        _top_up(salient, ctx, n, n_total - sum(salient) - sum(ctx), range(t))
     return salient, ctx
 
 
@@ -102,7 +104,7 @@ def _even(total: int, parts: int) -> list[int]:
 
 
 def qwen_frame_counts(sizes: list[int], sim: torch.Tensor, n: int, n_total: int, d: float, p: int,
-                      ignore: float) -> tuple[list[int], list[int]]:
+                      ignore: float, top_up: bool = True) -> tuple[list[int], list[int]]:
     """(salient, context) tokens of each frame as the official Qwen2.5-VL version allocates them.
     Each segment of L frames retains L r (r = n_total // T): context max(int(L r d), 1) (0 when
     r = 0), the rest salient. A one-frame segment keeps both. A longer one splits into runs of
@@ -110,9 +112,10 @@ def qwen_frame_counts(sizes: list[int], sim: torch.Tensor, n: int, n_total: int,
     keeps tokens:
     the runs share the salient tokens evenly (the remainder from the first run), and the context
     goes evenly to every p-th run counted from the segment's last, each capped at half a frame (the
-    run's salient tokens then at the frame's other tokens). Whatever the floors and caps leave of
-    n_total goes to salient tokens, one per frame from the first, first to the frames that keep
-    tokens (each run's last), then to the others (the official code ends short instead)."""
+    run's salient tokens then at the frame's other tokens). ``top_up``: whatever the floors and caps
+    leave of n_total goes to salient tokens, one per frame from the first, first to the frames that
+    keep tokens (each run's last), then to the others (False: the official counts, which end short:
+    a run keeps at most one frame's tokens however many frames it stands for)."""
     t = sum(sizes)
     retain = n_total // t
     salient, ctx = [0] * t, [0] * t
@@ -138,8 +141,9 @@ def qwen_frame_counts(sizes: list[int], sim: torch.Tensor, n: int, n_total: int,
                 ctx[last] = c_run
                 salient[last] = min(s_run, n - c_run)
         start += length
-    left = _top_up(salient, ctx, n, n_total - sum(salient) - sum(ctx), [i for i in range(t) if keeping[i]])
-    _top_up(salient, ctx, n, left, [i for i in range(t) if not keeping[i]])
+    if top_up:
+        left = _top_up(salient, ctx, n, n_total - sum(salient) - sum(ctx), [i for i in range(t) if keeping[i]])
+        _top_up(salient, ctx, n, left, [i for i in range(t) if not keeping[i]])
     return salient, ctx
 
 
@@ -154,18 +158,19 @@ def tower_salience(ctx: FramesContext, method: str) -> torch.Tensor:
 
 
 def fastvid_plan(features: torch.Tensor, attention: torch.Tensor, n_total: int, c: int = 8, tau: float = 0.9,
-                 d: float = 0.4, p: int = 4, beta: float = 0.6, ignore: float | None = None) -> FramesPlan:
+                 d: float = 0.4, p: int = 4, beta: float = 0.6, ignore: float | None = None,
+                 top_up: bool = True) -> FramesPlan:
     """FastVID on frame tokens [T, N, D] with per-token salience [T, N] (the tower's attention).
     ``ignore`` None: the official OneVision version; a float: the official Qwen2.5-VL version
     (:func:`qwen_frame_counts`, and an anchor frame's own anchors stay out of the tokens merged
-    into them)."""
+    into them). ``top_up`` False: the official counts, short of n_total (:func:`frame_counts`)."""
     t, n, dim = features.shape
     g = F.normalize(features.mean(1).float(), dim=-1)
     sizes = dynamic_segments(features.mean(1), c, tau)
     if ignore is None:
-        salient, ctx = frame_counts(sizes, n, n_total, d, p)
+        salient, ctx = frame_counts(sizes, n, n_total, d, p, top_up)
     else:
-        salient, ctx = qwen_frame_counts(sizes, (g[:-1] * g[1:]).sum(-1), n, n_total, d, p, ignore)
+        salient, ctx = qwen_frame_counts(sizes, (g[:-1] * g[1:]).sum(-1), n, n_total, d, p, ignore, top_up)
     keep, feats = [], []
     rest_idx, rest_score = [], []
     for i in range(t):
@@ -226,8 +231,14 @@ class FastVID(FramesMethod):
     (its retention 0.27 is the budget's business: keep=0.27). Needs that tower attention:
     LLaVA-OneVision and Qwen2-VL / 2.5-VL video (wrap() refuses other models).
     Budget: retention ratio = budget / (T N), the official ``retention_ratio`` (0.10 at the paper's
-    headline); the tokens the official floors would leave unspent go to salient tokens, so the video
-    keeps exactly the budget. Merged anchors carry no proportional-attention size (the official
+    headline). ``top_up`` (default True): the tokens the official floors and caps leave unspent go to
+    salient tokens, so the video keeps exactly the budget; ``top_up=False`` keeps the official counts
+    (wrap() only: the vLLM plugin fixes a video's slots before its content is known).
+    On OneVision those end a few tokens short (the floors); on Qwen2.5-VL (``ignore``) a run of alike
+    frames keeps at most one frame's tokens however many frames it stands for, so near-duplicate
+    videos end far short, more so the more frames a segment holds: 16 slices of 416 tokens at keep
+    0.25 keep as few as 1,144 of 1,664 (31% short), 32 slices of 256 at keep 0.27 as few as 926 of
+    2,211 (58%) (the official script notes 24.1% of tokens kept at its 27% on Video-MME). Merged anchors carry no proportional-attention size (the official
     code has none). The official density adds 1e-6 random noise to break ties; here exact ties go
     to the lower index.
     """
@@ -241,7 +252,8 @@ class FastVID(FramesMethod):
     resizes_frames = True  # merged tokens: new features without a tower row of their own
 
     def __init__(self, keep: float | None = None, budget: int | None = None, c: int = 8, tau: float = 0.9,
-                 d: float = 0.4, p: int = 4, beta: float = 0.6, ignore: float | None = None) -> None:
+                 d: float = 0.4, p: int = 4, beta: float = 0.6, ignore: float | None = None,
+                 top_up: bool = True) -> None:
         super().__init__(keep, budget)
         if isinstance(c, bool) or not isinstance(c, int) or c < 1:
             raise ValueError(f"c (DySeg segments) must be a whole number >= 1, got {c!r}")
@@ -253,11 +265,14 @@ class FastVID(FramesMethod):
             raise ValueError(f"beta must be in [0, 1], got {beta!r}")
         if ignore is not None and (isinstance(ignore, bool) or not isinstance(ignore, (int, float))):
             raise ValueError(f"ignore (DySeg_ignore, a cosine threshold) must be a number or None, got {ignore!r}")
+        if not isinstance(top_up, bool):
+            raise ValueError(f"top_up must be True (spend the budget) or False (the official counts), got {top_up!r}")
         self.c, self.tau, self.d, self.p, self.beta, self.ignore = c, tau, d, p, beta, ignore
+        self.top_up = top_up
 
     def allocate(self, ctx: FramesContext) -> FramesPlan:
         whole = whole_video(ctx)
         if whole is not None:
             return whole
         return fastvid_plan(ctx.features, tower_salience(ctx, self.name), ctx.n_total, self.c, self.tau, self.d,
-                            self.p, self.beta, self.ignore)
+                            self.p, self.beta, self.ignore, self.top_up)

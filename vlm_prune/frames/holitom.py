@@ -137,14 +137,17 @@ class HoliTom(FramesMethod):
     one into its most similar kept token. ``inner=False`` is the paper's "w/o M" (the outer stage
     alone, a frames method that combines with vision methods and runs in vLLM).
 
-    Knobs (official defaults): tau=0.8 (T), d=0.0 (D: share of a frame's dynamic tokens merged as
-    DPC-kNN contextual tokens instead of kept by attention), beta=0.6 (BETA: the centre's weight in
-    its merged token; the official's NO_BETA switch, a plain mean, is not offered), k=7 (K, capped at
-    the number of centres, as the official), max_window=1024; inner=True, layer=18 (HOLITOM_k), r=0.5
-    (HOLITOM_r: the share of a video's tokens merged inside the LLM) - the values of the official
-    README and of every official script (the code's fallback k=3 is never reached: its merge runs
-    only when both are set); retain=0.1 (RETAIN_RATIO: the share of a video's tokens the outer stage
-    keeps without keep / budget).
+    Knobs (official defaults): tau=0.8 (T: the code's default and its scripts' at RETAIN_RATIO 0.15 -
+    0.25; their RETAIN_RATIO=0.10 runs set T=0.65, so ``tau=0.65`` reproduces those), d=0.0 (D: share
+    of a frame's dynamic tokens merged as DPC-kNN contextual tokens instead of kept by attention),
+    beta=0.6 (BETA: the centre's weight in its merged token; the official's NO_BETA switch, a plain
+    mean, is not offered), k=7 (K, capped at the number of centres, as the official),
+    max_window=1024; inner=True, layer=18 (HOLITOM_k), r=0.5 (HOLITOM_r: the share of a video's
+    tokens merged inside the LLM) - the values of the official README and of its 7B scripts (the code's
+    fallback k=3 is never reached: its merge runs only when both are set; the 72B script sets neither,
+    so its runs are the outer stage alone, ``inner=False``; one of them sets FASTV_k=60 / FASTV_r=0.5,
+    which HoliTom's code does not read); retain=0.1 (RETAIN_RATIO: the share of a video's tokens the
+    outer stage keeps without keep / budget).
     Salience: the attention each token receives in the vision tower's last layer, averaged over
     queries and heads and bilinearly pooled to the frame grid - the official's signal - on
     LLaVA-OneVision; on Qwen2-VL / 2.5-VL video (no official version) a frame is a temporal slice and

@@ -310,7 +310,8 @@ class PruneVid(LLMMethod):
     budget_note = ("the video's tokens reaching the last layer; without keep / budget the official counts "
                    "(merge, then alpha=0.4 of each group in the LLM)")
     family_notes: ClassVar[dict[str, str]] = dict.fromkeys(
-        ("llava_onevision", "qwen2_vl", "llava_next_video", "llava_onevision15", "qwen3_vl", "glm4v"), "video only")
+        ("llava_onevision", "qwen2_vl", "llava_next_video", "llava_onevision15", "qwen3_vl", "glm4v", "qwen3_5"),
+        "video only")
     #: the two stages it runs in, both needed (``vlm-prune methods`` shows them)
     needs_stages: ClassVar[tuple[str, ...]] = ("frames", "llm")
 

@@ -25,6 +25,13 @@ from typing import Any, Callable, ClassVar
 import torch
 
 STAGES = ("frames", "vision", "vit", "llm")
+#: adapter families whose language model interleaves linear-attention (recurrent) layers with full attention
+HYBRID_FAMILIES = ("qwen3_5",)
+#: how an llm-stage method runs on those (``Method.note_on``; adapters/qwen3_5.py has the details)
+HYBRID_NOTE = ("where it reads a Gated DeltaNet (linear-attention) layer's attention it reads the nearest "
+               "full-attention layer before it or else the first (last_stats notes say which); later linear layers "
+               "build their states from the kept rows and count a merged row once (its log-size bias acts in the "
+               "full-attention layers)")
 
 BUDGET_DEFINITION = (
     "keep / budget: the visual tokens of each image (of each video, for frames methods) that reach "
@@ -169,6 +176,9 @@ class VisionContext:
     tower_tiles: optional callable returning the tower's per-partition [CLS] attention of an anyres
         image (:class:`vlm_prune.methods.hired.TileAttention`; LLaVA-NeXT, for methods that select
         per crop and need the tower's attention: HiRED).
+    batch_tower_attention: optional callable returning the ``tower_attention`` result of every image
+        (frame) the vision tower ran on in this call, in order, this one included - for a rule the
+        official code applies to the batch as a whole (PruMerge's ``outliers="batch"``).
     """
 
     features: torch.Tensor
@@ -179,6 +189,7 @@ class VisionContext:
     generator: torch.Generator | None = None
     image_index: int = 0
     tower_tiles: Callable[[], Any] | None = None
+    batch_tower_attention: Callable[[], list[tuple[torch.Tensor, ...]]] | None = None
 
 
 @dataclass
@@ -192,7 +203,10 @@ class LayerContext:
     positions: [B, S] (or [3, B, S] for M-RoPE) original position ids of the rows.
     sizes: [B, S] float, how many original tokens each row stands for (1 unless merged).
     n_keep: [B] long, visual tokens to keep per sample at this layer.
-    layer_module: the decoder layer about to run (its input_layernorm, self_attn, ...).
+    layer_module: the decoder layer about to run (its input_layernorm, self_attn, ...); on a hybrid
+        model where that layer is a linear-attention layer, the full-attention layer the engine reads
+        in its place (``PrunedDecoder.attention_layer``), as for ``project_qk`` and
+        "previous_project_qk".
     project_qk: callable(hidden, positions, rope=True, q_rows=None) -> (q [B, H, S, d], k [B, H, S, d]):
         the layer's own normalised query/key projections, GQA keys repeated to H heads,
         rotary embedding applied at ``positions`` when ``rope`` is True. ``q_rows`` [B, R]
@@ -367,6 +381,13 @@ class Method:
 
         wrap() emits it once as a :class:`BudgetWarning` and keeps it in ``last_stats``."""
         return None
+
+    @classmethod
+    def note_on(cls, family: str) -> str | None:
+        """What the method runs on, or how, within adapter ``family`` where that needs saying
+        (``family_notes``, and :data:`HYBRID_NOTE` for an llm-stage method on a hybrid family), or None."""
+        notes = [cls.family_notes.get(family), HYBRID_NOTE if cls.stage == "llm" and family in HYBRID_FAMILIES else None]
+        return "; ".join(n for n in notes if n) or None
 
     @classmethod
     def refusal(cls, family: str, stages: tuple[str, ...]) -> str | None:

@@ -13,7 +13,7 @@ from vlm_prune.registry import register
 OFFICIAL_COST_LAYERS = 28
 
 #: the video families whose adapters hand the llm stage each video token's frame slot
-VIDEO_FAMILIES = ("llava_onevision", "qwen2_vl", "llava_next_video", "llava_onevision15", "qwen3_vl")
+VIDEO_FAMILIES = ("llava_onevision", "qwen2_vl", "llava_next_video", "llava_onevision15", "qwen3_vl", "qwen3_5")
 
 
 def cost_sparsity(history: list[float], cost: float, layers: int) -> float:

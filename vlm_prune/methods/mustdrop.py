@@ -19,7 +19,7 @@ OFFICIAL_DEPTH = 32
 TOWER_FAMILIES = ("llava",)
 #: the families where MustDrop runs its prefill and decoding stages only (they offer an llm stage)
 LLM_ONLY_FAMILIES = ("llava_next", "llava_onevision", "qwen2_vl", "mistral3", "gemma3", "internvl", "llava_next_video",
-                     "llava_onevision15", "qwen3_vl", "glm4v", "smolvlm", "videollama3")
+                     "llava_onevision15", "qwen3_vl", "glm4v", "qwen3_5", "smolvlm", "videollama3")
 
 
 # ---- the vision-encoding stage (in the CLIP tower) ------------------------------------------------
@@ -283,7 +283,8 @@ class MustDrop(DecodeKV, LLMMethod):
                    "then an even share per LLM stage; without them the official thresholds (merge 0.8, key set 8%, "
                    "dual-attention 0.001, 0.001) decide the counts")
     family_notes = {f: "prefill and decoding stages only (the vision-encoding stage runs in LLaVA-1.5's CLIP tower)"
-                    for f in LLM_ONLY_FAMILIES}
+                    + ("; decoding trims the full-attention layers' keys only: a recurrent state cannot drop a past row"
+                       if f == "qwen3_5" else "") for f in LLM_ONLY_FAMILIES}
     own_schedule = True
     scores_from_previous_layer = True
     #: the tower layer after which the windows merge (official idx 0)

@@ -450,6 +450,9 @@ def build_method(spec: dict[str, Any]) -> Method:
     m = methods["vision"]
     if m.name not in SUPPORTED:
         raise ValueError(f"method {m.name!r} is not wired into vLLM yet; supported: {', '.join(SUPPORTED)}")
+    if m.name == "prumerge" and m.outliers == "batch":
+        raise ValueError("prumerge outliers='batch' counts the outliers over every image of a batch, which vLLM's "
+                         "requests do not share; use outliers='image' (each image's own count), or vlm_prune.wrap()")
     return m
 
 

@@ -3,7 +3,7 @@ in two passes) inside vLLM, for any video model of the plugin.
 
 vLLM fixes a video's placeholder count when it processes the prompt, before the tower runs. The
 frames methods that choose WHICH frames to keep from the video's features, but keep a count fixed
-by the budget alone, fit that as the vision methods do (docs/vllm.md, "Frames methods"):
+by the budget alone, fit that as the vision methods do (docs/design/vllm-plugin.md, "Frames methods"):
 
 - :func:`frames_slots` (processor): the visual tokens the method keeps of a T x N video, the
   same number ``wrap()`` keeps: ``n_total = method.n_keep(T * N)``, whole frames
@@ -69,6 +69,10 @@ def check_frames_method(method: Method) -> None:
                          "decode step attends to, which vLLM's paged attention (every key of a request in every step) "
                          f"cannot follow; in vLLM use {method.name} with decode_pruning=False (its frames stage), or "
                          "vlm_prune.wrap() on the Hugging Face model")
+    if method.name == "fastvid" and not method.top_up:
+        raise ValueError("fastvid top_up=False keeps the official counts, which fall short of the budget by an amount "
+                         "the video's content decides, but vLLM fixes each video's placeholder slots before the "
+                         "encoder: use top_up=True (exactly the budget), or vlm_prune.wrap()")
     if method.name == "keyscore" and getattr(method, "_encoder", None) is not None:
         raise ValueError("keyscore with a custom encoder is not served by vlm_prune.vllm (the encoder object cannot "
                          "travel to vLLM's processes); use its default in-model embeddings (encoder=None)")

@@ -1,6 +1,6 @@
 """Gemma 3 served by vLLM with a vision-stage method of vlm_prune (out-of-tree model class).
 
-The LLaVA-1.5 pattern (vlm_prune/vllm/llava.py, docs/vllm.md: slots, the method in the encoder, kept
+The LLaVA-1.5 pattern (vlm_prune/vllm/llava.py, docs/design/vllm-plugin.md: slots, the method in the encoder, kept
 tokens at their original positions through offset channels) on vLLM's own
 ``Gemma3ForConditionalGeneration`` (read in vLLM 0.32's ``model_executor/models/gemma3_mm.py`` and
 ``gemma3.py``), with Gemma 3's quirks met as ``wrap()`` meets them (``adapters/gemma3.py``):

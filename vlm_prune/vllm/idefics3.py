@@ -3,7 +3,7 @@ by vLLM with a vision-stage method of vlm_prune.
 
 vLLM 0.32's classes (vllm/model_executor/models/idefics3.py, smolvlm.py: SigLIP-style tower, pixel
 shuffle connector, Llama; images only) with the LLaVA-1.5 pattern of vlm_prune/vllm/llava.py
-(docs/vllm.md). The quirk: the processor splits an image into ``rows x cols`` tiles plus a global tile
+(docs/design/vllm-plugin.md). The quirk: the processor splits an image into ``rows x cols`` tiles plus a global tile
 and writes each tile as its own run of ``image_seq_len`` ``<image>`` tokens behind text markers
 (``<fake_token_around_image><row_r_col_c>``, ``<fake_token_around_image><global-img>``, newlines). As
 in ``wrap()`` (adapters/smolvlm.py) the image is one item: ``keep`` / ``budget`` count over all of its

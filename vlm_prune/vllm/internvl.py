@@ -4,7 +4,7 @@ method of vlm_prune.
 vLLM 0.32 serves this checkpoint class with ``InternS1ForConditionalGeneration``
 (vllm/model_executor/models/interns1.py: InternViT tower, pixel shuffle 0.5, MLP projector, the
 language model of ``text_config``); the plugin's class is that one with the LLaVA-1.5 pattern of
-vlm_prune/vllm/llava.py (docs/vllm.md):
+vlm_prune/vllm/llava.py (docs/design/vllm-plugin.md):
 
 - An image is cut into tiles (plus a thumbnail) by the processor; each tile is ``image_seq_length``
   tokens after the pixel shuffle, and vLLM writes the image as ``<img>`` + the tiles' tokens as ONE

@@ -1,6 +1,6 @@
 """LLaVA-1.5 served by vLLM with a vision-stage method of vlm_prune (out-of-tree model class).
 
-How a fixed budget fits vLLM (see docs/vllm.md):
+How a fixed budget fits vLLM (see docs/design/vllm-plugin.md):
 
 1. The processor gives every image ``method.n_keep(N)`` placeholder slots (N = the tower's
    tokens per image), the count ``wrap()`` keeps, so the scheduler and the paged KV cache only

@@ -1,6 +1,6 @@
 """LLaVA-NeXT served by vLLM with a vision-stage method of vlm_prune (out-of-tree model class).
 
-The LLaVA-1.5 pattern (vlm_prune/vllm/llava.py, docs/vllm.md) on LLaVA-NeXT's anyres images, as
+The LLaVA-1.5 pattern (vlm_prune/vllm/llava.py, docs/design/vllm-plugin.md) on LLaVA-NeXT's anyres images, as
 ``wrap()`` runs them (adapters/llava_next.py):
 
 - An image is its base tile's tokens, then the unpadded grid of its high-resolution tiles with one

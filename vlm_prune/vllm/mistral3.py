@@ -1,6 +1,6 @@
 """Mistral 3 (Pixtral tower) served by vLLM with a vision-stage method of vlm_prune.
 
-The LLaVA-1.5 pattern (vlm_prune/vllm/llava.py, docs/vllm.md) on vLLM's own
+The LLaVA-1.5 pattern (vlm_prune/vllm/llava.py, docs/design/vllm-plugin.md) on vLLM's own
 ``Mistral3ForConditionalGeneration`` (read in vLLM 0.32's ``model_executor/models/mistral3.py``), with
 Mistral 3's quirk met as ``wrap()`` meets it (``adapters/mistral3.py``):
 

