@@ -87,7 +87,7 @@ class WrapState:
             lines.append(f"  decode  {decode['method']:<9} from layer {decode['from_layer']}: visual keys at the last "
                          f"layer {_counts(decode['visual_keys_per_layer'][-1])}")
         lines.append(f"scoring: {1000 * stats.get('seconds', 0.0):.1f} ms ({1000 * stats.get('cpu_seconds', 0.0):.1f} ms CPU)")
-        lines += [f"note: {note}" for note in stats.get("budget_notes", [])]
+        lines += [f"note: {note}" for note in [*stats.get("budget_notes", []), *stats.get("notes", [])]]
         return "\n".join(lines)
 
     def __repr__(self) -> str:
