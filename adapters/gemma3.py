@@ -17,10 +17,10 @@ Quirks (transformers 5.25 ``models/gemma3``):
   through unbuilt).
 - Two rotary tables (``sliding_attention``: local base, ``full_attention``: global base):
   each decoder layer gets its type's (``LMSpec.rotary`` / ``rotary_key``).
-- Sliding-window layers (5 of every 6, window 1024 on released checkpoints): the pruned decoder
-  runs full causal attention, which is the model's own while the whole sequence (prompt columns,
-  padding included, and generated tokens) fits the window; a call that goes beyond it is refused
-  with that reason (``LMSpec.sliding_window``).
+- Sliding-window layers (5 of every 6, window 1024 on released checkpoints): a row sees the keys
+  less than ``sliding_window`` columns before it (block mates included), and their cache keeps the
+  last window - 1 (``LMSpec.window``). The pruned decoder masks them so; after a removal the window
+  counts the rows such a layer holds, as the unwrapped model fed only the kept rows would.
 
 The SigLIP tower has no CLS token and VisionZip taps CLIP / OneVision towers only, so ViT-stage
 methods and VisionZip are refused at wrap time; FlashAttention is refused by transformers itself
@@ -70,7 +70,8 @@ class Gemma3Adapter(TableAdapter):
         types = list(lm.config.layer_types)
         spec.rotary = lambda x, pos, key: lm.rotary_emb(x, pos, key)
         spec.rotary_key = lambda i: types[i]
-        spec.sliding_window = lm.config.sliding_window if "sliding_attention" in types else None
+        window = lm.config.sliding_window
+        spec.window = lambda i: window if types[i] == "sliding_attention" else None
         return spec
 
     def attach(self) -> None:

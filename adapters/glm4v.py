@@ -14,7 +14,8 @@ merged patches) with GLM's own quirks.
 
 transformers 5.25's own beam search / ``num_return_sequences`` on GLM video fails before any
 pruning (``_expand_multimodal_outputs`` counts ``video_token_id`` placeholders, which GLM's
-processor never writes); vlm_prune leaves that alone, so those paths fail wrapped as unwrapped.
+processor never writes; the unwrapped model raises a bare ``torch.cat()`` error): the wrapped
+model's generate() refuses those calls first, with that reason.
 
 Read side by side with transformers 5.25 ``models/glm4v/modeling_glm4v.py`` and
 ``processing_glm4v.py`` (``replace_frame_token_id``).
@@ -39,6 +40,17 @@ class Glm4vAdapter(Qwen2VLAdapter):
     def placeholder_ids(self) -> dict[str, int]:
         tok = self.model.config.image_token_id
         return {"image": tok, "video": tok}  # GLM's video frames hold image placeholders
+
+    def check_generate_inputs(self, input_ids: torch.Tensor | None, kwargs: dict[str, Any]) -> None:
+        config = kwargs.get("generation_config") or self.model.generation_config
+        copies = max(kwargs.get("num_beams", getattr(config, "num_beams", 1)) or 1,
+                     kwargs.get("num_return_sequences", getattr(config, "num_return_sequences", 1)) or 1)
+        if copies > 1 and (kwargs.get("pixel_values_videos") is not None or kwargs.get("video_grid_thw") is not None):
+            raise ValueError(
+                "transformers cannot expand GLM video inputs for num_beams > 1 or num_return_sequences > 1 (it counts "
+                "video placeholders GLM's processor never writes; the unwrapped model fails there too): generate with "
+                "num_beams=1 and num_return_sequences=1, or repeat the inputs in the batch, one row per answer")
+        super().check_generate_inputs(input_ids, kwargs)
 
     def new_request(self, args: tuple, kwargs: dict[str, Any]) -> Request | None:
         request = super().new_request(args, kwargs)

@@ -32,7 +32,8 @@ from transformers.modeling_outputs import BaseModelOutputWithPooling
 from vlm_prune.adapters.base import Adapter, ContextSlot
 from vlm_prune.adapters.vision_towers import FeatureLayerTap, pool_grid
 from vlm_prune.engine import LMSpec, Pending, PrunedDecoder
-from vlm_prune.methods.base import FramesContext, FramesPlan, Reduction, VisionContext, apportion, item_generator
+from vlm_prune.methods.base import (BudgetWarning, FramesContext, FramesPlan, Reduction, VisionContext, apportion,
+                                    item_generator)
 
 
 @dataclass
@@ -141,6 +142,7 @@ class HFVLMAdapter(Adapter):
         self._encoding: ContextSlot[bool] = ContextSlot("encoding", False)
         #: columns of the prompt of the calling thread's generate() call in progress
         self._prompt: ContextSlot[int | None] = ContextSlot("prompt", None)
+        self._noted: set[str] = set()  # the notes of note_whole_images already warned
 
     @property
     def request(self) -> Request | None:
@@ -221,12 +223,17 @@ class HFVLMAdapter(Adapter):
                 if check is not None:
                     check(kwargs, config)
             prompt = kwargs.get("input_ids", args[0] if args else None)
+            self.check_generate_inputs(prompt, kwargs)
             if prompt is None:
                 prompt = kwargs.get("inputs_embeds")
             with self._prompt.use(None if prompt is None else int(prompt.shape[1])):
                 return original(*args, **kwargs)
 
         self.patches.set(self.model, "generate", generate)
+
+    def check_generate_inputs(self, input_ids: torch.Tensor | None, kwargs: dict[str, Any]) -> None:
+        """Refuse, at the generate() call, inputs that transformers' own preparation would fail on
+        with a bare error before the model runs (the M-RoPE families: see ``Qwen2VLAdapter``)."""
 
     def _patch_loss(self) -> None:
         """Training-style calls with ``labels``: the loss over the rows the model returned.
@@ -487,6 +494,8 @@ class HFVLMAdapter(Adapter):
         frames_m = self.state.methods.get("frames") if modality == "video" else None
         vision_m = self.state.methods.get("vision")
         if frames_m is None and vision_m is None:
+            if modality == "image":
+                self.note_whole_images(out)
             return out
         items = self.items(modality, out)
         request = self.request
@@ -572,6 +581,28 @@ class HFVLMAdapter(Adapter):
         request.pending.records.extend(records)
         return self.rebuild(modality, out, new_feats)
 
+    def note_whole_images(self, out: Any) -> None:
+        """A frames-stage method alone (uniform, fastvid, vidcom2, keyscore, quota) leaves the images of
+        encoder output ``out`` whole: the call's stage records and last_stats' budget_notes say so, and
+        it is warned once (:class:`BudgetWarning`), as wrap() does for a target the model cannot reach."""
+        methods = self.state.methods
+        frames = methods.get("frames")
+        if frames is None or getattr(frames, "decode_kv", False) or any(s in methods for s in ("vit", "llm")):
+            return
+        note = (f"{frames.name} selects and reduces the frames of videos; this call's images keep all their tokens. "
+                f"Add a vision- or llm-stage method to prune images: wrap(model, frames={frames.name!r}, tokens='random', ...)")
+        counts = []  # visual tokens of each image, as the engine counts them
+        for i, it in enumerate(self.items("image", out)):
+            body = it.features.shape[0] - it.tail
+            skip = self.not_visual_rows(it, i)
+            counts.append(body if skip is None else int((~skip[:body]).sum()))
+        self.request.pending.records.append({"stage": "frames", "method": frames.name, "modality": "image",
+                                             "skipped": "images", "note": note, "tokens_in": counts,
+                                             "tokens_out": counts, "seconds": 0.0})
+        if note not in self._noted:
+            self._noted.add(note)
+            warnings.warn(note, BudgetWarning, stacklevel=2)
+
     def _check_placeholders(self, modality: str, out: Any) -> None:
         """Refuse, as transformers does, inputs whose placeholder tokens do not match the encoded images /
         videos, before a method runs on them (it would fail on the mismatch with a bare shape error)."""
@@ -581,13 +612,7 @@ class HFVLMAdapter(Adapter):
         rows = [self.placeholder_count(out, p) for p in out.pooler_output]
         tokens = int(mask.sum())
         if tokens != sum(rows):
-            name = "Image" if modality == "image" else "Video"
-            raise ValueError(
-                f"{name} features and {modality} tokens do not match, tokens: {tokens}, features: {sum(rows)} rows "
-                f"({len(rows)} {modality}{'s' if len(rows) != 1 else ''} of {', '.join(map(str, rows))} tokens): the input "
-                f"has {tokens} {modality} placeholder tokens; build it with the model's processor, which gives each "
-                f"{modality} exactly its placeholders"
-            )
+            raise ValueError(placeholder_mismatch(modality, tokens, rows))
 
     def item_generator(self, samples: list[int], index: int) -> torch.Generator:
         """:func:`item_generator` of item ``index`` (``samples``: the sample of every item), seeded by
@@ -900,6 +925,16 @@ class HFVLMAdapter(Adapter):
 @functools.lru_cache(maxsize=None)
 def _warn_once(message: str) -> None:
     warnings.warn(message, stacklevel=4)
+
+
+def placeholder_mismatch(modality: str, tokens: int, rows: list[int]) -> str:
+    """The message for an input with ``tokens`` placeholders of ``modality`` whose images / videos
+    give ``rows`` tokens each: transformers' own first words, the counts, and the fix."""
+    name = "Image" if modality == "image" else "Video"
+    items = f"{len(rows)} {modality}{'s' if len(rows) != 1 else ''}" + (f" of {', '.join(map(str, rows))} tokens" if rows else "")
+    return (f"{name} features and {modality} tokens do not match, tokens: {tokens}, features: {sum(rows)} rows ({items}): "
+            f"the input has {tokens} {modality} placeholder tokens; build it with the model's processor, which gives "
+            f"each {modality} exactly its placeholders")
 
 
 def placeholder_runs(mask: torch.Tensor) -> list[int]:

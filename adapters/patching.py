@@ -37,8 +37,13 @@ class Patcher:
 
     def restore_copy(self, memo: dict[int, Any], cut: Any) -> None:
         """On a deep copy made with ``memo`` in which every :meth:`installed` value became ``cut``:
-        put back what the originals held before the patch (copied) and drop the copied hooks."""
-        for obj, name, old in reversed(self._saved):
+        put back what the originals held before the patch (copied) and drop the copied hooks.
+        An attribute patched twice (an adapter wrapping its base class's patch) gets the value it
+        held before the first patch: the one in between belongs to the original's patch."""
+        first: dict[tuple[int, str], tuple[Any, str, Any]] = {}
+        for obj, name, old in self._saved:
+            first.setdefault((id(obj), name), (obj, name, old))
+        for obj, name, old in first.values():
             clone = memo.get(id(obj))
             if clone is None or vars(clone).get(name, None) is not cut:
                 continue

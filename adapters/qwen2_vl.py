@@ -15,7 +15,7 @@ import torch
 from transformers.modeling_outputs import BaseModelOutputWithPooling
 
 from vlm_prune.adapters import FAMILY_STAGES
-from vlm_prune.adapters.hf_vlm import HFVLMAdapter, Item, fit_grid, source_of
+from vlm_prune.adapters.hf_vlm import HFVLMAdapter, Item, fit_grid, placeholder_mismatch, source_of
 from vlm_prune.adapters.vision_towers import QwenTowerTap
 from vlm_prune.engine import LMSpec, PositionRewrite, default_positions
 from vlm_prune.methods.base import FramesContext
@@ -47,6 +47,23 @@ class Qwen2VLAdapter(HFVLMAdapter):
         spec.layer_position_ids = _layer_positions
         spec.default_positions = _qwen_positions
         return spec
+
+    def check_generate_inputs(self, input_ids: torch.Tensor | None, kwargs: dict[str, Any]) -> None:
+        """Placeholders that do not match the grids: generate() builds M-RoPE positions from them before
+        the model runs, and transformers fails there with a bare "shape mismatch" (Qwen3-VL, Qwen3.5,
+        GLM-4.1V) or StopIteration; say what the model's own check says, with the counts, first."""
+        if input_ids is None:
+            return
+        merge = self.model.config.vision_config.spatial_merge_size
+        rows: dict[int, list[int]] = {}  # placeholder id -> tokens of each image / video using it (GLM: one id)
+        for modality, tok in self.placeholder_ids().items():
+            grid = kwargs.get(f"{modality}_grid_thw")
+            if grid is not None:
+                rows.setdefault(tok, []).extend(int(g) // merge**2 for g in grid.prod(-1).tolist())
+        for modality, tok in self.placeholder_ids().items():
+            tokens = int((input_ids == tok).sum())
+            if tok in rows and tokens != sum(rows[tok]):
+                raise ValueError(placeholder_mismatch(modality, tokens, rows[tok]))
 
     def items(self, modality: str, out: Any) -> list[Item]:
         key = "image_grid_thw" if modality == "image" else "video_grid_thw"

@@ -77,7 +77,9 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-new-tokens", type=positive_int, default=16)
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="auto: bfloat16 on CUDA, float32 on CPU")
-    p.add_argument("--device-map", default=None, help="e.g. auto: spread one large model over the GPUs")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                   help="auto: each process's GPU when torch sees CUDA, else the CPU (default auto)")
+    p.add_argument("--device-map", default=None, help="e.g. auto: spread one large model over the GPUs (overrides --device)")
     p.add_argument("--attn-implementation", default=None, help="sdpa, eager or flash_attention_2")
     p.add_argument("--seed", type=int, default=0, help="seed of sampling methods (random)")
     p.add_argument("--decode-timeout", type=positive_float, default=300.0, help="seconds allowed to decode one video")
@@ -110,7 +112,7 @@ def run(args: argparse.Namespace) -> int:
         methods=[m.strip() for m in args.method.split(",") if m.strip()],
         keeps=args.keep, budgets=args.budget, frames=args.frames, limit=args.limit, split=args.split,
         skip_missing=args.skip_missing, max_new_tokens=args.max_new_tokens, dtype=args.dtype,
-        device_map=args.device_map, attn_implementation=args.attn_implementation, seed=args.seed,
+        device=args.device, device_map=args.device_map, attn_implementation=args.attn_implementation, seed=args.seed,
         decode_timeout=args.decode_timeout, decode_workers=args.decode_workers,
         subtitles=args.subtitles, sync_timeout_min=args.sync_timeout, configs=args.config,
     )

@@ -301,6 +301,8 @@ class EvalConfig:
     answers (0: decode on the model's thread, when it is needed).
     subtitles: Video-MME only: "without" (default), "with" (the "w/ subs" score) or "both"
     (each setting twice, on the same decoded frames).
+    device: "auto" (each rank's GPU when torch sees CUDA, else the CPU), "cuda" or "cpu"; ignored
+    with ``device_map``, which places the model itself.
     """
 
     model: str
@@ -319,6 +321,7 @@ class EvalConfig:
     device_map: str | None = None
     attn_implementation: str | None = None
     seed: int = 0
+    device: str = "auto"
     decode_timeout: float | None = 300.0
     decode_workers: int = 2
     subtitles: str = "without"
@@ -449,11 +452,27 @@ def check_settings(model: torch.nn.Module, plan: list[Setting], processor: Any, 
         vlm_prune.unwrap(model)
 
 
+def _on_cuda(cfg: EvalConfig) -> bool:
+    """Whether the model goes to a GPU; refuses a GPU placement torch cannot serve."""
+    available = torch.cuda.is_available()
+    if cfg.device not in ("auto", "cpu", "cuda"):
+        raise EvalConfigError(f"--device takes auto, cpu or cuda, got {cfg.device!r}")
+    if cfg.device_map:
+        wants = str(cfg.device_map)
+        if not available and (wants.startswith("cuda") or wants.isdigit()):
+            raise EvalConfigError(f"--device-map {wants}: no CUDA device is visible to torch; use --device cpu "
+                                  "(or --device-map auto)")
+        return available and wants != "cpu"
+    if cfg.device == "cuda" and not available:
+        raise EvalConfigError("--device cuda: no CUDA device is visible to torch; use --device cpu")
+    return available and cfg.device != "cpu"
+
+
 def load_model(cfg: EvalConfig, dist: sharding.Dist) -> tuple[torch.nn.Module, Any]:
     """(model, processor) from a hub id or local folder; one device per rank, or device_map."""
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
-    cuda = torch.cuda.is_available()
+    cuda = _on_cuda(cfg)
     if cfg.dtype == "auto":
         dtype = torch.bfloat16 if cuda else torch.float32
     else:
@@ -659,6 +678,7 @@ def run_eval(
     if cfg.sync_timeout_min <= 0:
         raise ValueError(f"sync_timeout_min (--sync-timeout) must be > 0 minutes, got {cfg.sync_timeout_min}")
     sharding.exit_with_launcher(dist)
+    _on_cuda(cfg)  # a device torch cannot serve is refused before the dataset is read
     plan = settings(cfg)
     questions = spread(read_samples(cfg.dataset, cfg.data, split=cfg.split), cfg.limit)
     present, missing = split_missing(questions)

@@ -45,6 +45,24 @@ def test_bad_arguments_name_the_fix(llava, kwargs, message):
     assert not hasattr(llava, "vlm_prune")
 
 
+@pytest.mark.parametrize("method, knobs, message", [
+    ("fastv", {"layr": 2}, "'layr' (did you mean 'layer'?). A method's knobs go to the method object: "
+                           "vlm_prune.wrap(model, vlm_prune.methods.FastV(layer=2), ...) (knobs of fastv: layer, query)"),
+    ("fastv", {"layer": 2}, "vlm_prune.wrap(model, vlm_prune.methods.FastV(layer=2), ...)"),
+    (["random", "pact"], {"cutof": 0.2}, "(did you mean 'cutoff'?). A method's knobs go to the method object: "
+                                         "vlm_prune.wrap(model, vlm_prune.methods.PACT(cutoff=0.2), ...)"),
+    ("fastv", {"kep": 0.3}, "(did you mean 'keep'?)"),
+])
+def test_a_method_knob_given_to_wrap_names_the_method_object(llava, method, knobs, message):
+    """wrap() takes no method knobs: the TypeError says where they go, with the closest knob name."""
+    with pytest.raises(TypeError) as err:
+        vlm_prune.wrap(llava, method, keep=0.3, **knobs)
+    assert message in str(err.value) and "wrap() itself takes keep, budget" in str(err.value)
+    assert not hasattr(llava, "vlm_prune")
+    if "layer" in message:  # the suggested spelling wraps
+        vlm_prune.unwrap(vlm_prune.wrap(llava, FastV(layer=2), keep=0.3))
+
+
 @pytest.mark.parametrize("method, message", [
     (vlm_prune.methods.FastV(layer=6), "FastV layer K=6 but the model has only 6 decoder layers; pass layer= below 6"),
     ("pact", None),
@@ -158,6 +176,42 @@ def test_last_stats_report_real_counts(llava, method, kw, expected):
         assert int((ids[b, kept] == T.IMAGE_TOKEN).sum()) == expected
         assert int(inp["attention_mask"][b].sum()) - 16 + expected == kept.numel()
     assert out.shape[1] == rows.shape[1]
+
+
+def test_summary_reads_last_stats_on_one_screen(llava):
+    """summary(): the pipeline, tokens in -> out per sample with the kept fraction and layer average,
+    one line per stage with its own counts and scoring time, the total, and the budget notes."""
+    import re
+
+    model = vlm_prune.wrap(llava, ["random", "fastv"], keep=0.25)
+    try:
+        assert model.vlm_prune.summary() == ("vlm_prune on llava: random (vision) -> fastv (llm)\n"
+                                             "no request yet in this thread (last_stats is empty)")
+        with torch.no_grad():
+            model.generate(**T.llava_inputs(), max_new_tokens=2)
+        stats = model.vlm_prune.last_stats
+        lines = model.vlm_prune.summary().splitlines()
+    finally:
+        vlm_prune.unwrap(model)
+    assert stats["visual_tokens_in"] == [16, 16] and stats["visual_tokens_out"] == [4, 4]
+    assert lines[:2] == ["vlm_prune on llava: random (vision) -> fastv (llm)",
+                         "visual tokens per sample: 16, 16 -> 4, 4 (25.0% kept); layer average 5.3, 5.3"]
+    assert re.fullmatch(r"  vision  random    images           16, 16 -> 8, 8    50\.0% +[0-9.]+ ms", lines[2])
+    assert re.fullmatch(r"  llm     fastv     layer 2          8, 8 -> 4, 4      50\.0% +[0-9.]+ ms", lines[3])
+    seconds = [float(line.split()[-2]) for line in lines[2:4]]
+    assert seconds == [round(1000 * r["seconds"], 1) for r in stats["stages"]]
+    assert lines[4] == f"scoring: {1000 * stats['seconds']:.1f} ms ({1000 * stats['cpu_seconds']:.1f} ms CPU)"
+    assert len(lines) == 5
+    ov = vlm_prune.wrap(T.tiny_onevision(), "uniform", keep=0.5)  # a frames method on images: a budget note
+    try:
+        with pytest.warns(vlm_prune.methods.base.BudgetWarning) as caught, torch.no_grad():
+            ov(**T.onevision_image_inputs(ov))
+        lines = ov.vlm_prune.summary().splitlines()
+    finally:
+        vlm_prune.unwrap(ov)
+    assert lines[1] == "visual tokens per sample: 32, 32 -> 32, 32 (100.0% kept); layer average 32, 32"
+    assert lines[2].startswith("  frames  uniform   skipped (images) 32, 32 -> 32, 32 100.0%")
+    assert lines[-1] == f"note: {caught[0].message}"
 
 
 def test_pipeline_budget_is_the_final_count(llava):

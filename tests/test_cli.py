@@ -102,6 +102,26 @@ def test_exit_code_and_one_line_in_a_real_process():
         "vlm-prune keyframes: error: no video file among nope.mp4; give paths of existing video files"]
 
 
+def test_keyframes_on_an_undecodable_file_is_one_line_and_exit_code_2(tmp_path):
+    """A file no decoder reads: exit 2 with vlm_prune's one line, and none of the decoders' own logs
+    (FFmpeg's "moov atom not found", decord's "ERROR opening"), which they write to the process's stderr;
+    its record (with the error) still goes to the output. With a good video beside it: exit 1, a warning."""
+    bad = tmp_path / "bad.mp4"
+    bad.write_bytes(bytes(range(256)) * 20)
+    out = tmp_path / "out.jsonl"
+    proc = subprocess.run([sys.executable, "-m", "vlm_prune.cli", "keyframes", str(bad), "--method", "uniform",
+                           "--out", str(out)], capture_output=True, text=True, timeout=120)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+    assert lines[0].startswith("vlm-prune keyframes: error: ") and str(bad) in lines[0]
+    assert "error" in json.loads(out.read_text())
+    proc = subprocess.run([sys.executable, "-m", "vlm_prune.cli", "keyframes", str(bad), str(EXAMPLES / "synthetic_clip.mp4"),
+                           "--method", "uniform", "--budget", "2", "--out", str(out)], capture_output=True, text=True, timeout=120)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 1 and len(lines) == 1 and lines[0].startswith("warning: ") and str(bad) in lines[0], proc.stderr
+    assert [("error" in json.loads(line)) for line in out.read_text().splitlines()] == [True, False]
+
+
 def test_keyframes_error_paths(capsys, tmp_path):
     video = str(EXAMPLES / "synthetic_clip.mp4")
     captions = tmp_path / "captions.txt"
@@ -256,6 +276,23 @@ def test_eval_refuses_a_method_the_model_cannot_run_before_any_question(capsys, 
                               capsys, "--method uniform", "'frames' stage, which the llava adapter does not offer")
     assert "offers: vision, vit, llm" in line
     assert not list((tmp_path / "out").rglob("results.jsonl"))
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="the refusal is for a machine without CUDA")
+@pytest.mark.parametrize("flags, message", [
+    (["--device", "cuda"], "--device cuda: no CUDA device is visible to torch; use --device cpu"),
+    (["--device-map", "cuda"], "--device-map cuda: no CUDA device is visible to torch; use --device cpu"),
+    (["--device-map", "0"], "--device-map 0: no CUDA device"),
+])
+def test_eval_on_a_gpu_without_cuda_is_one_line_and_exit_code_2(capsys, tmp_path, flags, message):
+    """--device cuda (once read as --device-map cuda, then a traceback from the model's move) and a GPU
+    --device-map are refused before the dataset is read, as bench --device cuda is."""
+    images = tmp_path / "images"
+    images.mkdir()
+    (images / "q.jsonl").write_text(json.dumps({"image": "gone.png", "question": "what colour?", "answer": "red"}) + "\n")
+    assert_usage_error(["eval", "--model", str(SYNTHETIC / "image"), "--data", str(images), "--dataset", "image",
+                        *flags, "--out", str(tmp_path / "out")], capsys, message)
+    assert not (tmp_path / "out").exists()
 
 
 def test_bench_error_paths(capsys, tmp_path, offline_hub):

@@ -475,3 +475,46 @@ def test_dycoke_spends_the_budget_down_to_its_pivots():
     for n_total in (9, 20, 33, 44):  # one pivot frame of 9 tokens
         assert ttm_plan(video, n_total).reduction.indices.numel() == n_total
     assert ttm_plan(video, 7).reduction.indices.numel() == 9  # below the pivot: it stays whole
+
+
+@pytest.mark.parametrize("method", ["uniform", "fastvid", "vidcom2"])
+def test_a_frames_method_alone_on_images_says_they_stay_whole(method):
+    """Frames methods act on videos: on an images-only call they keep every image token, which the
+    call's stage record and budget_notes say, and a BudgetWarning says once per wrapped model; the
+    output is the unwrapped model's. A video call carries no such note, nor does a pipeline whose
+    vision stage prunes the images."""
+    import warnings
+
+    from vlm_prune.methods.base import BudgetWarning
+
+    model = T.tiny_onevision()
+    images, video = T.onevision_image_inputs(model), T.onevision_video_inputs(model)
+    with torch.no_grad():
+        ref = model(**images).logits
+    vlm_prune.wrap(model, method, keep=0.5)
+    try:
+        with warnings.catch_warnings(record=True) as caught, torch.no_grad():
+            warnings.simplefilter("always")
+            assert torch.equal(model(**images).logits, ref)
+            model(**images)
+        notes = [w for w in caught if issubclass(w.category, BudgetWarning) and "keep all their tokens" in str(w.message)]
+        assert len(notes) == 1
+        stats = model.vlm_prune.last_stats
+        assert stats["visual_tokens_out"] == stats["visual_tokens_in"] == [32, 32]  # (the newline rows are no visual tokens)
+        record = stats["stages"][-1]
+        assert record["skipped"] == "images" and record["tokens_in"] == record["tokens_out"] == [32, 32]  # one image each
+        assert str(notes[0].message) == record["note"] and record["note"] in stats["budget_notes"]
+        assert record["note"].startswith(f"{method} selects and reduces the frames of videos; this call's images keep all "
+                                         f"their tokens. Add a vision- or llm-stage method")
+        with torch.no_grad():
+            model(**video)
+        assert not any("note" in r for r in model.vlm_prune.last_stats["stages"])
+    finally:
+        vlm_prune.unwrap(model)
+    vlm_prune.wrap(model, frames=method, tokens="random", keep=0.5)
+    try:
+        with torch.no_grad():
+            model(**images)
+        assert not any("note" in r for r in model.vlm_prune.last_stats["stages"])
+    finally:
+        vlm_prune.unwrap(model)

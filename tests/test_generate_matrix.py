@@ -238,6 +238,26 @@ def test_paths_the_unwrapped_model_cannot_run(adapter):
             PATHS[name](model, inp, inp1)
 
 
+@pytest.mark.parametrize("method", ["divprune", "dycoke", "fastv"])
+def test_glm_video_paths_transformers_cannot_run_are_refused_first(method):
+    """Wrapped, those paths are refused at the generate() call with transformers' reason, before the
+    vision tower runs (a vision-stage method used to blame the input: "tokens: 64, features: 0 rows")."""
+    model, inp, inp1 = setup("glm4v_video")
+    calls = []
+    handle = model.model.visual.register_forward_pre_hook(lambda *a: calls.append(1))
+    vlm_prune.wrap(model, method, keep=0.5)
+    try:
+        for name in UNWRAPPED_FAILS["glm4v_video"]:
+            with pytest.raises(ValueError, match=r"^transformers cannot expand GLM video inputs for num_beams > 1 or "
+                                                 r"num_return_sequences > 1 \(.*the unwrapped model fails there too\)"):
+                with torch.no_grad():
+                    PATHS[name](model, inp, inp1)
+        assert not calls
+    finally:
+        vlm_prune.unwrap(model)
+        handle.remove()
+
+
 def unwrapped_reference(adapter: str) -> dict:
     key = ("ref", adapter)
     if key not in _cache:

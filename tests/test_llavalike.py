@@ -158,24 +158,72 @@ def test_mistral3_images_keep_their_own_grid_and_break_tokens_stay():
     assert stats["stages"][0]["tokens_in"] == [16, 24] and stats["stages"][0]["tokens_out"] == [5, 5]
 
 
-def test_gemma3_refuses_a_call_beyond_its_sliding_window():
-    """The pruned decoder runs Gemma 3's sliding-window layers with full attention: exact while
-    the sequence fits the window, refused (with the reason) once a call goes beyond it."""
-    model = L.tiny_gemma3(sliding_window=40)
-    inp = L.gemma3_inputs(model)  # 27 and 31 columns: 31 left-padded
-    s = inp["input_ids"].shape[1]
-    n = 41 - s  # generate() feeds the model every token but the last: 40 columns, the whole window
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+@pytest.mark.parametrize("method", ["random", "fastv"])
+def test_gemma3_beyond_its_sliding_window_keep_one_equals_the_model(attn, method):
+    """Gemma 3's sliding-window layers on calls longer than the window (8 columns here; prompts of
+    27 and 31 columns, left-padded, then 12 generated tokens): nothing removed, the wrapped model
+    equals the unwrapped one in the prefill, in every generated token (its sliding cache crops) and in a
+    second turn on that cache (new rows after a cached prefix)."""
+    from test_generate_matrix import multi_turn
+
+    model = L.tiny_gemma3(attn, sliding_window=8)
+    inp = L.gemma3_inputs(model)
+    valid = inp["attention_mask"].bool()
     with torch.no_grad():
-        ref = model.generate(**inp, max_new_tokens=n, min_new_tokens=n, do_sample=False)
-    vlm_prune.wrap(model, "fastv", keep=1.0)
+        ref_logits = model(**inp).logits
+        ref = model.generate(**inp, max_new_tokens=12, min_new_tokens=12, do_sample=False)
+        ref_turn = multi_turn(model, inp, "new")
+    vlm_prune.wrap(model, method, keep=1.0)
     try:
         with torch.no_grad():
-            got = model.generate(**inp, max_new_tokens=n, min_new_tokens=n, do_sample=False)
-            assert torch.equal(got, ref)
-            with pytest.raises(ValueError, match="sliding-window layers attend over 40 columns and this call reaches 41"):
-                model.generate(**inp, max_new_tokens=n + 1, min_new_tokens=n + 1, do_sample=False)
+            torch.testing.assert_close(model(**inp).logits[valid], ref_logits[valid], atol=1e-5, rtol=0)
+            assert torch.equal(model.generate(**inp, max_new_tokens=12, min_new_tokens=12, do_sample=False), ref)
+            assert torch.equal(multi_turn(model, inp, "new"), ref_turn)
     finally:
         vlm_prune.unwrap(model)
+
+
+def test_gemma3_beyond_its_sliding_window_a_removal_equals_the_model_on_the_kept_rows():
+    """Vision-stage removal on calls longer than the window: each sample's prefill logits and greedy
+    answer equal the unwrapped model fed only its kept rows (their embeddings, original positions and
+    image blocks), decoding with the model's own sliding cache: the window counts kept rows."""
+    from transformers import DynamicCache
+
+    model = L.tiny_gemma3(sliding_window=8)
+    inp = L.gemma3_inputs(model)
+    steps = 6
+    vlm_prune.wrap(model, "random", keep=0.5)
+    try:
+        with capture_lm_inputs(model) as seen, torch.no_grad():
+            logits = model(**inp).logits
+            rows = model.vlm_prune.last_rows
+            gen = model.generate(**inp, max_new_tokens=steps, min_new_tokens=steps, do_sample=False)
+    finally:
+        vlm_prune.unwrap(model)
+    b, s = inp["input_ids"].shape
+    embeds, pos = seen[0]["inputs_embeds"], positions_of(seen[0], b, s)[0]
+    embed = model.get_input_embeddings()
+    for i in range(b):
+        keep = rows[i][rows[i] >= 0]
+        assert keep.numel() > 8  # the kept rows alone go beyond the window
+        cache = DynamicCache(config=model.config.get_text_config())
+        with torch.no_grad():
+            out = model.model(inputs_embeds=embeds[i : i + 1, keep], position_ids=pos[i : i + 1, keep],
+                              attention_mask=torch.ones(1, keep.numel(), dtype=torch.long),
+                              token_type_ids=inp["token_type_ids"][i : i + 1, keep], cache=cache, use_cache=True)
+            step_logits = model.lm_head(out.last_hidden_state)
+            torch.testing.assert_close(logits[i, rows[i] >= 0], step_logits[0], atol=1e-5, rtol=0)
+            tokens, nxt = [], int(pos[i, -1]) + 1
+            for t in range(steps):
+                token = step_logits[0, -1].argmax()
+                tokens.append(int(token))
+                n = keep.numel() + t + 1
+                out = model.model(inputs_embeds=embed(token.view(1, 1)), position_ids=torch.tensor([[nxt + t]]),
+                                  attention_mask=torch.ones(1, n, dtype=torch.long), cache=cache,
+                                  use_cache=True)
+                step_logits = model.lm_head(out.last_hidden_state)
+        assert gen[i, s:].tolist() == tokens
 
 
 def test_gemma3_image_blocks_follow_the_kept_tokens():

@@ -22,9 +22,9 @@ from vlm_prune.engine import allowed_keys, float_mask, segment_mask
 
 
 def reference_mask(impl: str, key_valid: torch.Tensor, key_bias: torch.Tensor, q_valid: torch.Tensor,
-                   dtype: torch.dtype) -> torch.Tensor:
+                   dtype: torch.dtype, blocks: Any = None, window: int | None = None) -> torch.Tensor:
     """The slow forms every segment used before: float mask, or FlashAttention's 2-D padding mask."""
-    return key_valid.long() if "flash" in impl else float_mask(key_valid, key_bias, q_valid, dtype)
+    return key_valid.long() if "flash" in impl else float_mask(key_valid, key_bias, q_valid, dtype, blocks, window)
 
 
 def kind(mask: Any) -> str:
@@ -83,6 +83,14 @@ def test_forms_per_implementation() -> None:
     assert allowed[0, 0].tolist() == [False] * 9
     assert allowed[0, 3].tolist() == [False, True, True, True] + [False] * 5
     assert allowed[1, 8].tolist() == [True] * 7 + [False] * 2
+    # a sliding window of 3 columns: a row sees the valid keys less than 3 columns before it; a
+    # window covering the keys changes nothing (SDPA keeps its causal fast path)
+    assert allowed_keys(padded, padded, window=3)[1, 6].tolist() == [False] * 4 + [True] * 3 + [False] * 2
+    assert segment_mask("sdpa", valid, zeros, valid, torch.float32, window=9) is None
+    windowed = segment_mask("sdpa", valid, zeros, valid, torch.float32, window=3)
+    assert kind(windowed) == "bool" and windowed[0, 0, 8].tolist() == [False] * 6 + [True] * 3
+    with pytest.raises(ValueError, match="FlashAttention path has no sliding window"):
+        segment_mask("flash_attention_2", valid, zeros, valid, torch.float32, window=3)
 
 
 def forms_and_outputs(model, inp, method, keep, fast: bool, monkeypatch: pytest.MonkeyPatch) -> tuple[Counter, Any, Any]:

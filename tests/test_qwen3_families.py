@@ -194,3 +194,38 @@ def test_moe_router_logits_are_refused_and_plain_calls_run(build):
                 m(**inp, output_router_logits=True)
     finally:
         vlm_prune.unwrap(m)
+
+
+@pytest.mark.parametrize("build, inputs", [
+    pytest.param(Q.tiny_qwen3_vl, Q.qwen3_vl_inputs, id="qwen3_vl"),
+    pytest.param(lambda: Q.tiny_qwen3_vl(moe=True), Q.qwen3_vl_inputs, id="qwen3_vl_moe"),
+    pytest.param(Q.tiny_qwen3_5, Q.qwen3_vl_inputs, id="qwen3_5"),
+    pytest.param(lambda: Q.tiny_qwen3_5(moe=True), Q.qwen3_vl_inputs, id="qwen3_5_moe"),
+    pytest.param(Q.tiny_glm4v, Q.glm4v_inputs, id="glm4v"),
+])
+def test_placeholders_that_do_not_match_the_grids_get_the_clear_message_in_generate(build, inputs):
+    """generate() builds M-RoPE positions from the placeholders before the model runs, where transformers
+    fails with a bare "shape mismatch" (or StopIteration); the wrapped model says what is wrong first:
+    a placeholder missing, one too many, an image's pixels and grid missing."""
+    m = build()
+    inp = inputs(m, batch=2)
+    ids, tok = inp["input_ids"], m.config.image_token_id
+    first, last = int((ids[0] == tok).nonzero()[0]), int((ids[0] == tok).nonzero()[-1])
+    missing, extra = ids.clone(), ids.clone()
+    missing[0, first], extra[0, last + 2] = 7, tok
+    cases = [({"input_ids": missing}, 31, "2 images of 16, 16 tokens"),
+             ({"input_ids": extra}, 33, "2 images of 16, 16 tokens"),
+             ({"pixel_values": inp["pixel_values"][:64], "image_grid_thw": inp["image_grid_thw"][:1]}, 32, "1 image of 16 tokens")]
+    vlm_prune.wrap(m, "random", keep=0.5)
+    try:
+        for change, tokens, items in cases:
+            bad = {**inp, **change, "mm_token_type_ids": (change.get("input_ids", ids) == tok).int()}
+            with pytest.raises(ValueError) as err, torch.no_grad():
+                m.generate(**bad, max_new_tokens=2)
+            assert str(err.value).startswith(f"Image features and image tokens do not match, tokens: {tokens}, "
+                                              f"features: {32 if '2 images' in items else 16} rows ({items}): the input "
+                                              f"has {tokens} image placeholder tokens; build it with the model's processor")
+        with torch.no_grad():
+            m.generate(**inp, max_new_tokens=2)  # the right inputs still run
+    finally:
+        vlm_prune.unwrap(m)

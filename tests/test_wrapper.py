@@ -200,6 +200,33 @@ def test_deepcopy_is_an_independent_wrapped_model():
     vlm_prune.unwrap(model)
 
 
+@pytest.mark.parametrize("method", ["random", "divprune", "fastv", "pdrop"])
+def test_deepcopy_of_a_wrapped_gemma3(method):
+    """Gemma 3's adapter patches its text model's forward over the shared path's patch: the copy
+    gets the forward it had before wrap() (not the original's pruned decoder, whose per-request
+    slots cannot be copied), answers as the original, and runs its own weights."""
+    import copy
+
+    import tiny_models_llavalike as L
+
+    model = vlm_prune.wrap(L.tiny_gemma3(), method, keep=0.5)
+    inputs = L.gemma3_inputs(model)
+    with torch.no_grad():
+        before = model(**inputs).logits
+        clone = copy.deepcopy(model)
+        assert clone.vlm_prune.adapter.model is clone and clone.vlm_prune.adapter.decoder is not model.vlm_prune.adapter.decoder
+        assert torch.equal(clone(**inputs).logits, before)
+        assert clone.vlm_prune.last_stats["visual_tokens_out"] == model.vlm_prune.last_stats["visual_tokens_out"]
+        for p in clone.parameters():
+            p.add_(0.01)
+        assert torch.equal(model(**inputs).logits, before)
+        assert not torch.allclose(clone(**inputs).logits, before)
+    vlm_prune.unwrap(clone)
+    unwrapped = copy.deepcopy(L.tiny_gemma3())  # same seed: the original's weights
+    with torch.no_grad():
+        assert torch.equal(vlm_prune.unwrap(model)(**inputs).logits, unwrapped(**inputs).logits)
+
+
 def test_deepcopy_never_changes_the_original_while_another_thread_generates():
     """Issue 27: deepcopy used to unwrap the original for the copy's duration, so a thread generating
     meanwhile got unpruned answers. Now the original is never touched: every answer of the other

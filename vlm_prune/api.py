@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import difflib
 import threading
 import warnings
 from dataclasses import dataclass, field
@@ -52,8 +53,58 @@ class WrapState:
         """The configured methods in stage order (frames -> vision/vit -> llm)."""
         return [self.methods[s] for s in STAGES if s in self.methods]
 
+    def summary(self) -> str:
+        """The calling thread's last request (:attr:`last_stats`) on one screen: visual tokens in -> out
+        per sample with the kept fraction and the layer average (what prefill FLOPs follow), one line per
+        stage (method, where it acted, tokens in -> out, kept fraction, scoring time) and the notes.
+
+        Example (a tiny LLaVA, two samples of 16 image tokens)::
+
+            >>> model = vlm_prune.wrap(model, ["random", "fastv"], keep=0.25)
+            >>> model.generate(**inputs, max_new_tokens=8)
+            >>> print(model.vlm_prune.summary())
+            vlm_prune on llava: random (vision) -> fastv (llm)
+            visual tokens per sample: 16, 16 -> 4, 4 (25.0% kept); layer average 5.3, 5.3
+              vision  random    images           16, 16 -> 8, 8    50.0%       1.5 ms
+              llm     fastv     layer 2          8, 8 -> 4, 4      50.0%     185.5 ms
+            scoring: 187.0 ms (43.9 ms CPU)
+        """
+        stats = self.last_stats
+        head = f"vlm_prune on {self.adapter.family}: " + " -> ".join(f"{m.name} ({m.stage})" for m in self.pipeline)
+        if not stats:
+            return f"{head}\nno request yet in this thread (last_stats is empty)"
+        lines = [head, f"visual tokens per sample: {_counts(stats['visual_tokens_in'])} -> "
+                       f"{_counts(stats['visual_tokens_out'])} ({_kept(stats['visual_tokens_in'], stats['visual_tokens_out'])} "
+                       f"kept); layer average {_counts(stats['visual_tokens_layer_avg'])}"]
+        for r in stats["stages"]:
+            where = f"layer {r['layer']}" if "layer" in r else f"{r.get('modality', 'rows')}s"
+            where = f"skipped ({r['skipped']})" if "skipped" in r else where
+            moved = f"{_counts(r['tokens_in'])} -> {_counts(r['tokens_out'])}"
+            lines.append(f"  {r['stage']:<7} {r['method']:<9} {where:<16} {moved:<16} {_kept(r['tokens_in'], r['tokens_out']):>6}"
+                         f" {1000 * r.get('seconds', 0.0):>9.1f} ms")
+        decode = stats.get("decode")
+        if decode:
+            lines.append(f"  decode  {decode['method']:<9} from layer {decode['from_layer']}: visual keys at the last "
+                         f"layer {_counts(decode['visual_keys_per_layer'][-1])}")
+        lines.append(f"scoring: {1000 * stats.get('seconds', 0.0):.1f} ms ({1000 * stats.get('cpu_seconds', 0.0):.1f} ms CPU)")
+        lines += [f"note: {note}" for note in [*stats.get("budget_notes", []), *stats.get("notes", [])]]
+        return "\n".join(lines)
+
     def __repr__(self) -> str:
         return f"WrapState(adapter={self.adapter.family!r}, pipeline={self.pipeline!r})"
+
+
+def _counts(values: Sequence[float]) -> str:
+    """Per-sample (or per-item) counts, one decimal where fractional; their sum beyond six."""
+    if len(values) > 6:
+        total = sum(values)
+        return f"{total:g} in {len(values)}" if float(total).is_integer() else f"{total:.1f} in {len(values)}"
+    return ", ".join(f"{v:g}" if float(v).is_integer() else f"{v:.1f}" for v in values)
+
+
+def _kept(before: Sequence[float], after: Sequence[float]) -> str:
+    total = sum(before)
+    return f"{100 * sum(after) / total:.1f}%" if total else "-"
 
 
 def _as_list(method: Any) -> list[Any]:
@@ -131,6 +182,7 @@ def wrap(
     processor: Any = None,
     seed: int = 0,
     config: Any = None,
+    **knobs: Any,
 ) -> torch.nn.Module:
     """Patch ``model`` (this instance only) to prune visual tokens; returns the same object.
 
@@ -155,9 +207,14 @@ def wrap(
         config: a config file (path), its dict, or a ``vlm_prune.config.PruneConfig``: methods with
             their knobs, keep / budget and seed in one place (docs/config.md; what ``vlm-prune tune``
             writes). It replaces method, frames, tokens, keep, budget and seed.
+
+    A method's own knobs go to its object, not to wrap(): ``wrap(model, FastV(layer=2), keep=0.3)``;
+    any other keyword raises a TypeError that says so and names the closest knob.
     """
     from vlm_prune.adapters import find_adapter
 
+    if knobs:
+        raise _misplaced_knobs(knobs, _as_list(method) + _as_list(frames) + _as_list(tokens))
     if config is not None:
         given = [k for k, v in (("method", method), ("frames", frames), ("tokens", tokens), ("keep", keep),
                                 ("budget", budget)) if v is not None] + (["seed"] if seed != 0 else [])
@@ -176,6 +233,35 @@ def wrap(
     find_adapter(model)
     methods = build_pipeline(method, frames=frames, tokens=tokens, keep=keep, budget=budget)
     return _attach(model, WrapState(adapter=None, methods=methods, processor=processor, seed=validate_seed(seed)))
+
+
+_WRAP_KEYWORDS = ("keep", "budget", "frames", "tokens", "processor", "seed", "config")
+
+
+def _misplaced_knobs(knobs: dict[str, Any], specs: list[Any]) -> TypeError:
+    """The error for keywords wrap() does not take: a method's knobs belong to the method object
+    (``FastV(layer=2)``); names the closest knob of the named methods or of wrap() itself."""
+    from vlm_prune.registry import method_class, method_knobs
+
+    named = [spec for spec in specs if isinstance(spec, str)]
+    owners = {}  # knob -> class name of the first named method that takes it
+    for name in named:
+        for knob in method_knobs(name):
+            owners.setdefault(knob, method_class(name).__name__)
+    key = next(iter(knobs))
+    close = difflib.get_close_matches(key, [*owners, *_WRAP_KEYWORDS], n=1, cutoff=0.6)
+    guess = close[0] if close else key
+    hint = f" (did you mean {guess!r}?)" if close and guess != key else ""
+    if guess in owners:
+        example = f"vlm_prune.wrap(model, vlm_prune.methods.{owners[guess]}({guess}={knobs[key]!r}), ...)"
+    else:
+        cls = method_class(named[0]).__name__ if named else "FastV"
+        example = f"vlm_prune.wrap(model, vlm_prune.methods.{cls}(<knob>=...), ...)"
+    listed = "; ".join(f"{name}: {', '.join(method_knobs(name)) or '(none)'}" for name in named)
+    return TypeError(
+        f"wrap() got an unexpected keyword argument {key!r}{hint}. A method's knobs go to the method object: "
+        f"{example}" + (f" (knobs of {listed})" if listed else "") + f"; wrap() itself takes {', '.join(_WRAP_KEYWORDS)}"
+    )
 
 
 def _attach(model: torch.nn.Module, state: WrapState) -> torch.nn.Module:

@@ -183,10 +183,10 @@ class LMSpec:
     rotary: Callable[..., Any] | None = None
     #: the key of each decoder layer's rotary table (``rotary``); None for all by default
     rotary_key: Callable[[int], Any] = lambda i: None
-    #: columns a sliding-window layer attends over (None: no sliding-window layer). The engine
-    #: runs every layer with full causal attention, which is the model's own while the whole
-    #: sequence fits the window; a longer one is refused
-    sliding_window: int | None = None
+    #: window(i) -> the columns decoder layer i attends back over (a sliding-window layer: a row sees
+    #: the keys less than that many columns before it, as transformers' sliding mask), None: all. After
+    #: a removal the window counts the rows that layer holds (its cache keeps the last window - 1)
+    window: Callable[[int], int | None] = lambda i: None
     take_injections: Callable[[dict[str, Any], torch.Tensor], torch.Tensor | None] | None = None
     #: layer_mask(idx, mask, q_valid [B, q]) -> the mask layer idx takes instead of the attention
     #: mask (Qwen3.5's linear-attention layers take the 2-D padding mask of the newest rows)
@@ -425,12 +425,10 @@ class PrunedDecoder:
 
     # ---- masks ------------------------------------------------------------------------------
     def _mask(self, key_valid: torch.Tensor, key_bias: torch.Tensor, q_valid: torch.Tensor, dtype: torch.dtype,
-              blocks: tuple[torch.Tensor, torch.Tensor] | None = None) -> Any:
+              blocks: tuple[torch.Tensor, torch.Tensor] | None = None, window: int | None = None) -> Any:
         """The fastest exact mask of the newest ``q`` rows against the ``kv`` keys of a segment
         (:func:`segment_mask` for this model's attention implementation)."""
-        if blocks is None:
-            return segment_mask(self.attn_impl(), key_valid, key_bias, q_valid, dtype)
-        return segment_mask(self.attn_impl(), key_valid, key_bias, q_valid, dtype, blocks)
+        return segment_mask(self.attn_impl(), key_valid, key_bias, q_valid, dtype, blocks, window)
 
     def _blocks_of(self, rows: Rows) -> torch.Tensor | None:
         """[B, S] the bidirectional block id of each row (``Pending.blocks`` followed to the kept rows)."""
@@ -440,15 +438,35 @@ class PrunedDecoder:
         blocks = pending.blocks.to(rows.origin.device)
         return torch.gather(blocks, 1, rows.origin.clamp(min=0)).masked_fill(rows.origin < 0, -1)
 
-    def _check_window(self, columns: int) -> None:
-        window = self.spec.sliding_window
-        if window is not None and columns > window:
-            raise ValueError(
-                f"this language model's sliding-window layers attend over {window} columns and this call reaches "
-                f"{columns}; vlm_prune runs those layers with full attention, which equals the model only while the "
-                "whole sequence (prompt, padding and generated tokens) fits the window. Shorten the prompt or "
-                "max_new_tokens, or unwrap the model for longer sequences"
-            )
+    def _visible(self, idx: int, cache: Any, kv: int, q: int) -> tuple[int, int | None]:
+        """(keys, window) of decoder layer ``idx`` when the newest ``q`` rows end a segment of ``kv`` keys:
+        the last keys the layer attends over (a sliding-window cache layer, transformers'
+        ``DynamicSlidingWindowLayer``, returns only its last window - 1 cached keys before the new rows)
+        and the window its mask must still apply (None: every returned key is within it)."""
+        window = self.spec.window(idx)
+        if window is None:
+            return kv, None
+        layers = getattr(cache, "layers", None)
+        cached = layers[idx] if layers is not None and idx < len(layers) else None
+        keys = min(kv - q, window - 1) + q if getattr(cached, "is_sliding", False) else kv
+        return keys, window if keys > window else None
+
+    def _layer_masks(self, cache: Any, key_valid: list[torch.Tensor], key_bias: list[torch.Tensor], layer_segment: list[int],
+                     q_valid: torch.Tensor, dtype: torch.dtype,
+                     blocks: tuple[torch.Tensor, list[torch.Tensor]] | None = None) -> list[Any]:
+        """Each decoder layer's mask when the newest rows (``q_valid`` [B, q]) end its segment's keys
+        (``key_valid`` / ``key_bias`` per segment); layers that see the same keys share one.
+        ``blocks``: (the new rows' block ids, each segment's key block ids)."""
+        q = q_valid.shape[1]
+        built: dict[tuple[int, int, int | None], Any] = {}
+        out = []
+        for idx, seg in enumerate(layer_segment):
+            n, window = self._visible(idx, cache, key_valid[seg].shape[1], q)
+            if (seg, n, window) not in built:
+                pair = None if blocks is None else (blocks[0], blocks[1][seg][:, -n:])
+                built[seg, n, window] = self._mask(key_valid[seg][:, -n:], key_bias[seg][:, -n:], q_valid, dtype, pair, window)
+            out.append(built[seg, n, window])
+        return out
 
     # ---- the forward ------------------------------------------------------------------------
     def forward(
@@ -486,7 +504,6 @@ class PrunedDecoder:
         device = inputs_embeds.device
         segs = segments_of(cache)
         past = cache.get_seq_length() if cache is not None else 0
-        self._check_window(s + (segs.seen if segs is not None else past))
         if attention_mask is not None and attention_mask.dim() == 2:
             new_valid = attention_mask[:, -s:].bool().to(device)
         else:
@@ -672,6 +689,7 @@ class PrunedDecoder:
                 blocks = self._blocks_of(rows)
                 mask = self._mask(rows.valid, key_bias[-1], rows.valid, rows.hidden.dtype,
                                   None if blocks is None else (blocks, blocks))
+                windowed: dict[int, Any] = {}  # the sliding-window layers' masks (a fresh cache returns every key)
                 pe = self._pe(rows.hidden, rows.pos)
                 segment_next.append(rows.pos.masked_fill(~rows.valid, -1).amax(-1) + 1)
             layer_segment.append(len(key_valid) - 1)
@@ -680,7 +698,13 @@ class PrunedDecoder:
                 planned[idx + 1] = self._select(idx, rows, idx + 1, memo=memo, first=first)
             if keep_previous and (idx + 1) in points:
                 previous[idx + 1] = rows.hidden
-            rows = replace(rows, hidden=injected(rows, idx, self._run_layer(idx, rows.hidden, mask, pe, rows.pos, cache, use_cache, kwargs, rows.valid)))
+            layer_mask = mask
+            if (window := spec.window(idx)) is not None and rows.valid.shape[1] > window:
+                if window not in windowed:
+                    windowed[window] = self._mask(rows.valid, key_bias[-1], rows.valid, rows.hidden.dtype,
+                                                  None if blocks is None else (blocks, blocks), window)
+                layer_mask = windowed[window]
+            rows = replace(rows, hidden=injected(rows, idx, self._run_layer(idx, rows.hidden, layer_mask, pe, rows.pos, cache, use_cache, kwargs, rows.valid)))
 
         if cache is not None and use_cache:
             # tokens after the prompt (assisted decoding's first draft, checked in the prefill) were not
@@ -784,9 +808,10 @@ class PrunedDecoder:
         prefix.key_visual = [torch.cat([kv, (rows.visual & rows.valid).to(kv.device)], 1) for kv in prefix.key_visual]
         prefix.decode_state = {}  # a new prompt: a per-step decode method starts afresh
         blocks = self._blocks_of(rows)  # the new rows' blocks; cached keys belong to none
-        masks = [self._mask(kv, kb, rows.valid, rows.hidden.dtype, None if blocks is None else
-                            (blocks, torch.cat([blocks.new_full((kv.shape[0], kv.shape[1] - blocks.shape[1]), -1), blocks], 1)))
-                 for kv, kb in zip(key_valid, key_bias)]
+        masks = self._layer_masks(cache, key_valid, key_bias, prefix.layer_segment, rows.valid, rows.hidden.dtype,
+                                  None if blocks is None else (blocks, [torch.cat(
+                                      [blocks.new_full((kv.shape[0], kv.shape[1] - blocks.shape[1]), -1), blocks], 1)
+                                      for kv in key_valid]))
         if prefix.segment_next_pos is not None:  # the prefix was renumbered: continue each segment's count
             ar = rows.pos - pos[:, :, :1]
             seg_pos = [nxt[:, :, None] + ar for nxt in prefix.segment_next_pos]
@@ -798,7 +823,7 @@ class PrunedDecoder:
         layer_visual = []
         for idx in range(len(self.spec.layers)):
             seg = prefix.layer_segment[idx]
-            hidden = injected(rows, idx, self._run_layer(idx, hidden, masks[seg], pes[seg], seg_pos[seg], cache, True, kwargs, rows.valid))
+            hidden = injected(rows, idx, self._run_layer(idx, hidden, masks[idx], pes[seg], seg_pos[seg], cache, True, kwargs, rows.valid))
             layer_visual.append((rows.visual & rows.valid).sum(1))
         prefix.key_valid, prefix.key_bias = key_valid, key_bias
         prefix.next_pos = (rows.pos if renumbered_rows else pos)[:, :, -1] + 1
@@ -823,7 +848,7 @@ class PrunedDecoder:
             )
             install(cache, segs)
         segs.extend(valid, pos[:, :, -1] + 1)
-        masks = [self._mask(kv, kb, valid, embeds.dtype) for kv, kb in zip(segs.key_valid, segs.key_bias)]
+        masks = self._layer_masks(cache, segs.key_valid, segs.key_bias, segs.layer_segment, valid, embeds.dtype)
         if segs.segment_next_pos is not None:  # renumbered: each segment continues from its own rows
             ar = torch.arange(s, device=valid.device)
             seg_pos = [nxt[:, :, None] + ar for nxt in segs.segment_next_pos]
@@ -840,7 +865,7 @@ class PrunedDecoder:
         for idx in range(len(spec.layers)):
             seg = segs.layer_segment[idx]
             hidden_in = hidden
-            hidden = self._run_layer(idx, hidden, masks[seg], pes[seg], seg_pos[seg], cache, True, kwargs, valid)
+            hidden = self._run_layer(idx, hidden, masks[idx], pes[seg], seg_pos[seg], cache, True, kwargs, valid)
             if idx == step:
                 masks = self._step_masks(method, idx, hidden_in, seg_pos[seg], cache, segs, valid, masks, embeds.dtype)
         return hidden
@@ -882,10 +907,9 @@ class PrunedDecoder:
         if keep is None:
             return masks
         keep = (keep.to(key_valid.device) | ~segs.key_visual[seg]) & key_valid
-        out = list(masks)
-        for j in later:
-            out[j] = self._mask(keep, segs.key_bias[j], valid, dtype)
-        return out
+        kept = [keep if j in later else kv for j, kv in enumerate(segs.key_valid)]
+        after = self._layer_masks(cache, kept, segs.key_bias, segs.layer_segment, valid, dtype)
+        return masks[: layer + 1] + after[layer + 1:]
 
 
 @functools.lru_cache(maxsize=None)
@@ -904,7 +928,7 @@ def check_cache(cache: Any) -> None:
 
 
 def allowed_keys(key_valid: torch.Tensor, q_valid: torch.Tensor,
-                 blocks: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                 blocks: tuple[torch.Tensor, torch.Tensor] | None = None, window: int | None = None) -> torch.Tensor:
     """[B, q, kv] bool: which keys each of the newest ``q`` rows (``q_valid`` [B, q]) attends to.
 
     The new rows are the last ``q`` keys and causality is by row order (rows keep their
@@ -915,6 +939,8 @@ def allowed_keys(key_valid: torch.Tensor, q_valid: torch.Tensor,
     padding row predicts the first real token, and the loss and gradients through it match.
     ``blocks`` = (query block ids [B, q], key block ids [B, kv]): a row also sees the valid keys of
     its own block (id >= 0) after it (Gemma 3's bidirectional attention within an image).
+    ``window``: a row sees no key ``window`` or more columns before it (a sliding-window layer; as
+    transformers' sliding mask, this also bounds the keys of its block).
     """
     q, kv = q_valid.shape[1], key_valid.shape[1]
     qi = torch.arange(q, device=key_valid.device)[:, None] + (kv - q)
@@ -923,21 +949,23 @@ def allowed_keys(key_valid: torch.Tensor, q_valid: torch.Tensor,
     if blocks is not None:
         qb, kb = blocks[0].to(key_valid.device), blocks[1].to(key_valid.device)
         allowed = allowed | ((qb[:, :, None] == kb[:, None, :]) & (qb >= 0)[:, :, None])
+    if window is not None:
+        allowed = allowed & (ki > qi - window)[None]
     return allowed & key_valid[:, None, :]
 
 
 def float_mask(key_valid: torch.Tensor, key_bias: torch.Tensor, q_valid: torch.Tensor, dtype: torch.dtype,
-               blocks: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+               blocks: tuple[torch.Tensor, torch.Tensor] | None = None, window: int | None = None) -> torch.Tensor:
     """[B, 1, q, kv] additive float mask: 0 + log-size bias where allowed, dtype min elsewhere
     (what eager attention needs, and SDPA where merged keys carry a bias)."""
-    allowed = allowed_keys(key_valid, q_valid, blocks)
+    allowed = allowed_keys(key_valid, q_valid, blocks, window)
     bias = key_bias[:, None, :].to(dtype).masked_fill(~allowed, 0.0)
     return bias.masked_fill(~allowed, torch.finfo(dtype).min)[:, None]
 
 
 def segment_mask(
     impl: str, key_valid: torch.Tensor, key_bias: torch.Tensor, q_valid: torch.Tensor, dtype: torch.dtype,
-    blocks: tuple[torch.Tensor, torch.Tensor] | None = None,
+    blocks: tuple[torch.Tensor, torch.Tensor] | None = None, window: int | None = None,
 ) -> torch.Tensor | None:
     """The fastest exact mask of the newest ``q`` rows against the ``kv`` keys of one segment.
 
@@ -951,22 +979,28 @@ def segment_mask(
       float mask (:func:`float_mask`) only where merged keys carry log(size).
     - Any other implementation (eager, ...): the additive float mask.
     Every form gives the valid rows the same result as the float mask (tests pin them bit-exact).
-    ``blocks`` (see :func:`allowed_keys`) always get an explicit mask; FlashAttention refuses them.
+    ``blocks`` (see :func:`allowed_keys`) always get an explicit mask; FlashAttention refuses them, and
+    a ``window`` shorter than the keys (a sliding-window layer, see :func:`allowed_keys`).
     """
     has_pad = not bool(key_valid.all())
+    if window is not None and key_valid.shape[1] <= window:
+        window = None
     if blocks is not None and not bool((blocks[0] >= 0).any()):
         blocks = None
     if blocks is not None and "flash" in impl:
         raise ValueError("FlashAttention cannot attend bidirectionally within an image (token_type_ids); use "
                          "attn_implementation='sdpa' or 'eager' for this model")
+    if window is not None and "flash" in impl:
+        raise ValueError(f"vlm_prune's FlashAttention path has no sliding window ({window} columns) and this call's "
+                         "sequence is longer; use attn_implementation='sdpa' or 'eager' for this model")
     if "flash" in impl:
         return key_valid.long() if has_pad else None
     if impl != "sdpa" or bool((key_bias != 0).any()):
-        return float_mask(key_valid, key_bias, q_valid, dtype, blocks)
+        return float_mask(key_valid, key_bias, q_valid, dtype, blocks, window)
     q, kv = q_valid.shape[1], key_valid.shape[1]
-    if not has_pad and (q == kv or q == 1) and blocks is None:
+    if not has_pad and (q == kv or q == 1) and blocks is None and window is None:
         return None
-    return allowed_keys(key_valid, q_valid, blocks)[:, None]
+    return allowed_keys(key_valid, q_valid, blocks, window)[:, None]
 
 
 def apply(rows: Rows, reds: list[Reduction]) -> Rows:
@@ -1116,8 +1150,9 @@ def _stats(stats_in: list[int], rows: Rows, records: list[dict[str, Any]], layer
         "seconds": sum(r.get("seconds", 0.0) for r in records),
         "cpu_seconds": sum(r.get("cpu_seconds", 0.0) for r in records),
     }
-    if getattr(state, "budget_notes", None):
-        out["budget_notes"] = list(state.budget_notes)
+    notes = list(getattr(state, "budget_notes", None) or []) + [r["note"] for r in records if "note" in r]
+    if notes:  # wrap()'s unreachable targets, and this call's (frames methods leaving images whole)
+        out["budget_notes"] = notes
     hybrid = [f"{r['method']} before layer {r['layer']}: layer {a} is a linear-attention layer, so the attention "
               f"(queries, keys) came from full-attention layer {f}"
               for r in records for a, f in r.get("attention_layers", {}).items()]

@@ -15,12 +15,14 @@ decoder threads can deadlock. A file that decodes fewer frames than it lists (tr
 from __future__ import annotations
 
 import atexit
+import contextlib
 import functools
 import math
 import os
+import sys
 import threading
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, TypeVar
 
@@ -245,6 +247,24 @@ class _InFlight:
 
 _IN_FLIGHT = _InFlight()
 atexit.register(_IN_FLIGHT.drain)
+
+
+@contextlib.contextmanager
+def native_stderr_silenced() -> Iterator[None]:
+    """Send what is written to the process's stderr (file descriptor 2) to os.devnull for the block:
+    the decoders' own logs (FFmpeg inside decord and OpenCV: "moov atom not found", decord's "ERROR
+    opening"), which this module reports as :class:`VideoError` / :class:`VideoWarning` instead. The
+    whole process's stderr is silenced meanwhile, so command-line tools use it around a decode."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 2)
+        yield
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, 2)
+        os.close(saved)
 
 
 def _with_watchdog(fn: Callable[[], T], timeout: float | None, what: str) -> T:

@@ -15,6 +15,7 @@ import contextlib
 import json
 import os
 import sys
+import warnings
 
 from vlm_prune.cli import UsageError, checkpoint, existing_file, plain_doc, positive_float, positive_int
 
@@ -65,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
 
     from vlm_prune.frames.keyscore import load_encoder
     from vlm_prune.frames.select import select_frames
-    from vlm_prune.video import VideoError
+    from vlm_prune.video import VideoError, native_stderr_silenced
 
     if not any(os.path.isfile(v) for v in args.videos):
         raise UsageError(f"no video file among {', '.join(args.videos)}; give paths of existing video files")
@@ -83,21 +84,27 @@ def run(args: argparse.Namespace) -> int:
         except ValueError as err:
             raise UsageError(str(err).split(". Give")[0].splitlines()[0] + "; give a CLIP / SigLIP checkpoint "
                              "folder or hub id") from None
-    failed = 0
+    errors: list[str] = []
     sink = contextlib.nullcontext(sys.stdout) if args.out == "-" else open(args.out, "w", encoding="utf-8")  # noqa: SIM115
     with sink as out:
-        for video, caption in tqdm(list(zip(args.videos, captions)), desc="keyframes", unit="video"):
+        # the progress bar only on a terminal; the decoders' own logs never (their failures are the errors below)
+        for video, caption in tqdm(list(zip(args.videos, captions)), desc="keyframes", unit="video", disable=None):
             record = {"video": video, "caption": caption, "method": args.method, "budget": args.budget}
             try:
-                sel = select_frames(
-                    video, caption, method=args.method, budget=args.budget, encoder=encoder,
-                    proposals=args.proposals, num_frames=args.num_frames, fps=None if args.num_frames else args.fps,
-                )
+                with native_stderr_silenced(), warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always")
+                    sel = select_frames(
+                        video, caption, method=args.method, budget=args.budget, encoder=encoder,
+                        proposals=args.proposals, num_frames=args.num_frames, fps=None if args.num_frames else args.fps,
+                    )
             except VideoError as err:
-                failed += 1
+                errors.append(str(err))
                 record["error"] = str(err)
-                print(f"warning: {err}", file=sys.stderr)
+                if len(args.videos) > 1:
+                    print(f"warning: {err}", file=sys.stderr)
             else:
+                for warning in caught:
+                    print(f"warning: {warning.message}", file=sys.stderr)
                 if len(sel.indices) < args.budget:
                     print(f"note: {video}: returned {len(sel.indices)} frames, fewer than --budget {args.budget}: "
                           f"the clip gave only {len(sel.candidates)} candidate frames at these sampling settings "
@@ -110,4 +117,6 @@ def run(args: argparse.Namespace) -> int:
                 )
             out.write(json.dumps(record) + "\n")
             out.flush()
-    return 1 if failed else 0
+    if len(errors) == len(args.videos):
+        raise UsageError(errors[0] if len(errors) == 1 else f"no video could be decoded; the first: {errors[0]}")
+    return 1 if errors else 0

@@ -23,7 +23,7 @@ tokens at their original positions through offset channels) on vLLM's own
   Gemma 3 attends causally there, and so does the plugin, which then equals ``wrap()`` on the model fed
   without ``token_type_ids`` (causal, as transformers runs it then).
 - **Sliding window.** vLLM's sliding-window layers see the last ``sliding_window`` cached tokens (the
-  kept ones); ``wrap()`` refuses calls longer than the window, so beyond it there is no answer to equal.
+  kept ones), as ``wrap()``'s do (``LMSpec.window``: the window counts the rows a layer holds).
 - **Pan and scan** (``do_pan_and_scan``: extra crops, each its own 256 tokens in the same vLLM item,
   "Here is the original image ... and here are some crops ...") is refused: ``wrap()`` counts each crop
   as an image of its own, which one vLLM item cannot rank.

@@ -404,7 +404,7 @@ class Gemma3Shape(LlavaShape):
     layers: int = 6
     patch: int = 4  # 8 x 8 patches per 32 px image, pooled 2 x 2 to 4 x 4 = 16 tokens
     tokens: int = 16  # mm_tokens_per_image (256 on the released checkpoints)
-    sliding_window: int = 128  # covers the tests' prompts and answers (wrap() refuses a call beyond it)
+    sliding_window: int = 128  # covers the tests' prompts and answers
 
 
 def gemma3_token_ids(shape: Gemma3Shape) -> dict[str, int]:
