@@ -230,7 +230,7 @@ def test_a_real_eval_process_without_data_is_one_line_and_exit_code_2(tmp_path):
 @pytest.fixture
 def offline_hub(monkeypatch):
     """The Hugging Face hub as on a machine without it: nothing cached, HF_HUB_OFFLINE set."""
-    import huggingface_hub
+    import huggingface_hub.constants  # a submodule: huggingface_hub 2.x no longer imports it with the package
 
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
 
