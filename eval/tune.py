@@ -469,8 +469,10 @@ class Searcher:
         for cfg in settings:
             label = self.label(cfg)
             done = sharding.read_records(os.path.join(self.runs, label))
-            missing = [i for i in ids if i not in done or sharding.is_failed(done[i])]
-            mine = sharding.shard(missing, self.dist, key=self.backend.group)
+            # shard every id, then skip the answered ones: each rank reads the others' files while they
+            # write, so a shard of what is missing would differ between ranks and leave ids to no one
+            mine = [i for i in sharding.shard(ids, self.dist, key=self.backend.group)
+                    if i not in done or sharding.is_failed(done[i])]
             work.append((cfg, mine))
         total = sum(len(ids) for _, ids in work)
         writers: dict[int, Any] = {}

@@ -151,7 +151,8 @@ def test_bench_model_runs_the_synthetic_questions(checkpoint):
 
     family, path, cls = checkpoint
     args = argparse.Namespace(model=path, device="cpu", quick=True, keep=(0.5,), limit=4, kinds=("image", "video"),
-                              seeds=None, methods=f"{METHOD},random", batch_size=2, time_batches=1, repeats=1, seed=0)
+                              seeds=None, methods=f"{METHOD},random", batch_size=2, time_batches=1, repeats=1, seed=0,
+                              data_seed=None)
     name, _, model, processor, samples, keeps = next(bench.targets(args))
     assert type(model).__name__ == cls and keeps == (0.5,)
     rows, skipped = bench.run_model(name, model, processor, samples[:4], keeps, args)

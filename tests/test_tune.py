@@ -224,3 +224,34 @@ def test_results_section_from_the_benchmark_files(tmp_path):
     text = render_tune_results([str(path)])
     assert ("| synthetic-image | 12 | retention >= 0.95 | 3 of 4 | yes | pool_keep0.25 | 100 / 400 (0.25) | "
             "10 / 40 (0.25) |") in text
+
+
+RANK_RUN = """
+import json, sys
+import vlm_prune
+result = vlm_prune.tune(sys.argv[1], "image", min_retention=0.8, **json.loads(sys.argv[2]))
+if result is not None:  # rank 0
+    print(json.dumps([[e["setting"], round(e["accuracy"], 9)] for e in result.front]))
+"""
+
+
+def test_two_ranks_share_the_work_and_find_the_same_front(searched, tmp_path):
+    """Two ranks (WORLD_SIZE=2, as torchrun sets it) split every setting's samples, each answered
+    once, and rank 0 reports the front one process finds."""
+    import subprocess
+    import sys
+
+    space = json.dumps({**SPACE, "keeps": list(SPACE["keeps"])})
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WORLD_SIZE": "2"}
+    logs = [(open(tmp_path / f"rank{r}.out", "w+"), open(tmp_path / f"rank{r}.err", "w+")) for r in range(2)]
+    ranks = [subprocess.Popen([sys.executable, "-c", RANK_RUN, str(tmp_path), space], env={**env, "RANK": str(r)},
+                              stdout=out, stderr=err, text=True) for r, (out, err) in enumerate(logs)]
+    for p in ranks:  # files, not pipes: a rank blocked on a full pipe would stall the other at its sync
+        p.wait(timeout=600)
+    assert all(p.returncode == 0 for p in ranks), [(tmp_path / f"rank{r}.err").read_text()[-2000:] for r in range(2)]
+    _, result = searched
+    front = (tmp_path / "rank0.out").read_text().strip().splitlines()[-1]
+    assert [tuple(e) for e in json.loads(front)] == fronts(result)
+    for run in glob.glob(str(tmp_path / "runs" / "*")):
+        ids = [[json.loads(line)["id"] for line in open(os.path.join(run, f"samples.rank{r}.jsonl"))] for r in range(2)]
+        assert ids[0] and ids[1] and not set(ids[0]) & set(ids[1]), run  # both worked, no sample twice
