@@ -589,6 +589,9 @@ class HFVLMAdapter(Adapter):
         frames = methods.get("frames")
         if frames is None or getattr(frames, "decode_kv", False) or any(s in methods for s in ("vit", "llm")):
             return
+        video = self.request.masks.get("video")
+        if video is not None and bool(video.any()):  # a video call (Qwen2-VL encodes videos through its image path)
+            return
         note = (f"{frames.name} selects and reduces the frames of videos; this call's images keep all their tokens. "
                 f"Add a vision- or llm-stage method to prune images: wrap(model, frames={frames.name!r}, tokens='random', ...)")
         counts = []  # visual tokens of each image, as the engine counts them
