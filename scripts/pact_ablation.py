@@ -1,6 +1,6 @@
 """PACT on the synthetic image models: its pruning layer L and its pruning share rho against the
-budget, accuracy per task family averaged over the three image seeds (BENCHMARKS.md, "PACT: where
-its loss comes from").
+budget, accuracy per task family averaged over the three image seeds (its earlier run is in the
+history of BENCHMARKS.md, "PACT: where its loss comes from").
 
     python scripts/pact_ablation.py                  # the shipped models, about 4 minutes on one thread
     python scripts/pact_ablation.py --models DIR     # models laid out as DIR/image, DIR/image-seed1, ...

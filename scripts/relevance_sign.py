@@ -1,4 +1,5 @@
-"""Instruction-relevance sign on the shipped synthetic models (BENCHMARKS.md, "Instruction relevance sign").
+"""Instruction-relevance sign on the shipped synthetic models (its earlier run is in the history of
+BENCHMARKS.md, "Instruction relevance sign").
 
 CDPruner accuracy with relevance = -cos (the default) and +cos, on the image and video models;
 KeyScore (every frame a candidate) recall@k of the answer frames, k = number of answer frames,

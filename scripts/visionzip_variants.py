@@ -1,5 +1,5 @@
 """VisionZip's official variant against the per-slot variant on the synthetic image model
-(BENCHMARKS.md, "VisionZip: official variant").
+(its earlier run is in the history of BENCHMARKS.md, "VisionZip: official variant").
 
     python scripts/visionzip_variants.py      # about 30 seconds on one CPU thread
 """

@@ -9,8 +9,8 @@ t_1..t_T. Which sign means "relevant" depends on the embedding space, not on the
   against CLIP text embeddings. Nothing trains these to point along the words they show, and
   the official CDPruner code ranks by the NEGATED cosine (Theia-4869/CDPruner@ed9c12d,
   llava/model/llava_arch.py ``encode_images``: ``relevance = (-relevance).mean(dim=-1)``).
-  Measured on the shipped synthetic task-family models (BENCHMARKS.md, "Instruction relevance
-  sign", 2026-12-03: every bench seed, paired 95% intervals over the same samples): on the video
+  Measured on the shipped synthetic task-family models (``scripts/relevance_sign.py``, run
+  before the results page was generated from result files, so in the history of BENCHMARKS.md: every bench seed, paired 95% intervals over the same samples): on the video
   models the negated cosine is the one that finds the answer - CDPruner keeps 61.3% at 25% of
   the tokens negated vs 33.0% with the plain cosine (+28.3 +- 5.4 points), KeyScore's relevance
   term recalls 82% of the answer frames negated vs 10% plain (chance 16%); on the image models

@@ -12,7 +12,8 @@ Relevance sign (vlm_prune.relevance, one convention with CDPruner): cos above is
 right for a contrastively trained encoder (CLIP / SigLIP, ``encoder=``). With the default
 in-model embeddings (projected frame tokens against the question's input embeddings) relevance
 is the NEGATED cosine, in S_sem and in S_drop alike: measured on the synthetic video model, the
-plain cosine ranks the answer frames last (BENCHMARKS.md, "Instruction relevance sign").
+plain cosine ranks the answer frames last (``scripts/relevance_sign.py``; its run predates the committed result files, so its figures
+live in the history of BENCHMARKS.md).
 
 Unverified choices (configurable where it matters): the S_temp neighbourhood (the adjacent
 candidates), L2-normalising embeddings before the means, several captions averaged into one
