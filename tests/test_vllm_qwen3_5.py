@@ -7,8 +7,8 @@ M-RoPE positions; the linear-attention layers' recurrent states see the kept row
 vLLM 0.32's CPU kernel of the gated delta rule runs in bfloat16 only ("CPU GDN attention requires BF16"), so
 the engine runs in bfloat16 and the answers are compared with the float32 wrapped model teacher-forced on
 vLLM's tokens: every vLLM token is that model's greedy choice up to bfloat16 rounding (its log-probability
-within :data:`BF16_ATOL` of the step's best) and vLLM's log-probabilities are within :data:`BF16_ATOL` of it.
-(Free-running greedy sequences of the two can part at a near tie: 3 of 9 cases on this checkpoint.)
+within :data:`BF16_ATOL` of the step's best) and vLLM's log-probabilities are within :data:`BF16_ATOL` of it at
+every step and within :data:`BF16_MEAN_ATOL` of it on average over a prompt's steps. (Free-running greedy sequences of the two can part at a near tie: 3 of 9 cases on this checkpoint.)
 
 Needs vLLM: CI runs this module in the vLLM environment (.ci/run); elsewhere it is skipped.
 """
@@ -41,8 +41,13 @@ from vlm_prune.vllm.tiny import write_qwen3_5  # noqa: E402
 pytestmark = pytest.mark.timeout(900)
 #: the engine's dtype (vLLM's CPU Gated DeltaNet kernel takes bfloat16 only)
 ENGINE = dict(ENGINE_ARGS, dtype="bfloat16")
-#: how far a bfloat16 engine's log-probabilities may lie from the float32 model's (measured: up to 0.04)
-BF16_ATOL = 0.1
+#: how far a bfloat16 engine's log-probability may lie from the float32 model's at one step. vLLM's CPU kernel
+#: keeps the gated delta rule's state in bfloat16 (transformers' runs it in float32, so the HF model in bfloat16
+#: stays within 0.03 of it on the chosen tokens): measured up to 0.11 at one decode step of the MoE checkpoint, 0.04 elsewhere
+BF16_ATOL = 0.15
+#: ... and on average over a prompt's steps: measured at most 0.03 on the right context, at least 0.11 when the
+#: reference keeps other tokens (another random draw, another method, a budget one token larger)
+BF16_MEAN_ATOL = 0.05
 
 
 @pytest.fixture(scope="module")
@@ -102,11 +107,12 @@ def hf_inputs(proc, prompt: str, media: dict) -> dict:
 
 def check_greedy_up_to_bf16(hf, kind: str, method, tokens: list[list[int]], logprobs: list[list[float]], **budget):
     """vLLM's tokens are the (wrapped) float32 model's greedy choices up to bfloat16 rounding, its
-    log-probabilities within BF16_ATOL of that model's."""
+    log-probabilities within BF16_ATOL of that model's at each step and BF16_MEAN_ATOL on average."""
     for new, lps, ref in zip(tokens, logprobs, forced_logprobs(hf, kind, method, tokens, **budget)):
         chosen = ref[torch.arange(len(new)), torch.tensor(new)]
         assert (ref.max(-1).values - chosen).max() < BF16_ATOL, (new, ref.argmax(-1).tolist())
         np.testing.assert_allclose(lps, chosen.numpy(), atol=BF16_ATOL)
+        assert np.abs(np.asarray(lps) - chosen.numpy()).mean() < BF16_MEAN_ATOL, (lps, chosen.tolist())
 
 
 @pytest.mark.parametrize("kind", ["image", "video"])
