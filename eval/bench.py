@@ -642,9 +642,9 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def meta(mode: str, argv_args: argparse.Namespace) -> dict[str, Any]:
-    """Provenance of a result file: the command, the code version, the machine and the date
-    (:mod:`vlm_prune.eval.report` refuses a result file without them)."""
+def meta(mode: str, argv_args: argparse.Namespace, program: str = "vlm-prune") -> dict[str, Any]:
+    """Provenance of a result file: the command (``program`` and this process's arguments), the code
+    version, the machine and the date (:mod:`vlm_prune.eval.report` refuses a result file without them)."""
     import shlex
     import sys
 
@@ -652,10 +652,11 @@ def meta(mode: str, argv_args: argparse.Namespace) -> dict[str, Any]:
 
     return {
         "mode": mode,
-        "command": "vlm-prune " + shlex.join(sys.argv[1:]),
+        "command": f"{program} " + shlex.join(sys.argv[1:]),
         "code": code_version(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "machine": f"{cpu_model()} ({platform.machine()}), {os.cpu_count()} CPUs, {torch.get_num_threads()} torch threads",
+        "machine": f"{cpu_model()} ({platform.machine()}), {os.cpu_count()} CPUs, {torch.get_num_threads()} torch threads"
+                   + (f", GPU {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ""),
         "software": f"Python {platform.python_version()}, torch {torch.__version__}, transformers {transformers.__version__}",
         "data_seed": DEFAULT_SEED if getattr(argv_args, "data_seed", None) is None else argv_args.data_seed,
         "args": {k: v for k, v in vars(argv_args).items() if k != "func"},

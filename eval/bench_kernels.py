@@ -217,7 +217,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--device", default="cpu", help="cpu (small shapes, references only) or cuda (real sizes)")
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--repeats", type=int, default=None, help="timed calls per measurement (default 3 on CPU, 10 on CUDA)")
-    p.add_argument("--json", default=None, help="also write the rows to this JSON file")
+    p.add_argument("--json", default=None, help="also write the rows and their provenance to this JSON file (a result "
+                                                "file of kind 'kernels' for the results page)")
     args = p.parse_args(argv)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -233,8 +234,11 @@ def main(argv: list[str] | None = None) -> None:
     rows = run(device, getattr(torch, args.dtype), repeats, use_triton)
     print(table(rows))
     if args.json:
+        from vlm_prune.eval.bench import meta
+
         with open(args.json, "w") as f:
-            json.dump([asdict(r) for r in rows], f, indent=1)
+            json.dump({"meta": meta("kernels", args, "python -m vlm_prune.eval.bench_kernels"),
+                       "rows": [asdict(r) for r in rows]}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -6,20 +6,26 @@
 # 2. bench_kernels --device cuda: kernel vs reference vs eager attention weights, time and memory.
 # 3. bench --speed --device cuda --scale 1: time to first token, LLaVA-1.5-7B / OneVision-7B (32 frames)
 #    shapes at full size, every method, 3 repeats: efficiency, keep=1.0 overhead, scoring share
-#    (wall-clock on CUDA), the issue-15 acceptance table. (image-deep is a CPU stand-in for 7B
+#    (wall-clock on CUDA). (image-deep is a CPU stand-in for 7B
 #    proportions; at --scale 1 the real shapes are timed instead.)
 #
-# Prepare on the CPU machine (the device image has transformers 5.17, below our 5.18 floor):
+# Prepare on the CPU machine (the device image has transformers 5.17, below our 5.18 floor, and an older
+# huggingface_hub): download transformers and what it needs beyond that image into .whl/ (git-ignored):
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-#     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 -d .whl \
-#     transformers==5.24.0 "regex>=2025.10.22"
-# then run it there with the device tool: carry [".whl"], command "bash scripts/gpu_checks.sh",
-# timeout_s 560. Logs and JSON land in $OUT (the tool brings them back); each step has its own
-# time limit so a slow one cannot take the others down with it.
+#     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl \
+#     transformers==5.25.0 huggingface_hub==2.4.0 kernels==0.19.1 regex httpx2 httpcore2 truststore click hf-xet tomlkit
+# then run it there with the device tool from a clean checkout: carry [".whl"], command
+# "bash scripts/gpu_checks.sh $(git rev-parse --short=12 HEAD)", timeout_s 580. The device gets a copy of the
+# working tree without git, so the commit is passed in and written into each result file's meta["code"].
+# Each step has its own time limit so a slow one cannot take the others down; what comes back from $OUT
+# is at most 8 files: run.log, machine.txt and the result files (kernels.json, speed-image.json,
+# speed-video.json), which go to results/gpu/ for the results page (vlm-prune bench --report).
 set -uo pipefail
 OUT=${OUT:-gpu_out}
+CODE=${1:-unknown}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 TRITON_INTERPRET=0
+exec > >(tee -a "$OUT/run.log") 2>&1
 
 site=/tmp/vlm_prune_site
 rm -rf "$site"
@@ -33,18 +39,36 @@ export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}" PATH="$site/bin:$PATH"
   date -u +"%Y-%m-%d %H:%M UTC"
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
   python3 -c "import torch, triton, transformers; print('torch', torch.__version__, '| triton', triton.__version__, '| transformers', transformers.__version__)"
-  git rev-parse --short HEAD 2>/dev/null || true
+  echo "code $CODE"
 } 2>&1 | tee "$OUT/machine.txt"
 
-step() {  # step NAME SECONDS COMMAND...: run with a time limit, log to $OUT/NAME.log
+step() {  # step NAME SECONDS COMMAND...: run with a time limit
   local name=$1 limit=$2
   shift 2
-  echo "== $name (limit ${limit}s)"
-  timeout "$limit" "$@" 2>&1 | tee "$OUT/$name.log"
-  echo "== $name exit ${PIPESTATUS[0]}" | tee -a "$OUT/$name.log"
+  echo "== $name (limit ${limit}s) $(date -u +%T)"
+  timeout "$limit" "$@"
+  echo "== $name exit $? $(date -u +%T)"
 }
 
-step cuda_tests 150 python3 -m pytest -q -p no:cacheprovider -x tests/test_cuda.py
-step bench_kernels 90 python3 -m vlm_prune.eval.bench_kernels --device cuda --json "$OUT/kernels.json"
-step speed 270 vlm-prune bench --speed --device cuda --scale 1 --shapes image,video --frames 32 --repeats 3 \
-  --out "$OUT/speed"
+stamp() {  # stamp JSON...: the commit the run came from, into each result file's meta["code"]
+  python3 - "$CODE" "$@" <<'PY'
+import json, sys
+code = sys.argv[1]
+for path in sys.argv[2:]:
+    try:
+        data = json.load(open(path))
+    except OSError:
+        continue
+    data["meta"]["code"] += f" (commit {code}, run from a copy of the checkout)"
+    json.dump(data, open(path, "w"), indent=1)
+PY
+}
+
+step cuda_tests 100 python3 -m pytest -q -p no:cacheprovider -x tests/test_cuda.py
+step bench_kernels 60 python3 -m vlm_prune.eval.bench_kernels --device cuda --json "$OUT/kernels.json"
+for shape in image video; do
+  step "speed_$shape" $([ $shape = image ] && echo 130 || echo 190) \
+    vlm-prune bench --speed --device cuda --scale 1 --shapes $shape --frames 32 --repeats 3 --out "/tmp/speed-$shape"
+  cp "/tmp/speed-$shape/speed.json" "$OUT/speed-$shape.json" 2>/dev/null
+done
+stamp "$OUT/kernels.json" "$OUT/speed-image.json" "$OUT/speed-video.json"
