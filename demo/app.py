@@ -19,6 +19,7 @@ import gradio as gr
 from PIL import Image, ImageDraw
 
 from vlm_prune.adapters import supported_model_classes
+from vlm_prune.demo.real_patches import add_tab, real_vit_available
 from vlm_prune.demo.session import (
     Comparison, DemoError, Session, describe, escape, load_checkpoint, load_synthetic, read_media,
 )
@@ -171,56 +172,59 @@ def build_app(sessions: dict[str, Session] | Session, examples_dir: Path = EXAMP
 
     first = sessions[names[0]]
     with gr.Blocks(title="vlm-prune demo", analytics_enabled=False) as app:
-        gr.Markdown(INTRO)
-        with gr.Row():
-            with gr.Column(scale=2):
-                model = gr.Dropdown(names, value=names[0], label="Model", elem_id="model",
-                                    info="the toy answers questions about coloured shapes only; see the notes below")
-                media = gr.File(label="Image or video", file_types=["image", "video"], type="filepath", elem_id="media")
-                preview_image = gr.Image(label="Upload", interactive=False, visible=False, elem_id="preview_image",
-                                         height=240)
-                preview_video = gr.Video(label="Upload", interactive=False, visible=False, elem_id="preview_video",
-                                         height=240)
-                question = gr.Textbox(label="Question", placeholder="what colour is the shape ?", elem_id="question")
-                choices = method_choices(first, "image")
-                values = [v for _, v in choices]
-                default = next((m for m in ("divprune", "random") if m in values), values[0] if values else None)
-                methods = gr.Dropdown(choices, value=[default] if default else [], multiselect=True,
-                                      max_choices=MAX_COLUMNS, allow_custom_value=True, label="Methods",
-                                      info=f"up to {MAX_COLUMNS}, one column each; 'a+b' is one two-stage pipeline",
-                                      elem_id="methods")
-                keep = gr.Slider(0.05, 1.0, value=0.25, step=0.05, label="Keep", info="fraction of the visual tokens kept")
-                layer = gr.Number(first.default_layer(), precision=0, minimum=0,
-                                  label="Prune layer of in-LLM methods (0 = each method's default)")
-                button = gr.Button("Run", variant="primary", elem_id="run")
-                if examples:
-                    gallery = gr.Gallery([(thumbnail(e["path"]), f"{e['file']}: {e['methods']}") for e in examples],
-                                         label="Examples (click one)", columns=4, height="auto", allow_preview=False,
-                                         elem_id="examples")
-                    gallery.select(pick_example, None, [media, question, methods, keep])
-                notes = gr.Markdown(model_notes(first), elem_id="model_notes")
-            with gr.Column(scale=3):
-                status = gr.Markdown(elem_id="status")
-                unpruned = gr.Textbox(label="Unpruned answer", interactive=False, elem_id="answer_unpruned")
-                summary = gr.Markdown(elem_id="summary")
-                slots: list[Any] = []
-                with gr.Row(equal_height=False):
-                    for i in range(MAX_COLUMNS):
-                        with gr.Column(visible=False, min_width=120, elem_id=f"column{i}", elem_classes="method-column") as col:
-                            card = gr.Markdown(elem_id=f"card{i}")
-                            kept = gr.Image(label="What was kept", type="pil", format="png", interactive=False,
-                                            elem_id=f"kept{i}")
-                            heat = gr.Image(label="Token scores", type="pil", format="png", interactive=False,
-                                            elem_id=f"heat{i}")
-                            merge = gr.Image(label="Merged tokens", type="pil", format="png", interactive=False,
-                                             elem_id=f"merge{i}")
-                        slots += [col, card, kept, heat, merge]
-                with gr.Accordion("Stats (model.vlm_prune.last_stats, FLOPs and timings)", open=False):
-                    stats = gr.JSON(label="stats")
-        for trigger in (media.change, model.change):
-            trigger(on_inputs, [model, media, methods], [methods, preview_image, preview_video, notes])
-        button.click(run, [model, media, question, methods, keep, layer], [status, unpruned, summary, stats, *slots],
-                     api_name="run", concurrency_limit=1)
+        with gr.Tab("Compare methods"):
+            gr.Markdown(INTRO)
+            with gr.Row():
+                with gr.Column(scale=2):
+                    model = gr.Dropdown(names, value=names[0], label="Model", elem_id="model",
+                                        info="the toy answers questions about coloured shapes only; see the notes below")
+                    media = gr.File(label="Image or video", file_types=["image", "video"], type="filepath", elem_id="media")
+                    preview_image = gr.Image(label="Upload", interactive=False, visible=False, elem_id="preview_image",
+                                             height=240)
+                    preview_video = gr.Video(label="Upload", interactive=False, visible=False, elem_id="preview_video",
+                                             height=240)
+                    question = gr.Textbox(label="Question", placeholder="what colour is the shape ?", elem_id="question")
+                    choices = method_choices(first, "image")
+                    values = [v for _, v in choices]
+                    default = next((m for m in ("divprune", "random") if m in values), values[0] if values else None)
+                    methods = gr.Dropdown(choices, value=[default] if default else [], multiselect=True,
+                                          max_choices=MAX_COLUMNS, allow_custom_value=True, label="Methods",
+                                          info=f"up to {MAX_COLUMNS}, one column each; 'a+b' is one two-stage pipeline",
+                                          elem_id="methods")
+                    keep = gr.Slider(0.05, 1.0, value=0.25, step=0.05, label="Keep", info="fraction of the visual tokens kept")
+                    layer = gr.Number(first.default_layer(), precision=0, minimum=0,
+                                      label="Prune layer of in-LLM methods (0 = each method's default)")
+                    button = gr.Button("Run", variant="primary", elem_id="run")
+                    if examples:
+                        gallery = gr.Gallery([(thumbnail(e["path"]), f"{e['file']}: {e['methods']}") for e in examples],
+                                             label="Examples (click one)", columns=4, height="auto", allow_preview=False,
+                                             elem_id="examples")
+                        gallery.select(pick_example, None, [media, question, methods, keep])
+                    notes = gr.Markdown(model_notes(first), elem_id="model_notes")
+                with gr.Column(scale=3):
+                    status = gr.Markdown(elem_id="status")
+                    unpruned = gr.Textbox(label="Unpruned answer", interactive=False, elem_id="answer_unpruned")
+                    summary = gr.Markdown(elem_id="summary")
+                    slots: list[Any] = []
+                    with gr.Row(equal_height=False):
+                        for i in range(MAX_COLUMNS):
+                            with gr.Column(visible=False, min_width=120, elem_id=f"column{i}", elem_classes="method-column") as col:
+                                card = gr.Markdown(elem_id=f"card{i}")
+                                kept = gr.Image(label="What was kept", type="pil", format="png", interactive=False,
+                                                elem_id=f"kept{i}")
+                                heat = gr.Image(label="Token scores", type="pil", format="png", interactive=False,
+                                                elem_id=f"heat{i}")
+                                merge = gr.Image(label="Merged tokens", type="pil", format="png", interactive=False,
+                                                 elem_id=f"merge{i}")
+                            slots += [col, card, kept, heat, merge]
+                    with gr.Accordion("Stats (model.vlm_prune.last_stats, FLOPs and timings)", open=False):
+                        stats = gr.JSON(label="stats")
+            for trigger in (media.change, model.change):
+                trigger(on_inputs, [model, media, methods], [methods, preview_image, preview_video, notes])
+            button.click(run, [model, media, question, methods, keep, layer], [status, unpruned, summary, stats, *slots],
+                         api_name="run", concurrency_limit=1)
+        if real_vit_available():
+            add_tab(gr)
     return app
 
 

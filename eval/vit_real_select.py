@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from vlm_prune.methods.base import VisionContext
+from vlm_prune.methods.base import Reduction, VisionContext
 from vlm_prune.methods.visionzip import TowerFeatures
 from vlm_prune.registry import method_class
 
@@ -56,24 +56,32 @@ class LastBlockTap:
         return probs[:, :, 1:].mean(1), k[:, :, 1:].mean(1), q_all, k_all
 
 
+def reduce_patches(name: str, fraction: float, tokens: torch.Tensor, views: tuple[torch.Tensor, ...],
+                   seed: int) -> Reduction:
+    """Selector ``name`` at ``fraction`` of one image's patch tokens: ``tokens`` [1 + N, C] (CLS first, the
+    final-norm output), ``views`` that image's (CLS attention [N], keys [N, d], q [T, C], k [T, C]) from
+    :meth:`LastBlockTap.views`; ``seed`` seeds the sampling methods."""
+    attention, keys, q, k = views
+    feats = tokens[1:]
+    n = feats.shape[0]
+    side = int(round(n ** 0.5))
+    tower = TowerFeatures(feats, tokens[0], lambda m: m, lambda: (q, k))
+    ctx = VisionContext(features=feats, n_keep=max(1, round(n * fraction)), grid=(side, side),
+                        tower_attention=lambda: (attention, keys, tower), generator=torch.Generator().manual_seed(seed))
+    return method_class(name)(keep=fraction).reduce_image(ctx)
+
+
 def reduced_means(tokens: torch.Tensor, tap: LastBlockTap, names: tuple[str, ...], fractions: tuple[float, ...],
                   seed: int) -> dict[str, torch.Tensor]:
     """'name@fraction' -> [B, C] mean of the rows each selector keeps of each image's patch tokens
     (tokens [B, 1 + N, C]: the final-norm output of the unpruned forward that filled ``tap``)."""
-    attention, keys, q_all, k_all = tap.views()
-    n = tokens.shape[1] - 1
-    side = int(round(n ** 0.5))
+    views = tap.views()
     out: dict[str, list[torch.Tensor]] = {}
     for i in range(tokens.shape[0]):
         feats = tokens[i, 1:]
-        tower = TowerFeatures(feats, tokens[i, 0], lambda m: m, lambda i=i: (q_all[i], k_all[i]))
         for name in names:
             for frac in fractions:
-                method = method_class(name)(keep=frac)
-                ctx = VisionContext(features=feats, n_keep=max(1, round(n * frac)), grid=(side, side),
-                                    tower_attention=lambda i=i: (attention[i], keys[i], tower),
-                                    generator=torch.Generator().manual_seed(seed + i))
-                red = method.reduce_image(ctx)
+                red = reduce_patches(name, frac, tokens[i], tuple(v[i] for v in views), seed + i)
                 kept = red.features if red.features is not None else feats[red.indices]
                 out.setdefault(f"{name}@{frac}", []).append(kept.mean(0))
     return {k: torch.stack(v) for k, v in out.items()}

