@@ -336,3 +336,34 @@ def write_sweep(rows: list[dict[str, Any]], out_dir: str, title: str) -> dict[st
         f.write(markdown_table(rows, title))
     plot(rows, paths["plot"], title)
     return paths
+
+
+def speed_plot(rows: list[dict[str, Any]], title: str) -> Any:
+    """``vlm-prune bench --speed``'s figure for one model shape: per keep ratio, each method's measured
+    prefill-time ratio (median, bars = min-max of the repeats) against its ideal FLOPs ratio; on the
+    diagonal a method saves exactly what its FLOPs promise, above it less, and above 1 it is slower than
+    the unpruned model."""
+    from matplotlib.figure import Figure
+
+    keeps = sorted({r["keep"] for r in rows if r["keep"] < 1}, reverse=True)
+    order = list(dict.fromkeys(r["method"] for r in rows))
+    fig = Figure(figsize=(4.6 * max(1, len(keeps)), 4.2), layout="constrained")
+    axes = fig.subplots(1, max(1, len(keeps)), squeeze=False)[0]
+    handles: dict[str, Any] = {}
+    top = max([1.1] + [r["ratio_max"] for r in rows if r["keep"] < 1])
+    for ax, keep in zip(axes, keeps):
+        for r in (r for r in rows if r["keep"] == keep):
+            style = {k: v for k, v in method_style(r["method"], order).items() if k not in ("ls", "lw")}
+            yerr = [[r["measured_ratio"] - r["ratio_min"]], [r["ratio_max"] - r["measured_ratio"]]]
+            handles.setdefault(r["method"], ax.errorbar([r["ideal_ratio"]], [r["measured_ratio"]], yerr=yerr, capsize=2,
+                                                         elinewidth=0.8, ls="none", label=r["method"], **style))
+        ax.plot([0, 1.05], [0, 1.05], color="#999999", lw=0.9, ls="--", zorder=0)
+        ax.axhline(1.0, color="black", ls=":", lw=1.0, zorder=0)
+        ax.set_xlim(0, 1.05)
+        ax.set_ylim(0, top * 1.05)
+        ax.set_xlabel("prefill FLOPs ratio (ideal)")
+        ax.set_ylabel(f"prefill time ratio (measured, {rows[0]['timer']})")
+        ax.set_title(f"{title}: {100 * keep:g}% of the visual tokens", fontsize=10)
+        ax.grid(alpha=0.3)
+    fig.legend(list(handles.values()), list(handles), loc="outside right center", fontsize=7, frameon=False)
+    return fig

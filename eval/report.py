@@ -38,6 +38,7 @@ BEGIN, END = "<!-- which-method:begin -->", "<!-- which-method:end -->"
 #: the figures' folder, relative to the repository root and to docs/
 IMG_FROM_ROOT, IMG_FROM_DOCS = "docs/img/results", "img/results"
 _IMG = "\x00img\x00"  # placeholder for the figures' folder until the page is written to a place
+_DOCS = "\x00docs\x00"  # placeholder for the docs folder (docs/ from the root, nothing from docs/)
 
 
 class ReportError(UsageError):
@@ -63,6 +64,13 @@ class Page:
     img_dir: str
     which: dict[tuple[str, float], list[dict[str, Any]]] = dataclasses.field(default_factory=dict)
     beats: set[tuple[str, float, str]] = dataclasses.field(default_factory=set)
+    #: docs-only pages a section writes beside the results page (name -> Markdown lines), for tables too
+    #: long for it; link them with :meth:`link`
+    pages: dict[str, list[str]] = dataclasses.field(default_factory=dict)
+
+    def link(self, name: str, text: str) -> str:
+        """A Markdown link to the docs page ``name`` (``docs/<name>.md``) from wherever the page lies."""
+        return f"[{text}]({_DOCS}{name}.md)"
 
     def figure(self, name: str, fig: Any) -> str:
         """Save ``fig`` as ``<img_dir>/<name>.png`` and return its Markdown image link."""
@@ -290,11 +298,107 @@ def render_hybrid_timing(files: list[ResultFile], page: Page) -> list[str]:
     return lines
 
 
+# ---- speed and kernels ----------------------------------------------------------------------------
+SPEED_INTRO = """Prefill time of the pruned model divided by the unpruned model's, on models of real shapes with random
+weights (timing needs no trained weights), from `vlm-prune bench --speed`; every method at each keep ratio,
+with the ideal ratio its FLOPs promise (language model, vision tower and projector). Efficiency = (1 /
+measured - 1) / (1 / ideal - 1): 1 when a method saves all its FLOPs promise, 0 when it saves nothing,
+below 0 when it is slower than the unpruned model. "Scoring %": the method's own selection time as a share
+of the unpruned prefill. On a CPU the time is process CPU time of one thread on shapes scaled down (the file
+names the scale); on a GPU, wall-clock time at full size. Ratios only on a CPU: absolute times come from a GPU."""
+
+
+SPEED_HEAD = ["# Speed: measured prefill time", "", SPEED_INTRO, ""]
+
+
+def _where(f: ResultFile) -> str:
+    return "GPU" if "GPU" in f.meta["machine"] else "CPU"
+
+
+def _speed_table(rows: list[dict[str, Any]], keep: float) -> list[str]:
+    from vlm_prune.eval.bench import markdown_escape
+
+    mine = sorted((r for r in rows if r["keep"] == keep), key=lambda r: r["measured_ratio"])
+    lines = ["| method | visual tokens | prefill time ratio (measured, min-max) | FLOPs ratio (ideal) | efficiency | "
+             "scoring % | notes |", "|---|---|---|---|---|---|---|"]
+    for r in mine:
+        eff = "-" if r.get("efficiency") is None else f"{r['efficiency']:.2f}"
+        lines.append(f"| {r['method']} | {r['visual_tokens_out']:.0f} / {r['visual_tokens_in']:.0f} | "
+                     f"{r['measured_ratio']:.2f} ({r['ratio_min']:.2f}-{r['ratio_max']:.2f}) | {r['ideal_ratio']:.2f} | "
+                     f"{eff} | {100 * r['scoring_share']:.1f} | {markdown_escape(r.get('notes') or '')} |")
+    return lines
+
+
+def _speed_summary(rows: list[dict[str, Any]], keep: float) -> str:
+    import statistics
+
+    mine = [r for r in rows if r["keep"] == keep]
+    eff = [r["efficiency"] for r in mine if r.get("efficiency") is not None]
+    return (f"at {100 * keep:g}% of the visual tokens the median method takes "
+            f"{statistics.median(r['measured_ratio'] for r in mine):.2f} of the unpruned prefill time where its FLOPs "
+            f"promise {statistics.median(r['ideal_ratio'] for r in mine):.2f} (median efficiency "
+            f"{statistics.median(eff) if eff else float('nan'):.2f}, {len(mine)} methods)")
+
+
+def render_speed(files: list[ResultFile], page: Page) -> list[str]:
+    """``vlm-prune bench --speed``: on the results page a line and a figure per model shape; the tables
+    per keep ratio on the docs' Speed page (with the kernel timings, when a file of them is committed)."""
+    from vlm_prune.eval.plots import speed_plot
+
+    lines = [f"Measured prefill time against the FLOPs each method promises; tables: {page.link('speed', 'Speed')}.", ""]
+    detail = page.pages.setdefault("speed", SPEED_HEAD[:])
+    for f in sorted(files, key=_where, reverse=True):  # GPU runs first
+        where = _where(f)
+        for model in dict.fromkeys(r["model"] for r in f.data["rows"]):
+            rows = [r for r in f.data["rows"] if r["model"] == model]
+            keeps = sorted({r["keep"] for r in rows if r["keep"] < 1}, reverse=True)
+            nothing = [r for r in rows if r["keep"] == 1]
+            fig = page.figure(f"speed-{re.sub(r'[^a-z0-9]+', '-', model.lower())}-{where.lower()}",
+                              speed_plot([r for r in rows if r["keep"] < 1], model))
+            summary = "; ".join(_speed_summary(rows, k) for k in keeps)
+            overhead = ", ".join(f"{r['method']} {r['measured_ratio']:.2f}" for r in nothing)
+            lines += [f"- **{model}** ({where}, {rows[0]['timer']}): {summary}."
+                      + (f" Nothing pruned (keep 1.0): {overhead} of the unpruned time." if overhead else ""), "", fig, ""]
+            detail += [f"## {model} ({where})", "", f"From `{f.path}` ({f.meta['machine']}; median of "
+                       f"{f.meta.get('args', {}).get('repeats')} repeats).", "", fig, ""]
+            for keep in keeps:
+                detail += [f"### {100 * keep:g}% of the visual tokens", ""] + _speed_table(rows, keep) + [""]
+            if nothing:
+                detail += ["### Nothing pruned (keep 1.0): the wrapper's own cost", ""] + _speed_table(rows, 1.0) + [""]
+        skipped = f.data.get("skipped", [])
+        if skipped:
+            reasons = dict.fromkeys(f"{s['method']} on {s['model']} ({s['reason']})" for s in skipped)
+            detail += ["Not timed: " + "; ".join(reasons) + ".", ""]
+    return lines
+
+
+def render_kernels(files: list[ResultFile], page: Page) -> list[str]:
+    """``python -m vlm_prune.eval.bench_kernels``: the kernels against their PyTorch references and the dense
+    computation they replace, on the docs' Speed page; one line here."""
+    from vlm_prune.eval.bench import fmt
+
+    detail = page.pages.setdefault("speed", SPEED_HEAD[:])
+    for f in files:
+        detail += [f"## Kernels ({_where(f)})", "", f"From `{f.path}` ({f.meta['machine']}): time in ms (median), "
+                   "extra peak memory in MB, and the largest difference between the kernel and its reference. "
+                   "\"dense\": what a method computes without the kernel.", "",
+                   "| kernel | shape | reference ms | Triton ms | dense ms | reference MB | Triton MB | dense MB | max diff |",
+                   "|---|---|---|---|---|---|---|---|---|"]
+        for r in f.data["rows"]:
+            detail.append(f"| {r['kernel']} | {r['shape']} | {fmt(r['torch_ms'], '.2f')} | {fmt(r['triton_ms'], '.2f')} | "
+                          f"{fmt(r['dense_ms'], '.2f')} | {fmt(r['torch_mb'], '.1f')} | {fmt(r['triton_mb'], '.1f')} | "
+                          f"{fmt(r['dense_mb'], '.1f')} | {fmt(r['max_abs_diff'], '.1e')} |")
+        detail.append("")
+    return [f"Kernel timings ({', '.join(sorted({_where(f) for f in files}))}): {page.link('speed', 'Speed')}.", ""]
+
+
 #: result kind (``meta["mode"]``) -> the renderer of its section, in page order
 SECTIONS: dict[str, tuple[str, Callable[[list[ResultFile], Page], list[str]]]] = {
     "bench": ("Every method on the synthetic models (`vlm-prune bench`)", render_bench),
     "tune": ("Choosing a method: `vlm-prune tune` against the exhaustive grid", render_tune),
     "vit-real": ("A real pretrained ViT: AS-ViT, ToMe and the selectors on DINOv2 ViT-S/14", render_vit_real),
+    "speed": ("Speed: measured prefill time (`vlm-prune bench --speed`)", render_speed),
+    "kernels": ("Kernels", render_kernels),
     "hybrid-timing": ("Hybrid language models (Qwen3.5): no trained tiny model", render_hybrid_timing),
 }
 
@@ -363,8 +467,8 @@ def render(files: list[ResultFile], img_dir: str) -> tuple[str, Page]:
 
 
 def place(text: str, img: str) -> str:
-    """The page with its figure links pointing into ``img``."""
-    return text.replace(_IMG, img)
+    """The page with its figure links pointing into ``img`` (and its docs links from the same place)."""
+    return text.replace(_IMG, img).replace(_DOCS, "docs/" if img == IMG_FROM_ROOT else "")
 
 
 def replace_block(readme: str, block: str) -> str | None:
@@ -390,6 +494,11 @@ def write_report(results: str = "results", root: str = ".") -> list[str]:
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
         with open(path, "w", encoding="utf-8") as f:
             f.write(place(text, img))
+        written.append(rel)
+    for name, lines in page.pages.items():
+        rel = os.path.join("docs", f"{name}.md")
+        with open(os.path.join(root, rel), "w", encoding="utf-8") as f:
+            f.write(place("\n".join(lines).rstrip() + "\n", IMG_FROM_DOCS))
         written.append(rel)
     written.append(IMG_FROM_ROOT + "/")
     readme = os.path.join(root, "README.md")

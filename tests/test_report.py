@@ -145,3 +145,34 @@ def test_cli_prints_warnings_without_the_source_line():
               "raise SystemExit(cli.main(['methods']))\n")
     done = subprocess.run([sys.executable, "-W", "always", "-c", script], capture_output=True, text=True, timeout=300)
     assert (done.returncode, done.stderr) == (0, "BudgetWarning: keep=0.01 keeps 1 token\n")
+
+
+def speed_row(method: str, keep: float, measured: float, ideal: float) -> dict:
+    return {"model": "llava-1.5-7b", "method": method, "keep": keep, "visual_tokens_in": 576,
+            "visual_tokens_out": 576 * keep, "measured_ratio": measured, "ratio_min": measured - 0.01,
+            "ratio_max": measured + 0.01, "timer": "wall-clock", "ideal_ratio": ideal,
+            "efficiency": None if keep == 1 else (1 / measured - 1) / (1 / ideal - 1), "scoring_share": 0.02,
+            "notes": "a | b" if method == "fastv" else ""}
+
+
+def test_report_speed_and_kernels_go_to_the_speed_page(tmp_path):
+    """A speed file: one line and a figure per shape on the results page, its tables on docs/speed.md (linked
+    from both places); a kernels file: its table there too."""
+    fixture_results(tmp_path)
+    rows = [speed_row("fastv", 0.25, 0.5, 0.4), speed_row("divprune", 0.25, 0.45, 0.3), speed_row("fastv", 1.0, 1.02, 1.0)]
+    write(tmp_path / "results" / "gpu", "speed.json", rows, mode="speed", machine="a CPU, GPU NVIDIA H200",
+          args={"repeats": 3})
+    kernel = {"kernel": "attention_rows", "shape": "B1 S8192", "torch_ms": 3.0, "triton_ms": 1.0, "dense_ms": 9.0,
+              "torch_mb": 10.0, "triton_mb": 1.0, "dense_mb": 900.0, "max_abs_diff": 1e-6}
+    write(tmp_path / "results" / "gpu", "kernels.json", [kernel], mode="kernels", machine="a CPU, GPU NVIDIA H200")
+    report.write_report(root=str(tmp_path))
+    page = (tmp_path / "BENCHMARKS.md").read_text()
+    assert ("- **llava-1.5-7b** (GPU, wall-clock): at 25% of the visual tokens the median method takes 0.47 of the "
+            "unpruned prefill time where its FLOPs promise 0.35 (median efficiency 0.60, 2 methods). Nothing pruned "
+            "(keep 1.0): fastv 1.02 of the unpruned time.") in page
+    assert "[Speed](docs/speed.md)" in page and "[Speed](speed.md)" in (tmp_path / "docs" / "results.md").read_text()
+    speed = (tmp_path / "docs" / "speed.md").read_text()
+    assert "| divprune | 144 / 576 | 0.45 (0.44-0.46) | 0.30 | 0.52 | 2.0 |  |\n| fastv | 144 / 576 | 0.50" in speed
+    assert "a \\| b" in speed and "](img/results/speed-llava-1-5-7b-gpu.png)" in speed
+    assert "| attention_rows | B1 S8192 | 3.00 | 1.00 | 9.00 | 10.0 | 1.0 | 900.0 | 1.0e-06 |" in speed
+    assert (tmp_path / "docs" / "img" / "results" / "speed-llava-1-5-7b-gpu.png").is_file()
