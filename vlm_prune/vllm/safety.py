@@ -110,13 +110,15 @@ def image_slots(method: Any, n: int) -> int:
     return method.n_keep(n, 1)
 
 
-def _image_once(method: Any, spec: dict[str, Any], n: int, grid: tuple[int, int] | None, dim: int, dtype: Any,
-                fill: int | None) -> int:
+def _image_once(method: Any, spec: dict[str, Any], n: int, grid: tuple[int, int] | None, dim: int,
+                crops: tuple[bytes, bytes] | None, dtype: Any, fill: int | None) -> int:
     import torch
 
     from vlm_prune.methods.base import VisionContext, item_generator
     from vlm_prune.methods.visionzip import TowerFeatures
 
+    if crops is not None and getattr(method, "per_crop", False):
+        return _crops_once(method, spec, n, dim, crops, dtype, fill)
     features = _features((n, dim), dtype, fill)
     attention = torch.softmax(_features((n,), torch.float32, fill), dim=0).to(dtype)
     tower = TowerFeatures(features, _features((dim,), dtype, fill), lambda x: x,
@@ -134,9 +136,39 @@ def _image_once(method: Any, spec: dict[str, Any], n: int, grid: tuple[int, int]
     return slots
 
 
+def _crops_once(method: Any, spec: dict[str, Any], n: int, dim: int, crops: tuple[bytes, bytes], dtype: Any,
+                fill: int | None) -> int:
+    """:func:`_image_once` of an anyres image whose method selects per crop (``reduce_crops``, LLaVA-NeXT): its
+    ``n`` visual tokens among the packed rows of the tile map ``crops`` (each row's tower row and patch, -1 for
+    a newline, as int16 bytes), with synthetic [CLS] attention per tower row (HiRED's ``TileAttention``)."""
+    import torch
+
+    from vlm_prune.methods.base import VisionContext, item_generator
+    from vlm_prune.methods.hired import TileAttention
+
+    crop, local = (torch.frombuffer(bytearray(b), dtype=torch.int16).long() for b in crops)
+    rows, patches = int(crop.max()) + 1, int(local.max()) + 1
+    newlines = int((crop < 0).sum())
+    if crop.numel() - newlines != n:
+        raise RuntimeError(f"the tile map holds {crop.numel() - newlines} visual tokens, the image {n}")
+
+    def attention() -> torch.Tensor:
+        return torch.softmax(_features((rows, patches), torch.float32, fill), dim=-1)
+
+    slots = image_slots(method, n)
+    ctx = VisionContext(features=_features((crop.numel(), dim), dtype, fill), n_keep=slots,
+                        text_embeds=_features((3, dim), dtype, fill), generator=item_generator(int(spec.get("seed", 0)), 0),
+                        tower_tiles=lambda: TileAttention(early=attention(), late=attention(), crop=crop, local=local))
+    with torch.no_grad():
+        red = method.reduce_crops(ctx, crop)
+    if red.indices.numel() != slots + newlines:
+        raise RuntimeError(f"{method.name} kept {red.indices.numel() - newlines} tokens of the image, its slots are {slots}")
+    return slots
+
+
 def run_synthetic(kind: str, spec: dict[str, Any], shape: tuple[Any, ...], dtype: Any, fill: int | None) -> int:
     """The slots of one image / video (``kind``) of ``shape`` ((frames, per_frame, grid, unpooled_grid, dim) /
-    (n, grid, dim)) after the spec's method ran on synthetic maps of ``dtype``: zeros (``fill`` None) or Gaussian
+    (n, grid, dim, crops)) after the spec's method ran on synthetic maps of ``dtype``: zeros (``fill`` None) or Gaussian
     of seed ``fill``; it raises what the engine would raise."""
     method = method_of({k: v for k, v in spec.items() if k != "quota"})
     return (_video_once if kind == "video" else _image_once)(method, spec, *shape, dtype, fill)
@@ -190,9 +222,14 @@ def dry_run_video(spec: dict[str, Any], frames: int, per_frame: int, grid: tuple
 
 
 def dry_run_image(spec: dict[str, Any], n: int, grid: tuple[int, int] | None = None, *, dim: int = 16,
-                  dtype: Any = None, field: str = SPEC_FIELD) -> int:
-    """:func:`dry_run_video` for one image of ``n`` tokens: its slots after ``reduce_image`` ran."""
-    return _dry_run("image", json.dumps(spec, sort_keys=True), (int(n), tuple(grid) if grid else None, int(dim)),
+                  crops: tuple[Any, Any] | None = None, dtype: Any = None, field: str = SPEC_FIELD) -> int:
+    """:func:`dry_run_video` for one image of ``n`` visual tokens: its slots after ``reduce_image`` ran (or, given
+    ``crops``, the (crop [N], patch [N]) tile map of an anyres image's N packed rows, -1 for its newlines, and a
+    method that selects per crop: ``reduce_crops`` on it)."""
+    import torch
+
+    tiles = None if crops is None else tuple(m.to(torch.int16).numpy().tobytes() for m in crops)
+    return _dry_run("image", json.dumps(spec, sort_keys=True), (int(n), tuple(grid) if grid else None, int(dim), tiles),
                     _dtype_name(dtype), field)
 
 
