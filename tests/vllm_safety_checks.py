@@ -32,6 +32,11 @@ def record_dry_runs(monkeypatch: Any) -> list[tuple[str, tuple, str, int]]:
     return calls
 
 
+def with_spec(req: dict, spec: dict) -> dict:
+    """The request with the spec among its processor settings."""
+    return {**req, "mm_processor_kwargs": {**req.get("mm_processor_kwargs", {}), "vlm_prune": json.dumps(spec)}}
+
+
 def _canonical(kind: str, shape: tuple) -> bool:
     """config.validate_spec's probe (a 6 x 6 image, 3 x 3 frames, width 16), not an item's real shape."""
     return shape[:3] == (36, (6, 6), 16) if kind == "image" else shape[1:3] == (9, (3, 3)) and shape[4] == 16
@@ -47,7 +52,7 @@ def check_dry_run_sees_the_item(llm: Any, req: dict, spec: dict, monkeypatch: An
     params = SamplingParams(temperature=0.0, max_tokens=1)
     full = llm.generate(req, params, use_tqdm=False)[0]
     calls = record_dry_runs(monkeypatch)
-    out = llm.generate({**req, "mm_processor_kwargs": {"vlm_prune": json.dumps(spec)}}, params, use_tqdm=False)[0]
+    out = llm.generate(with_spec(req, spec), params, use_tqdm=False)[0]
     real = {(kind, shape, dtype, slots) for kind, shape, dtype, slots in calls if not _canonical(kind, shape)}
     assert len(real) == 1, real
     (kind, shape, dtype, slots), = real
@@ -72,7 +77,7 @@ def check_edges_keep_the_engine(llm: Any, req: dict, specs: list[dict] = EDGE_SP
     answered = 0
     for spec in specs:
         try:
-            llm.generate({**req, "mm_processor_kwargs": {"vlm_prune": json.dumps(spec)}}, params, use_tqdm=False)
+            llm.generate(with_spec(req, spec), params, use_tqdm=False)
             answered += 1
         except ValueError as err:
             assert "vlm_prune" in str(err), (spec, err)
