@@ -110,8 +110,8 @@ def image_slots(method: Any, n: int) -> int:
     return method.n_keep(n, 1)
 
 
-def _image_once(method: Any, spec: dict[str, Any], n: int, grid: tuple[int, int] | None, dim: int,
-                crops: tuple[bytes, bytes] | None, dtype: Any, fill: int | None) -> int:
+def _image_once(method: Any, spec: dict[str, Any], n: int, grid: tuple[int, int] | None, dim: int, dtype: Any,
+                fill: int | None, crops: tuple[bytes, bytes] | None = None) -> int:
     import torch
 
     from vlm_prune.methods.base import VisionContext, item_generator
@@ -168,10 +168,13 @@ def _crops_once(method: Any, spec: dict[str, Any], n: int, dim: int, crops: tupl
 
 def run_synthetic(kind: str, spec: dict[str, Any], shape: tuple[Any, ...], dtype: Any, fill: int | None) -> int:
     """The slots of one image / video (``kind``) of ``shape`` ((frames, per_frame, grid, unpooled_grid, dim) /
-    (n, grid, dim, crops)) after the spec's method ran on synthetic maps of ``dtype``: zeros (``fill`` None) or Gaussian
-    of seed ``fill``; it raises what the engine would raise."""
+    (n, grid, dim) or (n, grid, dim, crops)) after the spec's method ran on synthetic maps of ``dtype``: zeros
+    (``fill`` None) or Gaussian of seed ``fill``; it raises what the engine would raise."""
     method = method_of({k: v for k, v in spec.items() if k != "quota"})
-    return (_video_once if kind == "video" else _image_once)(method, spec, *shape, dtype, fill)
+    if kind == "video":
+        return _video_once(method, spec, *shape, dtype, fill)
+    n, grid, dim, *crops = shape
+    return _image_once(method, spec, n, grid, dim, dtype, fill, *crops)
 
 
 def _run(kind: str, spec: dict[str, Any], shape: tuple[Any, ...], dtype: Any) -> int:
