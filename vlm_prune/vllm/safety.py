@@ -10,15 +10,21 @@ sees it; a ``ValueError`` raised there is that request's HTTP 400. So:
   range of bfloat16 / float32 (:func:`engine_float`), the dtypes the engine computes in, so that no value
   the user chose becomes 0 or infinity there.
 - **The dry run** (:func:`dry_run_video`, :func:`dry_run_image`): the method's own count and allocation
-  code (``frames_slots`` + ``frames_plan``, ``image_slots`` + ``reduce_image``) runs on synthetic features
-  of the item's real shape in the engine's dtype (Gaussian and all-zero maps, the tower's attention and
-  keys, the question's embeddings), in the processor, before the engine sees the request. Validation runs
-  it once on a small canonical shape (``config.validate_spec``), the processors again on each item's real
-  (frames, tokens per frame, grid, hidden size, dtype): the videos of LLaVA-OneVision, LLaVA-NeXT-Video and
-  Qwen2-VL / 2.5-VL, the images of LLaVA-1.5 and the Qwen / GLM families (the other families' counts are
-  the budget's integer arithmetic; their knobs run in the canonical probe). A failure is a 400 naming the knob
-  whose removal makes it pass (else the spec). Results are cached per (spec, shape) for
-  :data:`DRY_RUN_CACHE` entries, so a repeated request costs a dictionary look-up.
+  code (``frames_slots`` + ``frames_plan``, ``image_slots`` + ``reduce_image``, or ``reduce_crops`` on an
+  anyres image's tile map) runs on synthetic features of the item's real shape in the engine's dtype
+  (Gaussian and all-zero maps, the tower's attention and keys, the question's embeddings), in the
+  processor, before the engine sees the request. Validation runs it once on a small canonical shape
+  (``config.validate_spec``), the processors of every served family again on each item's real shape
+  (count, grid, the language model's width, the engine's dtype), as the encoder then meets it, and the
+  slots the dry run returns are the item's placeholder count (``llava.dry_run_slots``): every image
+  (LLaVA-1.5 on its grid; Gemma 3 on its soft tokens' grid; Mistral 3 on its rows x cols; InternVL and
+  Idefics3 / SmolVLM on all their tiles' tokens, a grid for one tile; LLaVA-NeXT and LLaVA-OneVision on their
+  visual tokens without the newlines, NeXT's per-crop methods on the image's own tile map; Qwen2-VL / 2.5-VL,
+  Qwen3-VL, Qwen3.5 and GLM-4.xV on their merged grid), every video (LLaVA-OneVision, LLaVA-NeXT-Video and
+  Qwen2-VL / 2.5-VL on their frames; InternVL per frame; Qwen3-VL, Qwen3.5 and GLM-4.xV per temporal slice
+  for a vision method, on all slices for a frames method). A failure is a 400 naming the knob whose removal
+  makes it pass (else the spec). Results are cached per (spec, shape) for :data:`DRY_RUN_CACHE` entries, so
+  a repeated request costs a dictionary look-up.
 - **Other processor settings** (``mm_processor_kwargs`` keys besides ``vlm_prune``) change the processor's
   output shape in ways vLLM's own models do not survive (LLaVA-1.5 ``crop_size: 64``, Qwen2-VL
   ``patch_size: 8``), so they are refused unless the operator names them (``vlm-prune serve
