@@ -346,12 +346,23 @@ def _edge_specs(seed: int = 35) -> list[dict]:
     return specs
 
 
+#: an anyres image's tile map (LLaVA-NeXT: each packed row's tower row and patch, -1 for a newline): a 2 x 2 base
+#: image, then two tiles side by side whose unpadding kept 2 x 2 patches each, a newline ending each row
+TILES = ([0, 0, 0, 0, 1, 1, 2, 2, -1, 1, 1, 2, 2, -1], [0, 1, 2, 3, 0, 1, 0, 1, -1, 2, 3, 2, 3, -1])
+
+
+def _tiles() -> tuple[bytes, bytes]:
+    import torch
+
+    return tuple(torch.tensor(m, dtype=torch.int16).numpy().tobytes() for m in TILES)
+
+
 def test_every_accepted_spec_runs_the_engines_arithmetic_on_every_family():
     """The offline fuzz test: every float knob of every served method drawn from the whole float range. Each spec
     the validation accepts runs the method's count and allocation code as the engine runs it, on other features
     than the validation's dry run (Gaussian of another seed, an image / video of another shape, float32 and
-    bfloat16), and must not raise; every model class the plugin serves validates a share of them, and each
-    refusal names a field of the spec."""
+    bfloat16; an anyres tile map for the methods that select per crop), and must not raise; every model class the
+    plugin serves validates a share of them, and each refusal names a field of the spec."""
     import torch
 
     from vlm_prune.vllm.config import ARCHITECTURES, SpecError, method_of, validate_spec
@@ -377,6 +388,8 @@ def test_every_accepted_spec_runs_the_engines_arithmetic_on_every_family():
                 if dtype == torch.bfloat16:
                     shape = (4, 4, (2, 2), (3, 3), 8) if video else (7, None, 8)
                 run_synthetic("video" if video else "image", valid, shape, dtype, 7)
+                if not video:  # (the tile map's 12 visual tokens)
+                    run_synthetic("image", valid, (12, None, shape[2], _tiles()), dtype, 7)
     assert accepted > 150 and refused > 300, (accepted, refused)
     assert methods >= {"vidcom2", "fastvid", "holitom", "dycoke", "quota", "keyscore", "cdpruner", "visionzip", "hired"}
 
@@ -517,3 +530,21 @@ def test_the_spec_caches_are_bounded_in_bytes():
         tracemalloc.stop()
     assert config._validated.cache_info().currsize == CACHE_SIZE
     assert held < 1.25 * CACHE_SIZE * MAX_SPEC_BYTES, held
+
+
+def test_the_dry_run_of_an_anyres_image_runs_the_per_crop_selection_on_its_tile_map():
+    """LLaVA-NeXT's processor hands the dry run the image's tile map: CDPruner and HiRED (with a budget) select per
+    crop there, as the encoder does, and keep the image's slots; a map that does not hold the image's visual
+    tokens is refused (dry_run_image with crops)."""
+    import torch
+
+    from vlm_prune.vllm.config import SpecError, method_of, validate_spec
+    from vlm_prune.vllm.safety import dry_run_image, image_slots
+
+    crops = tuple(torch.tensor(m) for m in TILES)
+    for raw in (_spec(method="cdpruner"), _spec(method="hired", budget=5, keep=None)):
+        spec = validate_spec(raw, NEXT)
+        want = image_slots(method_of(spec), 12)
+        assert dry_run_image(spec, 12, None, crops=crops, dim=8, dtype="bfloat16") == want
+    with pytest.raises(SpecError, match="the tile map holds 12 visual tokens, the image 13"):
+        dry_run_image(validate_spec(_spec(method="cdpruner"), NEXT), 13, None, crops=crops)

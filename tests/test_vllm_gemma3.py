@@ -38,6 +38,7 @@ from vlm_prune.vllm.gemma3 import PAN_AND_SCAN_REFUSAL  # noqa: E402
 from vlm_prune.vllm.tiny import write_gemma3  # noqa: E402
 
 from test_vllm_qwen import load_hf  # noqa: E402  (float32, SDPA, eval; and its processor)
+from vllm_safety_checks import check_dry_run_sees_the_item, check_edges_keep_the_engine  # noqa: E402
 
 pytestmark = pytest.mark.timeout(900)
 STEPS = 6
@@ -321,3 +322,16 @@ def test_pan_and_scan_is_refused(llm):
     with pytest.raises(ValueError, match="mm_processor_kwargs.do_pan_and_scan: not accepted"):
         llm.generate(req, SamplingParams(max_tokens=1), use_tqdm=False)
     assert "do_pan_and_scan false" in PAN_AND_SCAN_REFUSAL
+
+
+def test_the_dry_run_sees_the_real_image(llm, monkeypatch):
+    """The processor dry-runs each image on its own soft tokens, on their grid, at the engine's width and dtype
+    (docs/serving-safety.md), and its slots are the prompt's."""
+    _, shape, _ = check_dry_run_sees_the_item(llm, request(PROMPTS[0], _images()[0]),
+                                              {"method": "divprune", "keep": 0.5, "seed": 11}, monkeypatch)
+    assert shape[1] is not None  # the encoder's square grid
+
+
+def test_edge_specs_keep_the_engine(llm):
+    """Float knobs and budgets at the edges: each refused with a 400 or answered; the engine answers on."""
+    check_edges_keep_the_engine(llm, request(PROMPTS[0], _images()[0]))

@@ -26,6 +26,7 @@ from test_vllm_qwen import (  # noqa: E402  (the same media, requests and HF ref
     run_vllm,
     vllm_request,
 )
+from test_vllm_qwen3 import check_slice_edges, check_slices_dry_run  # noqa: E402  (the same slice machinery)
 
 import vlm_prune.vllm as vp  # noqa: E402
 from vlm_prune.vllm.tiny import write_glm4v, write_glm4v_moe  # noqa: E402
@@ -142,3 +143,12 @@ def test_refusals_per_request(arch, llm):
         run_vllm(llm, "image", "fastv", prompts=PROMPTS, keep=0.5)
     tokens, _ = run_vllm(llm, "image", "divprune", FRAMES, prompts=PROMPTS, keep=0.5)
     assert len(tokens) == 2 and all(len(t) == 6 for t in tokens)
+
+
+def test_the_dry_run_sees_the_real_slices(llm, monkeypatch):
+    """Qwen3-VL's check on GLM's slices (each between its image start / end tokens)."""
+    check_slices_dry_run(llm, monkeypatch, PROMPTS)
+
+
+def test_edge_specs_keep_the_engine(llm):
+    check_slice_edges(llm, PROMPTS)

@@ -32,6 +32,7 @@ import vlm_prune.vllm as vp  # noqa: E402
 from test_vllm_qwen import load_hf  # noqa: E402  (float32, SDPA, eval; and its processor)
 from vlm_prune.vllm.tiny import Idefics3Shape, idefics3_token_ids, write_idefics3  # noqa: E402
 from test_vllm_internvl import check_mixed, check_plain_vllm, plain_main, run_vllm  # noqa: E402  (the same helpers)
+from vllm_safety_checks import check_dry_run_sees_the_item, check_edges_keep_the_engine  # noqa: E402
 
 pytestmark = pytest.mark.timeout(900)
 ENGINE_ARGS = {"enforce_eager": True, "dtype": "float32", "max_model_len": 256, "max_num_seqs": 4, "seed": 0,
@@ -239,3 +240,16 @@ def test_keep_all_equals_plain_vllm(arch, llm, tmp_path):
         pytest.skip("one architecture: SmolVLM runs the same plugin code (its keep-all equals HF above)")
     check_plain_vllm("test_vllm_idefics3", arch[0], llm, tmp_path, "Idefics3ForConditionalGeneration",
                      [request(i) for i in range(len(PROMPTS))])
+
+
+def test_the_dry_run_sees_the_real_image(llm, monkeypatch):
+    """The processor dry-runs a split image on all its tiles' tokens (no grid) and an unsplit one on its grid, at
+    the engine's width and dtype (docs/serving-safety.md); its slots (less the markers) are the prompt's."""
+    spec = {"method": "divprune", "keep": 0.5, "seed": 11}
+    assert check_dry_run_sees_the_item(llm, request(0), spec, monkeypatch)[1][1] is None
+    assert check_dry_run_sees_the_item(llm, request(1), spec, monkeypatch)[1][1] is not None
+
+
+def test_edge_specs_keep_the_engine(llm):
+    """Float knobs and budgets at the edges: each refused with a 400 or answered; the engine answers on."""
+    check_edges_keep_the_engine(llm, request(0))

@@ -27,6 +27,7 @@ from PIL import Image  # noqa: E402
 import vlm_prune  # noqa: E402
 import vlm_prune.vllm as vp  # noqa: E402
 from test_vllm_qwen import load_hf  # noqa: E402  (float32, SDPA, eval; and its processor)
+from vllm_safety_checks import check_dry_run_sees_the_item, check_edges_keep_the_engine  # noqa: E402
 from vlm_prune.vllm.tiny import InternVLShape, internvl_token_ids, write_internvl  # noqa: E402
 
 pytestmark = pytest.mark.timeout(900)
@@ -285,3 +286,21 @@ def test_keep_all_equals_plain_vllm(checkpoint, llm, tmp_path):
     vLLM's own rotary; the offset channels add nothing)."""
     check_plain_vllm("test_vllm_internvl", checkpoint, llm, tmp_path, "InternS1ForConditionalGeneration",
                      [request(i) for i in range(len(PROMPTS))])
+
+
+def test_the_dry_run_sees_the_real_items(llm, monkeypatch):
+    """The processor dry-runs an image on all its tiles' tokens (no grid, as the encoder sees several tiles) and
+    a video's frames each on its own tile's grid, at the engine's width and dtype (docs/serving-safety.md)."""
+    _, shape, _ = check_dry_run_sees_the_item(llm, request(1), {"method": "divprune", "keep": 0.5, "seed": 11},
+                                              monkeypatch)
+    assert shape[1] is None
+    frames = _media()[3]["video"]
+    video = {"prompt": "<s> user : <video> w21 assistant :", "multi_modal_data": {"video": frames}}
+    _, shape, _ = check_dry_run_sees_the_item(llm, video, {"method": "cdpruner", "keep": 0.5, "seed": 11},
+                                              monkeypatch, runs=len(frames))
+    assert shape[1] is not None
+
+
+def test_edge_specs_keep_the_engine(llm):
+    """Float knobs and budgets at the edges: each refused with a 400 or answered; the engine answers on."""
+    check_edges_keep_the_engine(llm, request(1))

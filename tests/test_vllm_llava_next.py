@@ -26,6 +26,12 @@ import vlm_prune  # noqa: E402
 import vlm_prune.vllm as vp  # noqa: E402
 from vlm_prune.registry import make_method  # noqa: E402
 from vlm_prune.vllm.tiny import LlavaNextShape, hub_naming, image_token_id, write_llava_next  # noqa: E402
+from vllm_safety_checks import (  # noqa: E402
+    EDGE_FLOATS,
+    EDGE_SPECS,
+    check_dry_run_sees_the_item,
+    check_edges_keep_the_engine,
+)
 
 pytestmark = pytest.mark.timeout(900)
 ENGINE_ARGS = {"enforce_eager": True, "dtype": "float32", "max_model_len": 512, "max_num_seqs": 4, "seed": 0,
@@ -243,3 +249,20 @@ def test_keep_all_equals_plain_vllm(llm, checkpoint, tmp_path):
     1-D rotary embeddings on one position row: llava.FirstPositionRow, plain_rotary)."""
     check_plain_vllm(llm, checkpoint, tmp_path, "test_vllm_llava_next", "LlavaNextForConditionalGeneration",
                      requests([None, None]))
+
+
+def test_the_dry_run_sees_the_real_image(llm, monkeypatch):
+    """The processor dry-runs an image on its visual tokens (base + unpadded tiles, not its newlines) at the
+    engine's width and dtype, and a method that selects per crop (CDPruner, HiRED) on the image's own tile map
+    (vLLM's packing, as the encoder builds it; docs/serving-safety.md)."""
+    req = requests([None])[0]
+    for name, crops in (("divprune", False), ("cdpruner", True), ("hired", True)):
+        _, shape, _ = check_dry_run_sees_the_item(llm, req, {"method": name, "keep": 0.5, "seed": 11}, monkeypatch)
+        assert (shape[3] is not None) == crops, name
+
+
+def test_edge_specs_keep_the_engine(llm):
+    """Float knobs (HiRED's alpha too, on the image's tiles) and budgets at the edges: each refused with a 400 or
+    answered; the engine answers on."""
+    hired = [{"method": "hired", "budget": 9, "knobs": {"alpha": v}} for v in EDGE_FLOATS + [0.0, 1.0]]
+    check_edges_keep_the_engine(llm, requests([None])[0], EDGE_SPECS + hired)

@@ -34,6 +34,7 @@ from test_vllm_gemma3 import (  # noqa: E402
 
 import vlm_prune.vllm as vp  # noqa: E402
 from vlm_prune.vllm.tiny import write_mistral3  # noqa: E402
+from vllm_safety_checks import check_dry_run_sees_the_item, check_edges_keep_the_engine  # noqa: E402
 
 pytestmark = pytest.mark.timeout(900)
 IMAGE = "[IMG]"
@@ -118,3 +119,16 @@ def test_mixed_batch_equals_each_alone(llm):
 def test_refusals_per_request(llm, checkpoint, name, message):
     """Methods vLLM cannot run on Mistral 3 are refused per request, by validate_spec, and for the engine."""
     check_refusal(llm, checkpoint, FAMILY, name, message)
+
+
+def test_the_dry_run_sees_the_real_image(llm, monkeypatch):
+    """The processor dry-runs each image on its own rows x cols tokens (not the canonical probe's square; docs/
+    serving-safety.md) at the engine's width and dtype; its slots (less the breaks) are the prompt's."""
+    _, shape, _ = check_dry_run_sees_the_item(llm, request(PROMPTS[0], _images()[0]),
+                                              {"method": "cdpruner", "keep": 0.5, "seed": 11}, monkeypatch)
+    assert shape[1] == tuple(px // 8 for px in SIZES[0][0])  # (rows, cols): 8 px a merged token
+
+
+def test_edge_specs_keep_the_engine(llm):
+    """Float knobs and budgets at the edges: each refused with a 400 or answered; the engine answers on."""
+    check_edges_keep_the_engine(llm, request(PROMPTS[0], _images()[0]))

@@ -27,6 +27,7 @@ import vlm_prune  # noqa: E402
 import vlm_prune.vllm as vp  # noqa: E402
 from vlm_prune.registry import make_method  # noqa: E402
 from vlm_prune.vllm.tiny import OnevisionShape, write_onevision  # noqa: E402
+from vllm_safety_checks import check_dry_run_sees_the_item, check_edges_keep_the_engine  # noqa: E402
 
 pytestmark = pytest.mark.timeout(900)
 STEPS = 5
@@ -359,3 +360,16 @@ def test_quota_over_http_equals_offline(llm, checkpoint, tmp_path):
     assert spec == want
     assert reply["prompt_token_ids"] == list(out.prompt_token_ids)
     assert reply["choices"][0]["token_ids"] == list(out.outputs[0].token_ids)
+
+
+def test_the_dry_run_sees_the_real_image(llm, monkeypatch):
+    """The processor dry-runs an image on its visual tokens (base + unpadded tiles, not its newlines, no grid, as
+    the encoder) at the engine's width and dtype (docs/serving-safety.md)."""
+    image = {"prompt": PROMPTS[0][0], "multi_modal_data": _media("image")}
+    _, shape, _ = check_dry_run_sees_the_item(llm, image, {"method": "cdpruner", "keep": 0.5, "seed": 11}, monkeypatch)
+    assert shape[1] is None
+
+
+def test_edge_specs_keep_the_engine(llm):
+    """Float knobs and budgets at the edges on an image: each refused with a 400 or answered; the engine answers on."""
+    check_edges_keep_the_engine(llm, {"prompt": PROMPTS[0][0], "multi_modal_data": _media("image")})

@@ -29,6 +29,12 @@ from test_vllm_qwen import (  # noqa: E402  (the same prompts, media, requests a
 
 import vlm_prune.vllm as vp  # noqa: E402
 from vlm_prune.vllm.tiny import write_qwen3_vl  # noqa: E402
+from vllm_safety_checks import (  # noqa: E402
+    EDGE_FLOATS,
+    EDGE_SPECS,
+    check_dry_run_sees_the_item,
+    check_edges_keep_the_engine,
+)
 
 pytestmark = pytest.mark.timeout(900)
 #: 8 frames: 4 temporal slices of 4 x 6 merged tokens, each behind its own "<t seconds>" text
@@ -121,3 +127,30 @@ def test_refusals_per_request(llm):
         run_vllm(llm, "video", "keyscore", keep=0.5)
     with pytest.raises(ValueError, match="quota is refused on Qwen3-VL"):
         run_vllm(llm, "video", "quota", keep=0.5)
+
+
+def test_the_dry_run_sees_the_real_slices(llm, monkeypatch):
+    check_slices_dry_run(llm, monkeypatch)
+
+
+def check_slices_dry_run(llm, monkeypatch, prompts: dict = PROMPTS) -> None:
+    """The processor dry-runs a video's temporal slices on their real grid at the engine's width and dtype
+    (docs/serving-safety.md): a vision method on a slice, whose slots every slice's run gets; a frames method
+    on the whole video, whose plan gives each run its share."""
+    req = vllm_request(prompts["video"][1], _media("video", FRAMES, prompts)[1], None)
+    slices = FRAMES // llm.llm_engine.model_config.hf_config.vision_config.temporal_patch_size
+    for name, kind, runs in (("cdpruner", "image", slices), ("uniform", "video", 1)):
+        assert check_dry_run_sees_the_item(llm, req, {"method": name, "keep": 0.5, "seed": 11}, monkeypatch,
+                                           runs)[0] == kind
+
+
+def test_edge_specs_keep_the_engine(llm):
+    check_slice_edges(llm)
+
+
+def check_slice_edges(llm, prompts: dict = PROMPTS) -> None:
+    """Float knobs (DyCoke's too) and budgets at the edges on a video's slices: each refused with a 400 or
+    answered; the engine answers on."""
+    dycoke = [{"method": "dycoke", "keep": 0.5, "knobs": {"threshold": v, "p": v}} for v in EDGE_FLOATS]
+    check_edges_keep_the_engine(llm, vllm_request(prompts["video"][1], _media("video", FRAMES, prompts)[1], None),
+                                EDGE_SPECS + dycoke)

@@ -33,7 +33,12 @@ from test_vllm_qwen import (  # noqa: E402  (the same prompts, media, requests a
     run_vllm,
     vllm_request,
 )
-from test_vllm_qwen3 import CASES, FRAMES  # noqa: E402  (Qwen3-VL's cases: the same processor and layout)
+from test_vllm_qwen3 import (  # noqa: E402  (Qwen3-VL's cases and checks: the same processor and layout)
+    CASES,
+    FRAMES,
+    check_slice_edges,
+    check_slices_dry_run,
+)
 
 import vlm_prune.vllm as vp  # noqa: E402
 from vlm_prune.vllm.tiny import write_qwen3_5  # noqa: E402
@@ -169,3 +174,12 @@ def test_refusals_per_request(llm):
         run_vllm(llm, "image", "fastv", keep=0.5)
     tokens, _ = run_vllm(llm, "image", "divprune", FRAMES, keep=0.5)
     assert len(tokens) == 2 and all(len(t) == 6 for t in tokens)
+
+
+def test_the_dry_run_sees_the_real_slices(llm, monkeypatch):
+    """Qwen3-VL's check (the engine's bfloat16 here)."""
+    check_slices_dry_run(llm, monkeypatch)
+
+
+def test_edge_specs_keep_the_engine(llm):
+    check_slice_edges(llm)

@@ -27,7 +27,7 @@ from test_vllm_qwen import (  # noqa: E402  (the same prompts, media, requests a
     run_vllm,
     vllm_request,
 )
-from test_vllm_qwen3 import FRAMES  # noqa: E402
+from test_vllm_qwen3 import FRAMES, check_slice_edges, check_slices_dry_run  # noqa: E402
 from test_vllm_qwen3_5 import check_greedy_up_to_bf16  # noqa: E402
 
 import vlm_prune.vllm as vp  # noqa: E402
@@ -110,3 +110,12 @@ def test_refusals_per_request(arch, llm):
         run_vllm(llm, "video", "quota", keep=0.5)
     with pytest.raises(ValueError, match="prunes inside the language model"):
         run_vllm(llm, "image", "fastv", keep=0.5)
+
+
+def test_the_dry_run_sees_the_real_slices(llm, monkeypatch):
+    """Qwen3-VL's check on each MoE class (float32 and bfloat16 engines)."""
+    check_slices_dry_run(llm, monkeypatch)
+
+
+def test_edge_specs_keep_the_engine(llm):
+    check_slice_edges(llm)

@@ -60,6 +60,7 @@ from vlm_prune.vllm.llava import (
     reduce_item,
     spec_from,
     spec_of,
+    square_grid,
     tag_items,
 )
 from vlm_prune.vllm.qwen2_vl import _check, _item, _PrunedInfo, _without_spec
@@ -88,14 +89,14 @@ class PrunedGemma3ProcessingInfo(_PrunedInfo, Gemma3ProcessingInfo):
         token = self.get_hf_config().image_token_index
         ids = list(full.full)
         first, n = ids.index(token), ids.count(token)
-        k = self.method(mm_kwargs).n_keep(n, 1)
+        k = self.slots(mm_kwargs, n, square_grid(n))  # the encoder's grid
         return PromptUpdateDetails.select_token_id(ids[:first] + [token] * k + ids[first + n:], token)
 
     def get_num_image_tokens(self, *, image_width: int, image_height: int, processor: Any,
                              mm_kwargs: Mapping[str, object]) -> int:
         n = super().get_num_image_tokens(image_width=image_width, image_height=image_height, processor=processor,
                                          mm_kwargs=mm_kwargs)
-        return self.method(mm_kwargs).n_keep(n, 1)
+        return self.slots(mm_kwargs, n, square_grid(n))
 
 
 class PrunedGemma3MultiModalProcessor(Gemma3MultiModalProcessor):

@@ -62,11 +62,13 @@ from vlm_prune.vllm.llava import (
     FirstPositionRow,
     OffsetChannels,
     PrunedLlavaMultiModalProcessor,
+    dry_run_slots,
     encode_offsets,
     method_of,
     plain_rotary,
     spec_from,
     spec_of,
+    square_grid,
     tag_items,
 )
 from vlm_prune.vllm.qwen2_vl import _item, _without_spec
@@ -123,14 +125,16 @@ class PrunedIdefics3MultiModalProcessor(Idefics3MultiModalProcessor):
     def _get_prompt_updates(self, mm_items: Any, hf_processor_mm_kwargs: Mapping[str, object], out_mm_kwargs: Any
                             ) -> Sequence[PromptUpdate]:
         method = self.info.method(hf_processor_mm_kwargs)
-        image_id = self.info.get_hf_processor(**_without_spec(hf_processor_mm_kwargs)).image_token_id
+        hf_processor = self.info.get_hf_processor(**_without_spec(hf_processor_mm_kwargs))
+        image_id = hf_processor.image_token_id
 
         def image(item_idx: int) -> PromptUpdateDetails:
             before, middle, after = self._layout(mm_items, item_idx, hf_processor_mm_kwargs)
             n = middle.count(image_id)
             if keeps_all(method, n):
                 return PromptUpdateDetails.select_token_id(before + middle + after, image_id)
-            slots = method.n_keep(n, 1) + len(middle) - n
+            grid = square_grid(n) if n == hf_processor.image_seq_len else None  # a grid for one tile (reduce_tiles)
+            slots = dry_run_slots(self.info, hf_processor_mm_kwargs, n, grid) + len(middle) - n
             ids = before + [image_id] * slots + after
             first, end = len(before), len(before) + slots
             return PromptUpdateDetails(full=ids, is_embed=lambda full: _span(len(full), first, end))

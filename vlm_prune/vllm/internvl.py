@@ -25,7 +25,6 @@ vlm_prune/vllm/llava.py (docs/design/vllm-plugin.md):
 """
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -50,12 +49,14 @@ from vlm_prune.vllm.llava import (
     FirstPositionRow,
     OffsetChannels,
     PrunedLlavaMultiModalProcessor,
+    dry_run_slots,
     encode_offsets,
     method_of,
     plain_rotary,
     reduced,
     spec_from,
     spec_of,
+    square_grid,
     tag_items,
 )
 from vlm_prune.vllm.qwen2_vl import _item, _without_spec
@@ -95,7 +96,8 @@ class PrunedInternVLMultiModalProcessor(InternS1MultiModalProcessor):
         per_tile = hf_processor.image_seq_length
 
         def image(item_idx: int) -> PromptUpdateDetails:
-            k = method.n_keep(tiles[item_idx] * per_tile, 1)
+            n = tiles[item_idx] * per_tile  # one run over all its tiles: a grid for one tile only (reduce_tiles)
+            k = dry_run_slots(self.info, hf_processor_mm_kwargs, n, square_grid(n) if tiles[item_idx] == 1 else None)
             text = hf_processor.start_image_token + hf_processor.image_token * k + hf_processor.end_image_token
             return PromptUpdateDetails.select_token_id(cached_encode(tokenizer, text, add_special_tokens=False),
                                                        hf_processor.image_token_id)
@@ -107,7 +109,8 @@ class PrunedInternVLMultiModalProcessor(InternS1MultiModalProcessor):
         def video(item_idx: int) -> Any:
             if keeps_all(method, per_tile):
                 return video_update.replacement(item_idx)
-            k = method.n_keep(per_tile, 1)  # each frame its own item, as wrap() prunes the frames' runs
+            # each frame its own item on its grid, as wrap() prunes the frames' runs
+            k = dry_run_slots(self.info, hf_processor_mm_kwargs, per_tile, square_grid(per_tile))
             run = hf_processor.start_image_token + hf_processor.video_token * k + hf_processor.end_image_token
             text = "\n".join(f"Frame{i + 1}: {run}" for i in range(frames[item_idx]))
             ids = cached_encode(tokenizer, text, add_special_tokens=False)
@@ -201,8 +204,7 @@ def reduce_tiles(method: Method, spec: dict[str, Any], feats: torch.Tensor, item
     text = None
     if item[QUERY_KEY] is not None:
         text = embed_tokens(item[QUERY_KEY].reshape(-1).to(feats.device).long())
-    side = math.isqrt(tile_tokens)
-    grid = (side, side) if n == tile_tokens and side * side == n else None
+    grid = square_grid(n) if n == tile_tokens else None
     rank = item[RANK_KEY]
     return reduced(method, feats, grid, text, spec, rank, int(rank.reshape(-1)[0]) if rank is not None else 0)
 

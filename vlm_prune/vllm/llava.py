@@ -94,6 +94,20 @@ def spec_of(hf_config: Any, mm_kwargs: Mapping[str, object] | None = None) -> di
     return spec
 
 
+def square_grid(n: int) -> tuple[int, int] | None:
+    """The square grid of ``n`` tokens, or None."""
+    side = math.isqrt(n)
+    return (side, side) if side * side == n else None
+
+
+def dry_run_slots(info: Any, mm_kwargs: Mapping[str, object] | None, n: int, grid: tuple[int, int] | None = None,
+                  crops: tuple[torch.Tensor, torch.Tensor] | None = None) -> int:
+    """Placeholder slots of one image (or frame, temporal slice) of ``n`` visual tokens: the request's spec
+    (:func:`spec_of`) dry-run on that item's count, ``grid`` (and anyres tile map ``crops``) at the engine's
+    width and dtype (:func:`vlm_prune.vllm.safety.dry_run_image`), in the processor; a failure is the request's 400."""
+    return dry_run_image(spec_of(info.get_hf_config(), mm_kwargs), n, grid, crops=crops, **engine_dims(info))
+
+
 class RequestSpecError(SpecError, VLLMValidationError):
     """A refused request spec as vLLM's own validation error: the server's 400 names the field in its
     ``param`` too; still a ValueError for the offline ``LLM``'s callers."""
@@ -296,10 +310,8 @@ class PrunedLlavaProcessingInfo(LlavaProcessingInfo):
     def get_num_image_tokens(self, *, image_width: int, image_height: int,
                              mm_kwargs: Mapping[str, object] | None = None) -> int:
         n = self.unpruned_image_tokens(image_width=image_width, image_height=image_height)
-        spec = spec_of(self.get_hf_config(), mm_kwargs)
-        check_cls_method(method_of(spec), self.get_hf_config())
-        side = math.isqrt(n)  # the encoder's grid (VlmPruneLlavaForConditionalGeneration.side)
-        return dry_run_image(spec, n, (side, side) if side * side == n else None, **engine_dims(self))
+        check_cls_method(self.method(mm_kwargs), self.get_hf_config())
+        return dry_run_slots(self, mm_kwargs, n, square_grid(n))  # the encoder's grid (its ``side``)
 
 
 class PrunedLlavaMultiModalProcessor(LlavaMultiModalProcessor):

@@ -55,6 +55,7 @@ from vlm_prune.vllm.llava import (
     pack_kept,
     PrunedLlavaMultiModalProcessor,
     check_cls_method,
+    dry_run_slots,
     layer_attention,
     method_of,
     plain_rotary,
@@ -63,6 +64,21 @@ from vlm_prune.vllm.llava import (
     tag_items,
 )
 from vlm_prune.vllm.onevision import FULL_KEY, VlmPruneLlavaOnevisionForConditionalGeneration, _item, _scatter
+
+
+def tile_map(config: Any, image_size: torch.Tensor, tiles: int, per_tile: int, device: torch.device
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(crop [N], local [N]) of an image's packed tokens (its ``tiles`` tower rows of ``per_tile`` patches, the
+    (height, width) ``image_size``): the tower row within the image (0: the base image) and the patch within
+    that row of each token, -1 for the newlines; packed by vLLM's own ``_merge_image_patch_embeddings`` (wrap()
+    packs the same map with the HF model's ``pack_image_features``)."""
+    crop = torch.arange(1, tiles + 1, device=device, dtype=torch.float32)
+    patch = torch.arange(1, per_tile + 1, device=device, dtype=torch.float32)
+    layout = torch.stack([crop[:, None].expand(-1, per_tile), patch[None].expand(tiles, -1)], -1)
+    stand_in = SimpleNamespace(config=config, image_newline=torch.zeros(2, device=device))
+    packed = LlavaNextForConditionalGeneration._merge_image_patch_embeddings(
+        stand_in, image_size, layout, strategy="spatial_unpad")
+    return packed[:, 0].round().long() - 1, packed[:, 1].round().long() - 1
 
 
 class PrunedLlavaNextProcessingInfo(LlavaNextProcessingInfo):
@@ -96,7 +112,14 @@ class PrunedLlavaNextProcessingInfo(LlavaNextProcessingInfo):
                 raise ValueError(f"hired early_layer={method.early_layer}: vLLM builds the tower's first {built} layers "
                                  "(up to the feature layer); choose an early layer below it")
         newlines = self.image_newlines(image_width=image_width, image_height=image_height)
-        return method.n_keep(n - newlines, 1) + newlines
+        crops = None
+        if getattr(method, "per_crop", False):  # CDPruner, HiRED select per crop: the image's own tile map
+            enc = self.get_vision_encoder_info()
+            rows, cols = get_anyres_image_grid_shape((image_height, image_width),
+                                                     self.get_hf_config().image_grid_pinpoints, enc.get_image_size())
+            crops = tile_map(self.get_hf_config(), torch.tensor([image_height, image_width]), 1 + rows * cols,
+                             enc.get_patch_grid_length() ** 2, torch.device("cpu"))
+        return dry_run_slots(self, mm_kwargs, n - newlines, None, crops) + newlines
 
 
 class PrunedLlavaNextMultiModalProcessor(LlavaNextMultiModalProcessor):
@@ -167,26 +190,12 @@ class VlmPruneLlavaNextForConditionalGeneration(OffsetChannels, FirstPositionRow
         out, first_row = [], 0
         for b, tiles in enumerate(patch_embeddings):
             packed = self._merge_image_patch_embeddings(image_sizes[b], tiles, strategy="spatial_unpad")
-            crop, local = self.tile_map(image_sizes[b], tiles.shape[0], tiles.shape[1], packed.device)
+            crop, local = tile_map(self.config, image_sizes[b], tiles.shape[0], tiles.shape[1], packed.device)
             rows = range(first_row, first_row + tiles.shape[0])
             out.append(self._reduce(methods[b], packed, crop, local, rows, items[b]))
             first_row += tiles.shape[0]
         self._inputs = {}
         return out
-
-    def tile_map(self, image_size: torch.Tensor, tiles: int, per_tile: int, device: torch.device
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(crop [N], local [N]) of an image's packed tokens: the tower row within the image (0: the base
-        image) and the patch within that row of each token, -1 for the newlines; packed by vLLM's own
-        ``_merge_image_patch_embeddings`` (wrap() packs the same map with the HF model's
-        ``pack_image_features``)."""
-        crop = torch.arange(1, tiles + 1, device=device, dtype=torch.float32)
-        patch = torch.arange(1, per_tile + 1, device=device, dtype=torch.float32)
-        layout = torch.stack([crop[:, None].expand(-1, per_tile), patch[None].expand(tiles, -1)], -1)
-        stand_in = SimpleNamespace(config=self.config, image_newline=torch.zeros(2, device=device))
-        packed = LlavaNextForConditionalGeneration._merge_image_patch_embeddings(
-            stand_in, image_size, layout, strategy="spatial_unpad")
-        return packed[:, 0].round().long() - 1, packed[:, 1].round().long() - 1
 
     def _reduce(self, method: Method, feats: torch.Tensor, crop: torch.Tensor, local: torch.Tensor, rows: range,
                 item: dict[str, Any]) -> torch.Tensor:

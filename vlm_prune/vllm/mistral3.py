@@ -90,14 +90,15 @@ class PrunedMistral3MultiModalProcessor(Mistral3MultiModalProcessor):
 
     def _get_prompt_updates(self, mm_items: Any, hf_processor_mm_kwargs: Mapping[str, object], out_mm_kwargs: Any
                             ) -> Sequence[PromptUpdate]:
-        method = self.info.method(hf_processor_mm_kwargs)
         image = self.info.get_hf_config().image_token_index
         updates = super()._get_prompt_updates(mm_items, _without_spec(hf_processor_mm_kwargs), out_mm_kwargs)
 
         def pruned(item_idx: int, full: Any) -> PromptUpdateDetails:
             ids = list(full(item_idx).full)
-            return PromptUpdateDetails.select_token_id(slot_layout(ids, image, method.n_keep(ids.count(image), 1)),
-                                                       image)
+            n = ids.count(image)
+            rows = len(ids) - n  # one break per row, the last one [IMG_END]
+            k = self.info.slots(hf_processor_mm_kwargs, n, (rows, n // rows))
+            return PromptUpdateDetails.select_token_id(slot_layout(ids, image, k), image)
 
         return [PromptReplacement(modality=u.modality, target=u.target, replacement=partial(pruned, full=u.replacement))
                 for u in updates]

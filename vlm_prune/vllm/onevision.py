@@ -62,6 +62,7 @@ from vlm_prune.vllm.llava import (
     SPEC_KEY,
     OffsetChannels,
     PrunedLlavaMultiModalProcessor,
+    dry_run_slots,
     item_inputs,
     method_of,
     pack_kept,
@@ -103,7 +104,7 @@ class PrunedOnevisionProcessingInfo(LlavaOnevisionProcessingInfo):
                 return n
             raise ValueError(ONEVISION_VISIONZIP_REFUSAL.format(name=m.name))
         newlines = self.image_newlines(image_width=image_width, image_height=image_height)
-        return m.n_keep(n - newlines, 1) + newlines
+        return dry_run_slots(self, mm_kwargs, n - newlines) + newlines  # no grid: base and tiles, as the encoder
 
     def frame_grid(self) -> tuple[int, int]:
         side = math.isqrt(self._get_num_frame_tokens(image_width=0, image_height=0))

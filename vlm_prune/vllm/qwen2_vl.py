@@ -67,6 +67,7 @@ from vlm_prune.vllm.llava import (
     OffsetChannels,
     PrunedLlavaMultiModalProcessor,
     decode_offsets,
+    dry_run_slots,
     encode_offsets,
     method_of,
     spec_from,
@@ -108,6 +109,11 @@ class _PrunedInfo:
     def method(self, mm_kwargs: Mapping[str, object] | None = None) -> Method:
         cfg = self.get_hf_config()
         return _check(method_of(strip_quota(spec_of(cfg, mm_kwargs))), cfg.architectures[0])
+
+    def slots(self, mm_kwargs: Mapping[str, object] | None, n: int, grid: tuple[int, int] | None) -> int:
+        """An image's slots of its ``n`` tokens on ``grid``, dry-run (llava.dry_run_slots) after the family's refusals."""
+        self.method(mm_kwargs)
+        return dry_run_slots(self, mm_kwargs, n, grid)
 
     def get_hf_processor(self, **kwargs: object) -> Any:
         return super().get_hf_processor(**_without_spec(kwargs))

@@ -52,6 +52,7 @@ from vlm_prune.vllm.qwen2_vl import (
     _PrunedQwen,
     _without_spec,
 )
+from vlm_prune.vllm.safety import dry_run_image, dry_run_video, engine_dims
 
 #: why a method that rewrites features cannot run when its replay on a DeepStack map chooses other tokens
 DEEPSTACK_REFUSAL = (
@@ -61,11 +62,16 @@ DEEPSTACK_REFUSAL = (
 )
 
 
-def slice_counts(method: Method, t: int, n: int, grid: tuple[int, int]) -> list[int]:
-    """Slots of each of a video's ``t`` slices of ``n`` tokens: the vision method's ``n_keep(n)`` each,
-    or the tokens of each slice a frames plan whose counts need no features (uniform, dycoke) keeps."""
+def slice_counts(method: Method, spec: dict[str, Any], t: int, grid: tuple[int, int], dims: dict[str, Any]
+                 ) -> list[int]:
+    """Slots of each of a video's ``t`` slices of a rows x cols ``grid``, after the spec's dry run on those
+    slices at the engine's width and dtype ``dims`` (vlm_prune.vllm.safety): the vision method's slots of
+    each slice (an image of its own), or the tokens of each slice a frames plan whose counts need no
+    features (uniform, dycoke) keeps."""
+    n = grid[0] * grid[1]
     if not is_frames(method):
-        return [method.n_keep(n, 1)] * t
+        return [dry_run_image(spec, n, grid, **dims)] * t
+    dry_run_video(spec, t, n, grid, **dims)
     kept = frames_plan(method, torch.zeros(t, n, 1), grid).reduction.indices
     return torch.bincount(kept // n, minlength=t).tolist()
 
@@ -107,7 +113,7 @@ class _SlicedProcessor(_PrunedProcessor):
             return super()._slots(modality, ids, t, grid, method, spec)
         token = self.slice_token()
         full = ids.full if isinstance(ids, PromptUpdateDetails) else ids
-        counts = slice_counts(method, t, grid[0] * grid[1], grid)
+        counts = slice_counts(method, spec, t, grid, engine_dims(self.info))
         return PromptUpdateDetails.select_token_id(with_slice_counts(list(full), token, counts), token)
 
 

@@ -10,15 +10,21 @@ sees it; a ``ValueError`` raised there is that request's HTTP 400. So:
   range of bfloat16 / float32 (:func:`engine_float`), the dtypes the engine computes in, so that no value
   the user chose becomes 0 or infinity there.
 - **The dry run** (:func:`dry_run_video`, :func:`dry_run_image`): the method's own count and allocation
-  code (``frames_slots`` + ``frames_plan``, ``image_slots`` + ``reduce_image``) runs on synthetic features
-  of the item's real shape in the engine's dtype (Gaussian and all-zero maps, the tower's attention and
-  keys, the question's embeddings), in the processor, before the engine sees the request. Validation runs
-  it once on a small canonical shape (``config.validate_spec``), the processors again on each item's real
-  (frames, tokens per frame, grid, hidden size, dtype): the videos of LLaVA-OneVision, LLaVA-NeXT-Video and
-  Qwen2-VL / 2.5-VL, the images of LLaVA-1.5 and the Qwen / GLM families (the other families' counts are
-  the budget's integer arithmetic; their knobs run in the canonical probe). A failure is a 400 naming the knob
-  whose removal makes it pass (else the spec). Results are cached per (spec, shape) for
-  :data:`DRY_RUN_CACHE` entries, so a repeated request costs a dictionary look-up.
+  code (``frames_slots`` + ``frames_plan``, ``image_slots`` + ``reduce_image``, or ``reduce_crops`` on an
+  anyres image's tile map) runs on synthetic features of the item's real shape in the engine's dtype
+  (Gaussian and all-zero maps, the tower's attention and keys, the question's embeddings), in the
+  processor, before the engine sees the request. Validation runs it once on a small canonical shape
+  (``config.validate_spec``), the processors of every served family again on each item's real shape
+  (count, grid, the language model's width, the engine's dtype), as the encoder then meets it, and the
+  slots the dry run returns are the item's placeholder count (``llava.dry_run_slots``): every image
+  (LLaVA-1.5 on its grid; Gemma 3 on its soft tokens' grid; Mistral 3 on its rows x cols; InternVL and
+  Idefics3 / SmolVLM on all their tiles' tokens, a grid for one tile; LLaVA-NeXT and LLaVA-OneVision on their
+  visual tokens without the newlines, NeXT's per-crop methods on the image's own tile map; Qwen2-VL / 2.5-VL,
+  Qwen3-VL, Qwen3.5 and GLM-4.xV on their merged grid), every video (LLaVA-OneVision, LLaVA-NeXT-Video and
+  Qwen2-VL / 2.5-VL on their frames; InternVL per frame; Qwen3-VL, Qwen3.5 and GLM-4.xV per temporal slice
+  for a vision method, on all slices for a frames method). A failure is a 400 naming the knob whose removal
+  makes it pass (else the spec). Results are cached per (spec, shape) for :data:`DRY_RUN_CACHE` entries, so
+  a repeated request costs a dictionary look-up.
 - **Other processor settings** (``mm_processor_kwargs`` keys besides ``vlm_prune``) change the processor's
   output shape in ways vLLM's own models do not survive (LLaVA-1.5 ``crop_size: 64``, Qwen2-VL
   ``patch_size: 8``), so they are refused unless the operator names them (``vlm-prune serve
@@ -111,12 +117,14 @@ def image_slots(method: Any, n: int) -> int:
 
 
 def _image_once(method: Any, spec: dict[str, Any], n: int, grid: tuple[int, int] | None, dim: int, dtype: Any,
-                fill: int | None) -> int:
+                fill: int | None, crops: tuple[bytes, bytes] | None = None) -> int:
     import torch
 
     from vlm_prune.methods.base import VisionContext, item_generator
     from vlm_prune.methods.visionzip import TowerFeatures
 
+    if crops is not None and getattr(method, "per_crop", False):
+        return _crops_once(method, spec, n, dim, crops, dtype, fill)
     features = _features((n, dim), dtype, fill)
     attention = torch.softmax(_features((n,), torch.float32, fill), dim=0).to(dtype)
     tower = TowerFeatures(features, _features((dim,), dtype, fill), lambda x: x,
@@ -134,12 +142,45 @@ def _image_once(method: Any, spec: dict[str, Any], n: int, grid: tuple[int, int]
     return slots
 
 
+def _crops_once(method: Any, spec: dict[str, Any], n: int, dim: int, crops: tuple[bytes, bytes], dtype: Any,
+                fill: int | None) -> int:
+    """:func:`_image_once` of an anyres image whose method selects per crop (``reduce_crops``, LLaVA-NeXT): its
+    ``n`` visual tokens among the packed rows of the tile map ``crops`` (each row's tower row and patch, -1 for
+    a newline, as int16 bytes), with synthetic [CLS] attention per tower row (HiRED's ``TileAttention``)."""
+    import torch
+
+    from vlm_prune.methods.base import VisionContext, item_generator
+    from vlm_prune.methods.hired import TileAttention
+
+    crop, local = (torch.frombuffer(bytearray(b), dtype=torch.int16).long() for b in crops)
+    rows, patches = int(crop.max()) + 1, int(local.max()) + 1
+    newlines = int((crop < 0).sum())
+    if crop.numel() - newlines != n:
+        raise RuntimeError(f"the tile map holds {crop.numel() - newlines} visual tokens, the image {n}")
+
+    def attention() -> torch.Tensor:
+        return torch.softmax(_features((rows, patches), torch.float32, fill), dim=-1)
+
+    slots = image_slots(method, n)
+    ctx = VisionContext(features=_features((crop.numel(), dim), dtype, fill), n_keep=slots,
+                        text_embeds=_features((3, dim), dtype, fill), generator=item_generator(int(spec.get("seed", 0)), 0),
+                        tower_tiles=lambda: TileAttention(early=attention(), late=attention(), crop=crop, local=local))
+    with torch.no_grad():
+        red = method.reduce_crops(ctx, crop)
+    if red.indices.numel() != slots + newlines:
+        raise RuntimeError(f"{method.name} kept {red.indices.numel() - newlines} tokens of the image, its slots are {slots}")
+    return slots
+
+
 def run_synthetic(kind: str, spec: dict[str, Any], shape: tuple[Any, ...], dtype: Any, fill: int | None) -> int:
     """The slots of one image / video (``kind``) of ``shape`` ((frames, per_frame, grid, unpooled_grid, dim) /
-    (n, grid, dim)) after the spec's method ran on synthetic maps of ``dtype``: zeros (``fill`` None) or Gaussian
-    of seed ``fill``; it raises what the engine would raise."""
+    (n, grid, dim) or (n, grid, dim, crops)) after the spec's method ran on synthetic maps of ``dtype``: zeros
+    (``fill`` None) or Gaussian of seed ``fill``; it raises what the engine would raise."""
     method = method_of({k: v for k, v in spec.items() if k != "quota"})
-    return (_video_once if kind == "video" else _image_once)(method, spec, *shape, dtype, fill)
+    if kind == "video":
+        return _video_once(method, spec, *shape, dtype, fill)
+    n, grid, dim, *crops = shape
+    return _image_once(method, spec, n, grid, dim, dtype, fill, *crops)
 
 
 def _run(kind: str, spec: dict[str, Any], shape: tuple[Any, ...], dtype: Any) -> int:
@@ -190,9 +231,14 @@ def dry_run_video(spec: dict[str, Any], frames: int, per_frame: int, grid: tuple
 
 
 def dry_run_image(spec: dict[str, Any], n: int, grid: tuple[int, int] | None = None, *, dim: int = 16,
-                  dtype: Any = None, field: str = SPEC_FIELD) -> int:
-    """:func:`dry_run_video` for one image of ``n`` tokens: its slots after ``reduce_image`` ran."""
-    return _dry_run("image", json.dumps(spec, sort_keys=True), (int(n), tuple(grid) if grid else None, int(dim)),
+                  crops: tuple[Any, Any] | None = None, dtype: Any = None, field: str = SPEC_FIELD) -> int:
+    """:func:`dry_run_video` for one image of ``n`` visual tokens: its slots after ``reduce_image`` ran (or, given
+    ``crops``, the (crop [N], patch [N]) tile map of an anyres image's N packed rows, -1 for its newlines, and a
+    method that selects per crop: ``reduce_crops`` on it)."""
+    import torch
+
+    tiles = None if crops is None else tuple(m.to(torch.int16).numpy().tobytes() for m in crops)
+    return _dry_run("image", json.dumps(spec, sort_keys=True), (int(n), tuple(grid) if grid else None, int(dim), tiles),
                     _dtype_name(dtype), field)
 
 
