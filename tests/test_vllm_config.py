@@ -548,3 +548,32 @@ def test_the_dry_run_of_an_anyres_image_runs_the_per_crop_selection_on_its_tile_
         assert dry_run_image(spec, 12, None, crops=crops, dim=8, dtype="bfloat16") == want
     with pytest.raises(SpecError, match="the tile map holds 12 visual tokens, the image 13"):
         dry_run_image(validate_spec(_spec(method="cdpruner"), NEXT), 13, None, crops=crops)
+
+
+def test_deepstack_replay_cannot_refuse_inside_the_engine():
+    """Qwen3-VL's engine refuses (DEEPSTACK_REFUSAL, raised inside the engine) a method that rewrites features
+    and picks other rows when replayed on a DeepStack map. Every served vision method that runs without the
+    tower's [CLS] attention (all Qwen3-VL gives) either keeps original rows or picks its rows from the grid
+    alone, so no accepted request reaches that refusal: two unrelated feature maps, the same rows."""
+    import torch
+
+    from vlm_prune.methods.base import VisionContext
+    from vlm_prune.registry import method_class
+    from vlm_prune.vllm.config import SUPPORTED
+
+    rewriting = []
+    for name in SUPPORTED:
+        picks = []
+        for seed in (0, 1):
+            feats = torch.randn(48, 16, generator=torch.Generator().manual_seed(seed))
+            ctx = VisionContext(features=feats, n_keep=10, grid=(6, 8), generator=torch.Generator().manual_seed(7))
+            try:
+                red = method_class(name)(keep=10 / 48).reduce_image(ctx)
+            except ValueError as err:  # needs the tower's attention: refused on Qwen3-VL before the engine
+                assert "attention" in str(err) or "[CLS]" in str(err) or "tower" in str(err), (name, err)
+                break
+            picks.append(red)
+        if len(picks) == 2 and picks[0].features is not None:
+            rewriting.append(name)
+            assert torch.equal(picks[0].indices, picks[1].indices), name
+    assert rewriting == ["pool"]  # the check above ran on the one served method that rewrites features

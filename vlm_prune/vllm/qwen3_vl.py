@@ -54,7 +54,9 @@ from vlm_prune.vllm.qwen2_vl import (
 )
 from vlm_prune.vllm.safety import dry_run_image, dry_run_video, engine_dims
 
-#: why a method that rewrites features cannot run when its replay on a DeepStack map chooses other tokens
+#: why a method that rewrites features cannot run when its replay on a DeepStack map chooses other tokens. It is
+#: raised inside the engine, so no accepted request may reach it: of the served methods that run without the
+#: tower's [CLS] attention only pool rewrites features, and its rows follow the grid alone (tested)
 DEEPSTACK_REFUSAL = (
     "{name!r} rewrote visual features in a way vlm_prune cannot repeat on Qwen3-VL's DeepStack features (replayed on "
     "them it chose other tokens), so the rewritten tokens would get DeepStack features of other tokens. Use a method "
