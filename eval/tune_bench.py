@@ -1,13 +1,15 @@
 """The tuner against the exhaustive grid on the shipped toy models, and its results section.
 
     python -m vlm_prune.eval.tune_bench --kinds image,video --work runs/tune-bench --results results/tune
+    python -m vlm_prune.eval.tune_bench --kinds image --data-seed 7 --work runs/tune-bench --results results/tune
 
 For each kind it runs ``vlm_prune.tune`` twice into separate folders (nothing shared): the search,
 and ``grid=True`` (every setting on every sample). It records both fronts, how many of the grid's
 front points the search found, whether the recommendation is the same, and the cost of each in
-model answers and process CPU seconds, in ``results/tune/tune-<kind>.json`` with its provenance
-(``meta``: mode, command, code version, machine, date). :func:`render_tune_results` turns those
-files into the results page's Markdown section.
+model answers and process CPU seconds, in ``results/tune/tune-<kind>.json`` (``--data-seed N``, a
+freshly drawn synthetic set: ``tune-<kind>-seed<N>.json``) with its provenance (``meta``: mode,
+command, code version, machine, date, data seed). :func:`render_tune_results` turns those files
+into the results page's Markdown section.
 """
 from __future__ import annotations
 
@@ -49,14 +51,15 @@ def meta(command: Sequence[str]) -> dict[str, Any]:
             "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%MZ")}
 
 
-def compare(kind: str, work: str, **kwargs: Any) -> dict[str, Any]:
+def compare(kind: str, work: str, data_seed: int | None = None, **kwargs: Any) -> dict[str, Any]:
     """The search and the grid on the shipped ``kind`` model, each timed in process CPU seconds."""
     from vlm_prune.eval.tune import tune
 
     runs = {}
     for name, grid in (("search", False), ("grid", True)):
         start = time.process_time()
-        result = tune(os.path.join(work, f"{kind}-{name}"), kind, grid=grid, **kwargs)
+        folder = f"{kind}-{name}" + ("" if data_seed is None else f"-seed{data_seed}")
+        result = tune(os.path.join(work, folder), kind, grid=grid, data_seed=data_seed, **kwargs)
         runs[name] = {"front": [{k: e[k] for k in ("setting", "accuracy", "retention", "retention_lower",
                                                    "retention_upper", "flops_ratio", "visual_tokens")}
                                 for e in result.front],
@@ -66,7 +69,8 @@ def compare(kind: str, work: str, **kwargs: Any) -> dict[str, Any]:
                       "baseline_accuracy": result.baseline["accuracy"], "compositions": result.compositions}
     grid_front = {e["setting"] for e in runs["grid"]["front"]}
     found = grid_front & {e["setting"] for e in runs["search"]["front"]}
-    return {"kind": kind, **runs, "grid_front_found": len(found), "grid_front_size": len(grid_front),
+    return {"kind": kind, "data_seed": data_seed, **runs, "grid_front_found": len(found),
+            "grid_front_size": len(grid_front),
             "same_recommendation": runs["search"]["recommended"] == runs["grid"]["recommended"],
             "calls_fraction": runs["search"]["calls"] / runs["grid"]["calls"],
             "cpu_fraction": runs["search"]["cpu_s"] / runs["grid"]["cpu_s"] if runs["grid"]["cpu_s"] else None}
@@ -125,6 +129,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--samples", type=int, default=None, help="tuning set size (default: the tuner's, 288)")
     p.add_argument("--keeps", default=None, help="keeps searched, e.g. 0.5,0.25,0.11 (default: the tuner's)")
     p.add_argument("--methods", default=None, help="methods searched (default: all the model accepts)")
+    p.add_argument("--data-seed", type=int, default=None,
+                   help="draw the synthetic set with this seed (default: the published one); "
+                        "writes tune-<kind>-seed<N>.json")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
     args = p.parse_args(argv)
     import torch
@@ -137,11 +144,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.methods:
         kwargs["methods"] = args.methods.split(",")
     for kind in args.kinds.split(","):
-        result = compare(kind, args.work, **kwargs)
-        path = os.path.join(args.results, f"tune-{kind}.json")
+        result = compare(kind, args.work, args.data_seed, **kwargs)
+        seed = "" if args.data_seed is None else f"-seed{args.data_seed}"
+        path = os.path.join(args.results, f"tune-{kind}{seed}.json")
         with open(path, "w", encoding="utf-8") as f:
-            json.dump({"meta": meta([os.path.basename(sys.executable), "-m", "vlm_prune.eval.tune_bench",
-                                     *(argv if argv is not None else sys.argv[1:])]), "result": result}, f, indent=1)
+            command = [os.path.basename(sys.executable), "-m", "vlm_prune.eval.tune_bench",
+                       *(argv if argv is not None else sys.argv[1:])]
+            json.dump({"meta": {**meta(command), "data_seed": args.data_seed}, "result": result}, f, indent=1)
         print(f"{path}: grid front found {result['grid_front_found']} of {result['grid_front_size']}, same "
               f"recommendation {result['same_recommendation']}, answers {result['calls_fraction']:.2f} of the grid's")
     return 0

@@ -16,7 +16,7 @@ import vlm_prune
 from test_cli import assert_usage_error, run_cli
 from vlm_prune.config import ConfigError, PruneConfig, load_config, save_config
 from vlm_prune.eval import synthetic
-from vlm_prune.eval.tune import (Point, SyntheticBackend, TuneError, layers, pareto, point, rung_sizes, survivors,
+from vlm_prune.eval.tune import (Point, SyntheticBackend, TuneError, contenders, pareto, point, rung_sizes, sign_test,
                                  tune)
 from vlm_prune.methods import FastV
 
@@ -127,12 +127,26 @@ def pt(label: str, acc: list[int], flops: float) -> Point:
     return Point(label, None, [str(i) for i in range(len(acc))], np.asarray(acc, float), 0, flops, None)
 
 
-def test_front_layers_and_survivors():
+def test_front_and_the_race_drops_only_what_the_answers_rule_out():
     a, b, c, d = pt("a", [1, 1, 1, 0], 0.5), pt("b", [1, 1, 0, 0], 0.3), pt("c", [1, 0, 0, 0], 0.6), pt("d", [1, 1, 0, 0], 0.3)
     assert [p.label for p in pareto([a, b, c, d], "flops")] == ["b", "d", "a"]  # c: a is better and cheaper
-    assert [[p.label for p in layer] for layer in layers([a, b, c, d], "flops")] == [["b", "d", "a"], ["c"]]
-    assert [p.label for p in survivors([a, b, c, d], "flops", eta=3)] == ["b", "d", "a"]
-    assert rung_sizes(48, 16, 3) == [16, 48] and rung_sizes(50, 16, 3) == [16, 48, 50] and rung_sizes(10, 16, 3) == [10]
+    # the exact sign test: 5 wins, no loss on 5 differing samples: p = 1/32; 4 of 4: 1/16
+    assert sign_test(np.ones(5), np.zeros(5)) == 1 / 32 and sign_test(np.ones(4), np.zeros(4)) == 1 / 16
+    assert sign_test(np.zeros(5), np.ones(5)) == 1.0
+    base = pt("none", [1] * 16, 1.0)
+    best, worse, worse4 = pt("best", [1] * 16, 0.5), pt("worse", [1] * 11 + [0] * 5, 0.5), pt("w4", [1] * 12 + [0] * 4, 0.5)
+    cheap = pt("cheap", [1] * 11 + [0] * 5, 0.2)
+    # worse loses to best (p = 1/32 < 0.05) at the same cost; w4 (p = 1/16) and the cheaper one go on
+    assert [p.label for p in contenders([best, worse, worse4, cheap], base, "flops", None)] == ["best", "w4", "cheap"]
+    # with a floor of 0.6: cheap (retention 11/16, interval around it) does not meet it, best does;
+    # a costlier setting that best would beat anyway, and one past best's cost, are dropped
+    costly = pt("costly", [1] * 16, 0.9)
+    assert [p.label for p in contenders([best, cheap, costly], base, "flops", 0.6)] == ["best", "cheap"]
+    # below the floor and dominated on these samples (no significance needed): dropped
+    low, lower = pt("low", [1] * 4 + [0] * 12, 0.2), pt("lower", [1] * 3 + [0] * 13, 0.2)
+    assert [p.label for p in contenders([low, lower], base, "flops", 0.9)] == ["low"]
+    assert [p.label for p in contenders([low, lower], base, "flops", None)] == ["low", "lower"]  # 1 sample apart
+    assert rung_sizes(48, 16) == [16, 32, 48] and rung_sizes(50, 16) == [16, 32, 48, 50] and rung_sizes(10, 16) == [10]
 
 
 def fronts(result) -> list[tuple[str, float]]:
