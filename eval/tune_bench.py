@@ -91,30 +91,36 @@ def render(files: Sequence[Any], page: Any = None) -> list[str]:
 
 
 def _section(files: list[tuple[str, dict[str, Any]]]) -> list[str]:
+    def seed(r: dict[str, Any]) -> str:
+        return "published" if r.get("data_seed") is None else str(r["data_seed"])
+
+    files = sorted(files, key=lambda f: (f[1]["result"]["kind"], f[1]["result"].get("data_seed") is not None,
+                                         f[1]["result"].get("data_seed") or 0))
+    results = [data["result"] for _, data in files]
+    goals = sorted({r["search"]["goal"] for r in results})
     lines = ["### The tuner against the exhaustive grid", "",
-             "`vlm-prune tune` (successive halving with non-dominated sorting, docs/tune.md) against every setting "
-             "answered on every sample, on the shipped toy models and the synthetic validation split. Found: how "
-             "many of the grid's front points are on the search's front. Cost: model answers (each sample once "
-             "per setting, the unpruned model once) and process CPU seconds.", "",
-             "| model | settings | goal | grid front found | same recommendation | recommendation | answers (search / grid) | CPU s (search / grid) |",
-             "|---|---|---|---|---|---|---|---|"]
-    for path, data in files:
-        r = data["result"]
+             "`vlm-prune tune` (a race: a setting answers more samples only while no setting at no more cost beats "
+             "it by an exact sign test and no cheaper one meets the floor; docs/tune.md) against every setting "
+             "answered on every sample, on the shipped toy models and their synthetic validation split (data seed: "
+             f"the published set or a freshly drawn one); goal: {'; '.join(goals)}. Found: the grid's front points on "
+             "the search's front. Answers and CPU: the search's share of the grid's model answers and process CPU "
+             "seconds.", "",
+             "| model | data seed | settings | grid front found | same recommendation | answers | CPU |",
+             "|---|---|---|---|---|---|---|"]
+    for r in results:
         s, g = r["search"], r["grid"]
-        cpu = f"{s['cpu_s']:.0f} / {g['cpu_s']:.0f} ({r['cpu_fraction']:.2f})" if r.get("cpu_fraction") else "-"
-        lines.append(f"| synthetic-{r['kind']} | {s['candidates']} | {s['goal']} | {r['grid_front_found']} of "
-                     f"{r['grid_front_size']} | {'yes' if r['same_recommendation'] else 'no'} | "
-                     f"{s['recommended'] or '(none meets the goal)'} | {s['calls']} / {g['calls']} "
-                     f"({r['calls_fraction']:.2f}) | {cpu} |")
+        same = f"yes ({s['recommended']})" if r["same_recommendation"] else f"no ({s['recommended']} / {g['recommended']})"
+        cpu = f"{r['cpu_fraction']:.2f}" if r.get("cpu_fraction") else "-"
+        lines.append(f"| synthetic-{r['kind']} | {seed(r)} | {s['candidates']} | {r['grid_front_found']} of "
+                     f"{r['grid_front_size']} | {same} | {r['calls_fraction']:.2f} ({s['calls']} / {g['calls']}) | {cpu} |")
     lines.append("")
-    for path, data in files:
-        comps = data["result"]["grid"]["compositions"]
+    for r in results:
+        comps = r["grid"]["compositions"] if r.get("data_seed") is None else []
         if comps:
-            lines.append(f"Pipelines against single methods on synthetic-{data['result']['kind']} (grid, paired 95% intervals):")
-            lines.append("")
-            for c in comps:
-                lines.append(f"- keep {c['keep']:g}: {c['composition']} {c['verdict']} {c['single']} "
-                             f"({100 * c['diff']:+.1f} +- {100 * c['ci']:.1f} points, {c['n']} samples)")
+            lines.append(f"Pipelines against single methods on synthetic-{r['kind']} (grid, paired 95% intervals): "
+                         + "; ".join(f"keep {c['keep']:g}: {c['composition']} {c['verdict']} {c['single']} "
+                                     f"({100 * c['diff']:+.1f} +- {100 * c['ci']:.1f} points, {c['n']} samples)"
+                                     for c in comps) + ".")
             lines.append("")
     lines.append("Commands: " + "; ".join(f"`{data['meta']['command']}` ({os.path.basename(path)})" for path, data in files))
     return lines
@@ -143,14 +149,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         kwargs["keeps"] = tuple(float(k) for k in args.keeps.split(","))
     if args.methods:
         kwargs["methods"] = args.methods.split(",")
+    # the provenance of the code that runs, taken before the runs
+    provenance = {**meta([os.path.basename(sys.executable), "-m", "vlm_prune.eval.tune_bench",
+                          *(argv if argv is not None else sys.argv[1:])]), "data_seed": args.data_seed}
     for kind in args.kinds.split(","):
         result = compare(kind, args.work, args.data_seed, **kwargs)
         seed = "" if args.data_seed is None else f"-seed{args.data_seed}"
         path = os.path.join(args.results, f"tune-{kind}{seed}.json")
         with open(path, "w", encoding="utf-8") as f:
-            command = [os.path.basename(sys.executable), "-m", "vlm_prune.eval.tune_bench",
-                       *(argv if argv is not None else sys.argv[1:])]
-            json.dump({"meta": {**meta(command), "data_seed": args.data_seed}, "result": result}, f, indent=1)
+            json.dump({"meta": provenance, "result": result}, f, indent=1)
         print(f"{path}: grid front found {result['grid_front_found']} of {result['grid_front_size']}, same "
               f"recommendation {result['same_recommendation']}, answers {result['calls_fraction']:.2f} of the grid's")
     return 0
