@@ -28,7 +28,7 @@ MODE = "tune"
 
 def meta(command: Sequence[str]) -> dict[str, Any]:
     """Provenance of a result file: the command, the code version (git commit, "+dirty" when the
-    checkout has changes), the machine (CPU model, cores), the date."""
+    checkout has changes outside ``results/``), the machine (CPU model, cores), the date."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
     def git(*args: str) -> str:
@@ -38,7 +38,7 @@ def meta(command: Sequence[str]) -> dict[str, Any]:
             return ""
 
     code = git("rev-parse", "HEAD") or "unknown"
-    if git("status", "--porcelain", "--untracked-files=no"):
+    if git("status", "--porcelain", "--untracked-files=no", "--", ".", ":(exclude)results"):  # results: written here
         code += "+dirty"
     cpu = platform.processor() or platform.machine()
     try:
