@@ -412,10 +412,10 @@ def contenders(points: list[Point], base: Point, axis: str, min_retention: float
       the front; a setting the data cannot yet tell from the best at its cost goes on, so
       near-ties reach the full tuning set and the front among them is the grid's.
     - below the floor and dominated (with ``min_retention``): the upper end of its retention's
-      paired 95% interval is under the floor, so it cannot be the recommendation, and another
-      setting is at least as accurate for no more cost on these samples. Such a setting matters
-      only as a front point below the goal, where a wrong drop costs a displayed point, never
-      the recommendation, so the point estimate is enough.
+      paired 95% interval is under the floor, so it is ruled out as the recommendation, and
+      another setting is at least as accurate for no more cost on these samples. Such a setting
+      matters only as a front point below the goal, where a wrong drop costs a displayed point,
+      so the point estimate is enough.
     - past the floor (with ``min_retention``): a cheaper setting's retention meets the floor at
       the lower end of its paired 95% interval, the recommendation's own test, so it cannot be the
       recommendation (the cheapest front setting that meets the floor). Settings at that cheapest
