@@ -3,16 +3,17 @@
 The search space is every method the model's adapter accepts (frames, vision / vit and llm
 stages), at each keep of a grid, with the pruning layer of single-layer methods (FastV, PACT,
 DART, ...) at a few depths, and on video models the frames x vision and frames x llm pipelines
-(``max_stages=3`` adds frames x vision x llm). The search is successive halving for two objectives
-(MO-ASHA's selection, Schmucker et al. 2021): every setting answers the first ``rungs[0]`` samples
-of the tuning set; at each rung the settings are sorted into non-dominated layers (accuracy up,
-cost down) and whole layers, best first, go on until a third of them do, to answer three times as
-many samples. The unpruned model's answers and every setting's answers are cached per sample under
-``--out`` (``runs/<setting>/samples.rank<r>.jsonl``, the harness's files), so each sample is answered
-once per setting, a rerun resumes, and ranks (``torchrun`` / ``accelerate launch``) share the work
-with :func:`vlm_prune.eval.sharding.shard`. (Optuna's pruners and samplers do not serve here: its
-pruners need one objective - ``Trial.report`` refuses multi-objective studies - and its samplers
-draw settings rather than halving a fixed grid; the selection is the one function :func:`survivors`.)
+(``max_stages=3`` adds frames x vision x llm). The search is a race (S-Race's, Zhang et al. 2015,
+for two objectives: accuracy up, cost down): every setting answers the first ``RUNG`` samples of
+the tuning set, and after each further ``RUNG`` samples a setting goes on only while the answers so
+far cannot rule it out of the front or of the recommendation (:func:`contenders`), so the settings
+left after the last rung have answered the whole set. The unpruned model's answers and every
+setting's answers are cached per sample under ``--out`` (``runs/<setting>/samples.rank<r>.jsonl``,
+the harness's files), so each sample is answered once per setting, a rerun resumes, and ranks
+(``torchrun`` / ``accelerate launch``) share the work with :func:`vlm_prune.eval.sharding.shard`.
+(Optuna's pruners and samplers do not serve here: its pruners need one objective -
+``Trial.report`` refuses multi-objective studies - and its samplers draw settings rather than
+race a fixed grid; the selection is the one function :func:`contenders`.)
 
 The front is the set of surviving settings no other survivor beats on accuracy at no more cost,
 all measured on the full tuning set, each with its retention (accuracy over the unpruned model's)
@@ -23,6 +24,7 @@ ceilings: the most accurate one within them); it is written as a config file
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import math
@@ -41,9 +43,10 @@ KEEPS = (0.5, 0.25, 0.11)
 QUICK_KEEPS = (0.5, 0.25)
 #: depths (fractions of the decoder) where single-layer methods are tried, besides their default
 LAYER_FRACTIONS = (0.1, 0.25, 0.5)
-#: samples of the first rung and growth factor per rung; the tuning set is first * eta**k samples
-FIRST_RUNG, ETA, RUNGS = 32, 3, 3
-QUICK_FIRST_RUNG, QUICK_RUNGS = 16, 2
+#: samples per rung (the first, and each one after it); the tuning set's default size (quick: 48)
+RUNG, SAMPLES, QUICK_SAMPLES = 16, 288, 48
+#: the level of the sign test that drops a setting another one beats (one-sided)
+DROP_ALPHA = 0.05
 #: the floor used when no goal is given
 DEFAULT_MIN_RETENTION = 0.95
 #: shipped toy models (vlm_prune.eval.synthetic) by name
@@ -373,26 +376,89 @@ def cost(p: Point, axis: str) -> float:
     return p.tokens if axis == "tokens" and p.tokens is not None else p.flops
 
 
-def layers(points: list[Point], axis: str) -> list[list[Point]]:
-    """Non-dominated sorting: the front, then the front of the rest, and so on."""
-    rest, out = list(points), []
-    while rest:
-        front = pareto(rest, axis)
-        out.append(front)
-        rest = [p for p in rest if all(p is not q for q in front)]
-    return out
+def paired_bounds(a: np.ndarray, b: np.ndarray, z: float) -> tuple[float, float]:
+    """Lower and upper z-bounds of mean(a - b) for per-sample 0/1 scores answered on the same samples:
+    the matched-pairs interval with half a count added to each cell of the 2x2 table (Agresti & Min
+    2005), which stays honest on few samples where the plain normal interval collapses to a point
+    (two settings that agree on every sample of a rung)."""
+    n = a.size
+    up = (float(np.sum((a > b))) + 0.5) / (n + 2)  # a right, b wrong
+    down = (float(np.sum((a < b))) + 0.5) / (n + 2)
+    diff = up - down
+    half = z * math.sqrt(max(up + down - diff * diff, 0.0) / (n + 2))
+    return diff - half, diff + half
 
 
-def survivors(points: list[Point], axis: str, eta: int = 3) -> list[Point]:
-    """The settings that go on to the next rung (MO-ASHA's selection, Schmucker et al. 2021): whole
-    non-dominated layers, best first, until at least a 1/eta share of ``points`` is kept."""
-    want = math.ceil(len(points) / eta)
-    kept: list[Point] = []
-    for layer in layers(points, axis):
-        if len(kept) >= want:
-            break
-        kept += layer
-    return kept
+def sign_test(a: np.ndarray, b: np.ndarray) -> float:
+    """One-sided p-value of "a is more accurate than b" from per-sample 0/1 scores on the same
+    samples: the exact sign test on the samples where they differ (McNemar's exact test)."""
+    return _sign_tail(int(np.sum(a > b)), int(np.sum(a < b)))
+
+
+@functools.lru_cache(maxsize=None)
+def _sign_tail(up: int, down: int) -> float:
+    m = up + down
+    return sum(math.comb(m, k) for k in range(up, m + 1)) / 2 ** m
+
+
+def contenders(points: list[Point], base: Point, axis: str, min_retention: float | None,
+               alpha: float = DROP_ALPHA) -> list[Point]:
+    """The settings that answer the next rung's samples: those the answers so far do not rule out.
+
+    A setting is dropped when another live one rules it out:
+
+    - beaten: it costs no more and is more accurate, by the exact one-sided sign test on the
+      samples where the two differ at level ``alpha`` (the race's test). The loser cannot be on
+      the front; a setting the data cannot yet tell from the best at its cost goes on, so
+      near-ties reach the full tuning set and the front among them is the grid's.
+    - below the floor and dominated (with ``min_retention``): the upper end of its retention's
+      paired 95% interval is under the floor, so it is ruled out as the recommendation, and
+      another setting is at least as accurate for no more cost on these samples. Such a setting
+      matters only as a front point below the goal, where a wrong drop costs a displayed point,
+      so the point estimate is enough.
+    - past the floor (with ``min_retention``): a cheaper setting's retention meets the floor at
+      the lower end of its paired 95% interval, the recommendation's own test, so it cannot be the
+      recommendation (the cheapest front setting that meets the floor). Settings at that cheapest
+      cost go on: one of them may be the best there. This gives up the front above the
+      recommendation (costlier than the goal asks): such points keep the samples they answered.
+
+    Retention intervals here are :func:`paired_bounds` (safe on a rung's few samples). Nothing is
+    dropped for ranking low alone: how much of the grid the race answers follows how separable the
+    settings are. Each look tests at ``alpha``; over many looks a wrong drop is likelier than
+    ``alpha``, which is why the final front is re-measured and the benchmark counts what the race
+    missed against the grid.
+    """
+    def c(p: Point) -> float:
+        return cost(p, axis)
+
+    def beaten(p: Point, q: Point) -> bool:
+        return c(q) <= c(p) and q.accuracy > p.accuracy and sign_test(q.scores, p.scores) < alpha
+
+    def dominated(p: Point, q: Point) -> bool:
+        return c(q) <= c(p) and q.accuracy >= p.accuracy and (c(q) < c(p) or q.accuracy > p.accuracy)
+
+    acc0 = base.accuracy
+
+    def retention_bounds(p: Point) -> tuple[float, float]:
+        lo, hi = paired_bounds(p.scores, base.scores, Z95)
+        return (acc0 + lo) / acc0, (acc0 + hi) / acc0
+
+    if min_retention is None or acc0 == 0:
+        return [p for p in points if not any(beaten(p, q) for q in points if q is not p)]
+    bounds = {id(p): retention_bounds(p) for p in points}
+    alive = [p for p in points if not any(
+        beaten(p, q) or (bounds[id(p)][1] < min_retention and dominated(p, q)) for q in points if q is not p)]
+    meeting = [c(q) for q in alive if bounds[id(q)][0] >= min_retention]
+    return [p for p in alive if not meeting or c(p) <= min(meeting)]
+
+
+def racing_floor(goal: Goal, axis: str) -> float | None:
+    """The floor :func:`contenders` may drop settings past: the goal's ``min_retention`` when its other
+    terms cap the cost axis itself or are absent (then a cheaper setting that meets the floor also
+    meets them); None otherwise (a time ceiling, or a FLOPs ceiling on the tokens axis, is checked
+    only on the front)."""
+    off_axis = [goal.max_time, goal.max_flops if axis == "tokens" else goal.max_tokens]
+    return goal.min_retention if all(v is None for v in off_axis) else None
 
 
 def pareto(points: list[Point], axis: str) -> list[Point]:
@@ -404,14 +470,9 @@ def pareto(points: list[Point], axis: str) -> list[Point]:
     return sorted(front, key=lambda p: (cost(p, axis), -p.accuracy, p.label))
 
 
-def rung_sizes(total: int, first: int, eta: int) -> list[int]:
-    """Samples per rung: first, first * eta, ..., ending at ``total``."""
-    sizes = []
-    n = first
-    while n < total:
-        sizes.append(n)
-        n *= eta
-    return sizes + [total]
+def rung_sizes(total: int, rung: int) -> list[int]:
+    """Samples answered after each rung: rung, 2 * rung, ..., ending at ``total``."""
+    return list(range(rung, total, rung)) + [total]
 
 
 # ---- the search ----------------------------------------------------------------------------------------
@@ -437,17 +498,20 @@ class TuneResult:
 
 
 class Searcher:
-    """Successive halving over ``candidates`` with the records cached under ``out/runs``.
+    """Successive rungs over ``candidates`` (:func:`contenders` goes on) with the records cached under
+    ``out/runs``.
 
-    on_record: called after each new record is written (tests stop a run there).
+    floor: the goal's retention floor when the recommendation depends on it alone among the goal's
+    terms off the cost axis (:func:`racing_floor`); on_record: called after each new record is
+    written (tests stop a run there).
     """
 
     def __init__(self, backend: Any, candidates: list[PruneConfig], out: str, axis: str = "flops",
                  dist: Any = None, on_record: Callable[[], None] | None = None,
-                 sync_timeout_min: float | None = None) -> None:
+                 sync_timeout_min: float | None = None, floor: float | None = None) -> None:
         from vlm_prune.eval import sharding
 
-        self.backend, self.candidates, self.axis = backend, candidates, axis
+        self.backend, self.candidates, self.axis, self.floor = backend, candidates, axis, floor
         self.runs = os.path.join(out, "runs")
         self.dist = dist or sharding.current()
         self.on_record = on_record
@@ -519,7 +583,7 @@ class Searcher:
             self.measure([None] + alive, ids, f"tune rung {r + 1}/{len(sizes)} ({len(alive)} settings x {n} samples)",
                          text)
             points = [self.point(cfg, ids) for cfg in alive]
-            kept = survivors(points, self.axis, ETA) if r + 1 < len(sizes) else points
+            kept = contenders(points, self.point(None, ids), self.axis, self.floor) if r + 1 < len(sizes) else points
             rungs.append({"samples": n, "settings": len(alive), "kept": len(kept)})
             alive = [p.config for p in kept]
             last = kept
@@ -718,19 +782,28 @@ def check_methods(model: str, methods: Sequence[str] | None) -> None:
                         "`vlm-prune methods` for the families each method runs on")
 
 
+def synthetic_identity(model: str, split: str, n: int, data_seed: int | None) -> dict[str, Any]:
+    """What names a synthetic tuning set (the run folder's check and the config's ``about``)."""
+    seed = "" if data_seed is None else f"-seed{data_seed}"
+    return {"model": model, "data": f"synthetic-{split}{seed}", "n": n}
+
+
 def load_target(model: str, data: str | None, dataset: str | None, n: int, split: str, frames: int | str,
-                max_new_tokens: int, dist: Any) -> tuple[Any, Any, Any, dict[str, Any]]:
+                max_new_tokens: int, dist: Any, data_seed: int | None = None) -> tuple[Any, Any, Any, dict[str, Any]]:
     """(model, processor, backend, identity) for ``model`` (a shipped toy model name, a folder or a
-    hub id) on ``data`` (a harness layout) or, without data, the synthetic set of the model's kind."""
+    hub id) on ``data`` (a harness layout) or, without data, the synthetic set of the model's kind
+    (drawn with ``data_seed``)."""
     from vlm_prune.eval import synthetic
 
+    if data is not None and data_seed is not None:
+        raise TuneError("data_seed draws the synthetic set; drop it with --data")
     if model in TOY_MODELS:
         if data is not None:
             raise TuneError(f"the shipped {model} model answers the synthetic {model} set; drop --data, or give "
                             "--model a checkpoint for your data")
         net, processor = synthetic.load(model, 0)
-        samples = synthetic.make_dataset(model, split, n, qtypes=synthetic.trained_qtypes(model, 0))
-        return net, processor, SyntheticBackend(net, processor, samples), {"model": model, "data": f"synthetic-{split}", "n": n}
+        samples = synthetic.make_dataset(model, split, n, seed=data_seed, qtypes=synthetic.trained_qtypes(model, 0))
+        return net, processor, SyntheticBackend(net, processor, samples), synthetic_identity(model, split, n, data_seed)
     from vlm_prune.eval.runner import EvalConfig, EvalConfigError, load_model
 
     try:
@@ -742,8 +815,9 @@ def load_target(model: str, data: str | None, dataset: str | None, n: int, split
         from vlm_prune.eval.bench import processor_size, render_for
 
         kind = "video" if "frames" in find_adapter(net).stages else "image"
-        samples = render_for(synthetic.make_dataset(kind, split, n), processor_size(processor), with_options=True)
-        return net, processor, SyntheticBackend(net, processor, samples), {"model": model, "data": f"synthetic-{split}", "n": n}
+        samples = render_for(synthetic.make_dataset(kind, split, n, seed=data_seed), processor_size(processor),
+                             with_options=True)
+        return net, processor, SyntheticBackend(net, processor, samples), synthetic_identity(model, split, n, data_seed)
     from vlm_prune.eval.datasets import DatasetLayoutError, load_samples
     from vlm_prune.eval.runner import spread
 
@@ -762,16 +836,17 @@ def tune(out: str, model: str = "image", *, data: str | None = None, dataset: st
          min_retention: float | None = None, max_flops: float | None = None, max_tokens: float | None = None,
          max_time: float | None = None, methods: Sequence[str] | None = None, keeps: Sequence[float] | None = None,
          max_stages: int = 2, quick: bool = False, samples: int | None = None, split: str = "val",
-         frames: int | str = 32, max_new_tokens: int = 16, seed: int = 0, grid: bool = False,
+         frames: int | str = 32, max_new_tokens: int = 16, seed: int = 0, data_seed: int | None = None, grid: bool = False,
          on_record: Callable[[], None] | None = None, loaded: tuple[Any, Any] | None = None) -> TuneResult | None:
     """Search methods x budgets x knobs for the goal; write tune.json, front.md, front.png and the
     recommended config (recommended.json) under ``out``; rank 0 returns the result (others None).
 
     model: "image" / "video" (the shipped toy models, on the synthetic set) or a checkpoint;
     data / dataset: a harness layout (``vlm-prune eval``'s); samples: the tuning set's size
-    (default 32 * 3**2 = 288; quick: 16 * 3 = 48), spread over the data; grid: every setting on every
-    sample instead of the search (what the benchmark compares with); loaded: (model, processor)
-    already loaded for ``model`` (tests).
+    (default 288; quick: 48), spread over the data; data_seed: the synthetic set's seed (default:
+    the published one; another draws fresh samples); grid: every setting on every sample instead
+    of the search (what the benchmark compares with); loaded: (model, processor) already loaded
+    for ``model`` (tests).
     """
     from vlm_prune.eval import sharding
     from vlm_prune.eval.runner import _check_run_dir
@@ -779,8 +854,7 @@ def tune(out: str, model: str = "image", *, data: str | None = None, dataset: st
     goal = Goal(min_retention, max_flops, max_tokens, max_time).or_default()
     if max_stages < 1:
         raise TuneError(f"--max-stages must be at least 1, got {max_stages}")
-    first, n_rungs = (QUICK_FIRST_RUNG, QUICK_RUNGS) if quick else (FIRST_RUNG, RUNGS)
-    total = samples or first * ETA ** (n_rungs - 1)
+    total = samples or (QUICK_SAMPLES if quick else SAMPLES)
     keeps = tuple(keeps or (QUICK_KEEPS if quick else KEEPS))
     if any(not 0 < k <= 1 for k in keeps):
         raise TuneError(f"--keeps must lie in (0, 1], got {','.join(map(str, keeps))}")
@@ -791,10 +865,12 @@ def tune(out: str, model: str = "image", *, data: str | None = None, dataset: st
         from vlm_prune.eval import synthetic
 
         net, processor = loaded
-        backend = SyntheticBackend(net, processor, synthetic.make_dataset(model, split, total, qtypes=synthetic.trained_qtypes(model, 0)))
-        identity = {"model": model, "data": f"synthetic-{split}", "n": total}
+        tuning = synthetic.make_dataset(model, split, total, seed=data_seed, qtypes=synthetic.trained_qtypes(model, 0))
+        backend = SyntheticBackend(net, processor, tuning)
+        identity = synthetic_identity(model, split, total, data_seed)
     else:
-        net, processor, backend, identity = load_target(model, data, dataset, total, split, frames, max_new_tokens, dist)
+        net, processor, backend, identity = load_target(model, data, dataset, total, split, frames, max_new_tokens,
+                                                        dist, data_seed)
     total = len(backend.ids)
     # a fixed shuffle, so every rung's prefix spreads over the question families
     order = np.random.default_rng(seed).permutation(total)
@@ -803,8 +879,8 @@ def tune(out: str, model: str = "image", *, data: str | None = None, dataset: st
     axis = "tokens" if goal.max_tokens is not None else "flops"
     os.makedirs(out, exist_ok=True)
     _check_run_dir(out, {**identity, "seed": seed, "order": "permutation"}, dist)
-    searcher = Searcher(backend, space.candidates, out, axis, dist, on_record)
-    sizes = [total] if grid else rung_sizes(total, min(first, total), ETA)
+    searcher = Searcher(backend, space.candidates, out, axis, dist, on_record, floor=racing_floor(goal, axis))
+    sizes = [total] if grid else rung_sizes(total, RUNG)
     last, base, rungs = searcher.search(sizes)
     if not dist.is_main:
         return None

@@ -46,7 +46,7 @@ def add_parser(subparsers: Any) -> None:
                         "frames x vision x llm); default 2")
     p.add_argument("--samples", type=positive_int, default=None,
                    help="size of the tuning set (default 288; --quick 48), spread over --data")
-    p.add_argument("--quick", action="store_true", help="a smoke run: 48 samples in two rungs, keeps 0.5,0.25")
+    p.add_argument("--quick", action="store_true", help="a smoke run: 48 samples (three rungs of 16), keeps 0.5,0.25")
     p.add_argument("--grid", action="store_true",
                    help="every setting on every sample instead of the search (the exhaustive reference)")
     p.add_argument("--frames", type=positive_int, default=32, help="frames per video on --data (default 32)")

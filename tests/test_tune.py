@@ -16,12 +16,12 @@ import vlm_prune
 from test_cli import assert_usage_error, run_cli
 from vlm_prune.config import ConfigError, PruneConfig, load_config, save_config
 from vlm_prune.eval import synthetic
-from vlm_prune.eval.tune import (Point, SyntheticBackend, TuneError, layers, pareto, point, rung_sizes, survivors,
+from vlm_prune.eval.tune import (Goal, Point, SyntheticBackend, TuneError, contenders, pareto, point, rung_sizes, sign_test,
                                  tune)
 from vlm_prune.methods import FastV
 
-#: the small space of the search-vs-grid test: three vision methods at two keeps, 32 samples in rungs of 16 and 32
-SPACE = dict(methods=["random", "pool", "divprune"], keeps=(0.5, 0.11), samples=32, quick=True)
+#: the small space of the search-vs-grid test: three vision methods at two keeps, 48 samples in rungs of 16
+SPACE = dict(methods=["random", "pool", "divprune"], keeps=(0.5, 0.11), samples=48, quick=True)
 
 
 @pytest.fixture(scope="module")
@@ -127,12 +127,77 @@ def pt(label: str, acc: list[int], flops: float) -> Point:
     return Point(label, None, [str(i) for i in range(len(acc))], np.asarray(acc, float), 0, flops, None)
 
 
-def test_front_layers_and_survivors():
+def test_front_and_the_race_drops_only_what_the_answers_rule_out():
     a, b, c, d = pt("a", [1, 1, 1, 0], 0.5), pt("b", [1, 1, 0, 0], 0.3), pt("c", [1, 0, 0, 0], 0.6), pt("d", [1, 1, 0, 0], 0.3)
     assert [p.label for p in pareto([a, b, c, d], "flops")] == ["b", "d", "a"]  # c: a is better and cheaper
-    assert [[p.label for p in layer] for layer in layers([a, b, c, d], "flops")] == [["b", "d", "a"], ["c"]]
-    assert [p.label for p in survivors([a, b, c, d], "flops", eta=3)] == ["b", "d", "a"]
-    assert rung_sizes(48, 16, 3) == [16, 48] and rung_sizes(50, 16, 3) == [16, 48, 50] and rung_sizes(10, 16, 3) == [10]
+    # the exact sign test: 5 wins, no loss on 5 differing samples: p = 1/32; 4 of 4: 1/16
+    assert sign_test(np.ones(5), np.zeros(5)) == 1 / 32 and sign_test(np.ones(4), np.zeros(4)) == 1 / 16
+    assert sign_test(np.zeros(5), np.ones(5)) == 1.0
+    base = pt("none", [1] * 16, 1.0)
+    best, worse, worse4 = pt("best", [1] * 16, 0.5), pt("worse", [1] * 11 + [0] * 5, 0.5), pt("w4", [1] * 12 + [0] * 4, 0.5)
+    cheap = pt("cheap", [1] * 11 + [0] * 5, 0.2)
+    # worse loses to best (p = 1/32 < 0.05) at the same cost; w4 (p = 1/16) and the cheaper one go on
+    assert [p.label for p in contenders([best, worse, worse4, cheap], base, "flops", None)] == ["best", "w4", "cheap"]
+    # with a floor of 0.6: cheap (retention 11/16, interval around it) does not meet it, best does;
+    # a costlier setting that best would beat anyway, and one past best's cost, are dropped
+    costly = pt("costly", [1] * 16, 0.9)
+    assert [p.label for p in contenders([best, cheap, costly], base, "flops", 0.6)] == ["best", "cheap"]
+    # below the floor and dominated on these samples (no significance needed): dropped
+    low, lower = pt("low", [1] * 4 + [0] * 12, 0.2), pt("lower", [1] * 3 + [0] * 13, 0.2)
+    assert [p.label for p in contenders([low, lower], base, "flops", 0.9)] == ["low"]
+    assert [p.label for p in contenders([low, lower], base, "flops", None)] == ["low", "lower"]  # 1 sample apart
+    assert rung_sizes(48, 16) == [16, 32, 48] and rung_sizes(50, 16) == [16, 32, 48, 50] and rung_sizes(10, 16) == [10]
+
+
+class RaceBackend:
+    """Answers without a model: setting i is right on sample j when the sample's difficulty plus
+    the setting's own noise is under its accuracy, so settings agree on most samples (as pruned
+    and unpruned models do) and differ by their accuracies; costs by keep."""
+
+    FLOPS = {0.11: 0.24, 0.25: 0.36, 0.5: 0.57}
+
+    def __init__(self, accuracy: dict[str, float], n: int) -> None:
+        rng = np.random.default_rng(0)
+        self.ids = [str(i) for i in range(n)]
+        self.difficulty = rng.random(n)
+        self.noise = {label: rng.normal(0, 0.1, n) for label in accuracy}
+        self.accuracy = accuracy
+
+    def group(self, sample_id: str) -> str:
+        return sample_id
+
+    def run(self, cfg, ids):
+        label = "none" if cfg is None else cfg.label()
+        flops = 1.0 if cfg is None else self.FLOPS[cfg.keep]
+        for i in ids:
+            j = int(i)
+            noise = 0.0 if cfg is None else self.noise[label][j]
+            yield {"id": i, "status": "ok", "correct": bool(self.difficulty[j] + noise < self.accuracy[label]),
+                   "flops": flops, "flops_full": 1.0}
+
+
+def test_the_race_answers_a_third_of_the_grid_where_settings_separate(tmp_path):
+    """24 settings (8 methods x 3 keeps) 0.05 apart in accuracy at each keep, 192 samples: the race
+    finds the grid's recommendation and its front up to it with at most a third of its answers."""
+    from vlm_prune.eval.tune import Searcher, recommend, row
+
+    methods = ["random", "pool", "divprune", "cdpruner", "visionzip", "fastv", "pact", "dart"]
+    level = {0.11: 0.55, 0.25: 0.66, 0.5: 0.74}
+    cands = [PruneConfig(((m, ()),), keep=k) for k in level for m in methods]
+    accuracy = {"none": 0.78, **{c.label(): level[c.keep] - 0.05 * methods.index(c.methods[0][0]) for c in cands}}
+    backend = RaceBackend(accuracy, 192)
+    picks = []
+    for name, sizes in (("race", rung_sizes(192, 16)), ("grid", [192])):
+        searcher = Searcher(backend, cands, str(tmp_path / name), floor=0.9)
+        last, base, _ = searcher.search(sizes)
+        front = [row(p, base, "flops") for p in pareto(last, "flops")]
+        picks.append(([e["setting"] for e in front], recommend(front, Goal(min_retention=0.9))[0]["setting"],
+                      sum(len(r) for r in searcher.records.values())))
+    (race_front, race_pick, race_calls), (grid_front, grid_pick, grid_calls) = picks
+    assert grid_calls == 25 * 192 and race_calls <= grid_calls / 3
+    assert race_pick == grid_pick and set(race_front) <= set(grid_front)
+    # the front up to the recommendation is the grid's (the race gives up the costlier part)
+    assert race_front == grid_front[:grid_front.index(grid_pick) + 1]
 
 
 def fronts(result) -> list[tuple[str, float]]:
@@ -151,12 +216,12 @@ def test_search_finds_the_grid_front_for_less(searched, toy, tmp_path):
     assert chosen(result) == chosen(grid)
     assert result.cost["calls"] < grid.cost["calls"] == grid.cost["grid_calls"]
     assert result.candidates == 6  # 3 methods x 2 keeps
-    first, last = result.rungs
-    assert (first["samples"], first["settings"], last["samples"], last["settings"]) == (16, 6, 32, first["kept"])
-    assert first["kept"] < 6
+    assert [r["samples"] for r in result.rungs] == [16, 32, 48] and result.rungs[0]["settings"] == 6
+    assert all(r["settings"] == prev["kept"] for prev, r in zip(result.rungs, result.rungs[1:]))
+    assert result.rungs[-2]["kept"] < 6
     # the front is measured on every tuning sample, with the paired interval around the retention
     for e in result.front:
-        assert e["n"] == 32 and e["retention_lower"] <= e["retention"] <= e["retention_upper"]
+        assert e["n"] == 48 and e["retention_lower"] <= e["retention"] <= e["retention_upper"]
     for name in ("tune.json", "front.md", "front.png", "recommended.json"):
         assert os.path.exists(os.path.join(out, name))
 
@@ -216,14 +281,22 @@ def test_results_section_from_the_benchmark_files(tmp_path):
 
     run = {"front": [], "recommended": "pool_keep0.25", "calls": 100, "cpu_s": 10.0, "rungs": [], "candidates": 12,
            "goal": "retention >= 0.95", "baseline_accuracy": 0.7, "compositions": []}
-    result = {"kind": "image", "search": run, "grid": {**run, "calls": 400, "cpu_s": 40.0}, "grid_front_found": 3,
-              "grid_front_size": 4, "same_recommendation": True, "calls_fraction": 0.25, "cpu_fraction": 0.25}
-    path = tmp_path / "tune-image.json"
-    path.write_text(json.dumps({"meta": {"mode": "tune", "command": "python -m vlm_prune.eval.tune_bench", "code": "x",
-                                         "machine": "m", "date": "d"}, "result": result}))
-    text = render_tune_results([str(path)])
-    assert ("| synthetic-image | 12 | retention >= 0.95 | 3 of 4 | yes | pool_keep0.25 | 100 / 400 (0.25) | "
-            "10 / 40 (0.25) |") in text
+    comp = {"keep": 0.25, "composition": "uniform+pool", "single": "pool", "n": 48, "diff": 0.02, "ci": 0.05,
+            "verdict": "is not shown different from"}
+    paths = []
+    for name, seed, found, other in (("tune-image.json", None, 3, "pool_keep0.25"), ("tune-image-seed7.json", 7, 2, "x")):
+        result = {"kind": "image", "data_seed": seed, "search": run,
+                  "grid": {**run, "calls": 400, "cpu_s": 40.0, "recommended": other, "compositions": [comp]},
+                  "grid_front_found": found, "grid_front_size": 4, "same_recommendation": other == "pool_keep0.25",
+                  "calls_fraction": 0.25, "cpu_fraction": 0.25}
+        paths.append(tmp_path / name)
+        paths[-1].write_text(json.dumps({"meta": {"mode": "tune", "command": f"python -m vlm_prune.eval.tune_bench {seed}",
+                                                  "code": "x", "machine": "m", "date": "d"}, "result": result}))
+    text = render_tune_results([str(p) for p in paths])  # sorted by name: the seed-7 file first
+    assert "| synthetic-image | published | 12 | 3 of 4 | yes (pool_keep0.25) | 0.25 (100 / 400) | 0.25 |" in text
+    assert "| synthetic-image | 7 | 12 | 2 of 4 | no (pool_keep0.25 / x) | 0.25 (100 / 400) | 0.25 |" in text
+    assert text.count("uniform+pool is not shown different from pool") == 1  # the published set's grid only
+    assert "goal: retention >= 0.95." in text and text.index("| published |") < text.index("| 7 |")
 
 
 RANK_RUN = """
