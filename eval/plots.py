@@ -363,7 +363,8 @@ def speed_plot(rows: list[dict[str, Any]], title: str) -> Any:
         ax.set_ylim(0, top * 1.05)
         ax.set_xlabel("prefill FLOPs ratio (ideal)")
         ax.set_ylabel(f"prefill time ratio (measured, {rows[0]['timer']})")
-        ax.set_title(f"{title}: {100 * keep:g}% of the visual tokens", fontsize=10)
+        ax.set_title(f"{100 * keep:g}% of the visual tokens", fontsize=10)
         ax.grid(alpha=0.3)
     fig.legend(list(handles.values()), list(handles), loc="outside right center", fontsize=7, frameon=False)
+    fig.suptitle(title, fontsize=10)
     return fig

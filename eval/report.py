@@ -188,10 +188,9 @@ def _held_out(kind: str, main: ResultFile, fresh: list[ResultFile], keeps: list[
             parts = [f"{'beat' if sign > 0 else 'fall below'} it: {', '.join(found[sign])}" for sign in (1, -1) if found[sign]]
             if parts:
                 out.append(f"- At {100 * keep:g}% of the tokens, " + "; ".join(parts) + ".")
-    lines = [f"A claim is stated only if the paired interval against the saturation baseline excludes 0, with the "
-             f"same sign, on the published test set and on a freshly drawn one (data seed {seeds}) that no setting was "
-             "chosen on. Figures: the paired difference on the fresh test set in % points +- 95% interval (on the "
-             "published one: the tables' \"vs saturation\" column).",
+    lines = [f"A claim needs the paired interval against saturation to exclude 0, with the same sign, on the published "
+             f"test set and on a fresh one (data seed {seeds}). Figures: the fresh set's paired difference, % points "
+             "+- 95% interval.",
              "", "Confirmed on both test sets:", ""] + (confirmed or ["- none"])
     if unconfirmed:
         lines += ["", "Significant on the published test set only, so not claimed:", ""] + unconfirmed
@@ -334,10 +333,9 @@ def _speed_summary(rows: list[dict[str, Any]], keep: float) -> str:
 
     mine = [r for r in rows if r["keep"] == keep]
     eff = [r["efficiency"] for r in mine if r.get("efficiency") is not None]
-    return (f"at {100 * keep:g}% of the visual tokens the median method takes "
-            f"{statistics.median(r['measured_ratio'] for r in mine):.2f} of the unpruned prefill time where its FLOPs "
-            f"promise {statistics.median(r['ideal_ratio'] for r in mine):.2f} (median efficiency "
-            f"{statistics.median(eff) if eff else float('nan'):.2f}, {len(mine)} methods)")
+    return (f"at {100 * keep:g}% of the tokens, {statistics.median(r['measured_ratio'] for r in mine):.2f} measured "
+            f"against {statistics.median(r['ideal_ratio'] for r in mine):.2f} ideal (medians over {len(mine)} methods; "
+            f"efficiency {statistics.median(eff) if eff else float('nan'):.2f})")
 
 
 def render_speed(files: list[ResultFile], page: Page) -> list[str]:
@@ -345,7 +343,7 @@ def render_speed(files: list[ResultFile], page: Page) -> list[str]:
     per keep ratio on the docs' Speed page (with the kernel timings, when a file of them is committed)."""
     from vlm_prune.eval.plots import speed_plot
 
-    lines = [f"Measured prefill time against the FLOPs each method promises; tables: {page.link('speed', 'Speed')}.", ""]
+    lines = [f"Prefill time pruned / unpruned, measured and ideal (FLOPs); per method: {page.link('speed', 'Speed')}.", ""]
     detail = page.pages.setdefault("speed", SPEED_HEAD[:])
     for f in sorted(files, key=_where, reverse=True):  # GPU runs first
         where = _where(f)
@@ -358,7 +356,7 @@ def render_speed(files: list[ResultFile], page: Page) -> list[str]:
             summary = "; ".join(_speed_summary(rows, k) for k in keeps)
             overhead = ", ".join(f"{r['method']} {r['measured_ratio']:.2f}" for r in nothing)
             lines += [f"- **{model}** ({where}, {rows[0]['timer']}): {summary}."
-                      + (f" Nothing pruned (keep 1.0): {overhead} of the unpruned time." if overhead else ""), "", fig, ""]
+                      + (f" Keep 1.0: {overhead}." if overhead else ""), "", fig, ""]
             detail += [f"## {model} ({where})", "", f"From `{f.path}` ({f.meta['machine']}; median of "
                        f"{f.meta.get('args', {}).get('repeats')} repeats).", "", fig, ""]
             for keep in keeps:
@@ -404,18 +402,14 @@ SECTIONS: dict[str, tuple[str, Callable[[list[ResultFile], Page], list[str]]]] =
 
 INTRO = """# Results
 
-What this instrument is: `vlm-prune bench` runs every registered method on two tiny vision-language
-models trained from scratch on procedural scenes (an image model with the LLaVA-1.5 layout, a video
-model with the LLaVA-OneVision layout, shipped under `vlm_prune/eval/synthetic/models`). Their questions
-need the visual tokens a method keeps, and every method meets the same test samples (paired intervals).
-
-What it is not: a measurement on real checkpoints or public benchmarks. A ranking here says how the
-selection rules behave on these toy tasks, not how LLaVA or Qwen will score; prefill ratios are CPU
-measurements of tiny models (ratios only). Every method keeps the budget's tokens at the LLM's end;
-"layer-avg tokens" is what it kept on average over the decoder layers. A method should beat the
-saturation baseline (half the budget on the most saturated patches or frames, half random).
-
-Every figure comes from a committed result file under `results/` (provenance at the end); regenerate
+What this is: `vlm-prune bench` runs every registered method on two tiny vision-language models trained
+from scratch on procedural scenes (an image model with the LLaVA-1.5 layout, a video model with the
+LLaVA-OneVision layout, shipped in the package); their questions need the visual tokens a method keeps,
+and every method meets the same test samples (paired intervals). Not a measurement on real checkpoints
+or public benchmarks: a ranking here says how the selection rules behave on these toy tasks. Every
+method keeps the budget's tokens at the LLM's end ("layer-avg tokens": its average over the decoder
+layers) and should beat the saturation baseline (half the budget on the most saturated patches or
+frames, half random). Every figure comes from a committed result file under `results/`; regenerate
 this page with `vlm-prune bench --report`.
 """
 
@@ -457,13 +451,21 @@ def render(files: list[ResultFile], img_dir: str) -> tuple[str, Page]:
         mine = [f for f in files if f.meta["mode"] == mode]
         if mine:
             body += [f"## {title}", ""] + renderer(mine, page)
-    software = {f.meta.get("software") for f in files} - {None}
-    common = software.pop() if len(software) == 1 else None
-    body += ["## Provenance", ""] + ([f"Software of every run: {common}.", ""] if common else [])
-    body += [f"- `{f.path}`: `{f.meta['command']}`; code {f.meta['code']}; {f.meta['machine']}"
-             + (f"; {f.meta['software']}" if f.meta.get("software") and not common else "") + f"; {f.meta['date']}"
-             for f in files]
+    body += ["## Provenance", ""] + _provenance(files)
     return INTRO + "\n" + "\n".join(body).rstrip() + "\n", page
+
+
+def _provenance(files: list[ResultFile], longest: int = 150) -> list[str]:
+    """One line per result file (its path, command, code version and date; a command longer than ``longest``
+    characters shortened and the date to the minute: the file holds them whole), its machine and software named
+    once in a legend."""
+    setups = list(dict.fromkeys("; ".join(x for x in (f.meta["machine"], f.meta.get("software")) if x) for f in files))
+    lines = ["Machines and software: " + "; ".join(f"[{i + 1}] {m}" for i, m in enumerate(setups)) + ".", ""]
+    for f in files:
+        setup = "; ".join(x for x in (f.meta["machine"], f.meta.get("software")) if x)
+        command = f.meta["command"] if len(f.meta["command"]) <= longest else f.meta["command"][: longest - 3] + "..."
+        lines.append(f"- `{f.path}`: `{command}`; code {f.meta['code']}; [{setups.index(setup) + 1}]; {f.meta['date'][:16]}")
+    return lines
 
 
 def place(text: str, img: str) -> str:

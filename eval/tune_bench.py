@@ -99,17 +99,15 @@ def _section(files: list[tuple[str, dict[str, Any]]]) -> list[str]:
     results = [data["result"] for _, data in files]
     goals = sorted({r["search"]["goal"] for r in results})
     lines = ["### The tuner against the exhaustive grid", "",
-             "`vlm-prune tune` (a race: a setting answers more samples only while no setting at no more cost beats "
-             "it by an exact sign test and no cheaper one meets the floor; docs/tune.md) against every setting "
-             "answered on every sample, on the shipped toy models and their synthetic validation split (data seed: "
-             f"the published set or a freshly drawn one); goal: {'; '.join(goals)}. Found: the grid's front points on "
-             "the search's front. Answers and CPU: the search's share of the grid's model answers and process CPU "
-             "seconds.", "",
+             "`vlm-prune tune` (a race, docs/tune.md) against the grid (every setting on every sample), on the toy "
+             f"models' validation split (published or a fresh data seed); goal: {'; '.join(goals)}. Found: the grid's "
+             "front points on the search's front; answers, CPU: the search's share of the grid's.", "",
              "| model | data seed | settings | grid front found | same recommendation | answers | CPU |",
              "|---|---|---|---|---|---|---|"]
     for r in results:
         s, g = r["search"], r["grid"]
-        same = f"yes ({s['recommended']})" if r["same_recommendation"] else f"no ({s['recommended']} / {g['recommended']})"
+        same = (f"yes ({s['recommended']})" if r["same_recommendation"]
+                else f"no ({s['recommended'] or 'none'} / {g['recommended'] or 'none'})")
         cpu = f"{r['cpu_fraction']:.2f}" if r.get("cpu_fraction") else "-"
         lines.append(f"| synthetic-{r['kind']} | {seed(r)} | {s['candidates']} | {r['grid_front_found']} of "
                      f"{r['grid_front_size']} | {same} | {r['calls_fraction']:.2f} ({s['calls']} / {g['calls']}) | {cpu} |")
@@ -122,8 +120,7 @@ def _section(files: list[tuple[str, dict[str, Any]]]) -> list[str]:
                                      f"({100 * c['diff']:+.1f} +- {100 * c['ci']:.1f} points, {c['n']} samples)"
                                      for c in comps) + ".")
             lines.append("")
-    lines.append("Commands: " + "; ".join(f"`{data['meta']['command']}` ({os.path.basename(path)})" for path, data in files))
-    return lines
+    return lines  # the commands: the page's provenance
 
 
 def main(argv: Sequence[str] | None = None) -> int:

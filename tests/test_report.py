@@ -61,6 +61,7 @@ def test_report_tables_held_out_check_and_links(tmp_path):
     assert "- At 25% of the tokens, beat it: good (+10.0 +- 19.6)." in page.split("so not claimed:")[1]
     assert "bad (" not in page  # not significant anywhere: no claim
     assert "- `results/bench/image-fresh.json`: `vlm-prune bench --kinds image --data-seed 7`; code vlm-prune 0.1.0" in page
+    assert "Machines and software: [1] a CPU." in page
     # the same page in the docs, figures linked from each place
     docs = (tmp_path / "docs" / "results.md").read_text()
     assert "](docs/img/results/bench-image.png)" in page and "](img/results/bench-image.png)" in docs
@@ -167,9 +168,8 @@ def test_report_speed_and_kernels_go_to_the_speed_page(tmp_path):
     write(tmp_path / "results" / "gpu", "kernels.json", [kernel], mode="kernels", machine="a CPU, GPU NVIDIA H200")
     report.write_report(root=str(tmp_path))
     page = (tmp_path / "BENCHMARKS.md").read_text()
-    assert ("- **llava-1.5-7b** (GPU, wall-clock): at 25% of the visual tokens the median method takes 0.47 of the "
-            "unpruned prefill time where its FLOPs promise 0.35 (median efficiency 0.60, 2 methods). Nothing pruned "
-            "(keep 1.0): fastv 1.02 of the unpruned time.") in page
+    assert ("- **llava-1.5-7b** (GPU, wall-clock): at 25% of the tokens, 0.47 measured against 0.35 ideal (medians "
+            "over 2 methods; efficiency 0.60). Keep 1.0: fastv 1.02.") in page
     assert "[Speed](docs/speed.md)" in page and "[Speed](speed.md)" in (tmp_path / "docs" / "results.md").read_text()
     speed = (tmp_path / "docs" / "speed.md").read_text()
     assert "| divprune | 144 / 576 | 0.45 (0.44-0.46) | 0.30 | 0.52 | 2.0 |  |\n| fastv | 144 / 576 | 0.50" in speed
